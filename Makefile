@@ -1,0 +1,46 @@
+# Two commands do all set-up: `make demo` and `make test` create the environment when missing.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export HF_HUB_DISABLE_TELEMETRY = 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM = false
+
+.PHONY: install install-gpu test test-all demo bench reproduce-aime gpu-smoke lint clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# GPU machines: keep the CUDA torch already installed (no CPU constraint) and add SGLang.
+install-gpu:
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -e '.[dev,gpu]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/python -m rlrecipe.demo
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+reproduce-aime: $(STAMP)
+	$(BIN)/python -m rlrecipe.reproduce
+
+gpu-smoke: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check rlrecipe cli eval tests bench
+
+clean:
+	rm -rf runs .cache

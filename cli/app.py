@@ -1,0 +1,29 @@
+"""`rlrecipe`: one thin typer command per stage; the work lives in the library."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from rlrecipe.cli import data as data_cmd
+from rlrecipe.cli import stages
+from rlrecipe.errors import UserError
+from rlrecipe.runs import console
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Reproducible RL-from-verifiable-rewards recipes: data -> sft -> rl -> eval.")
+app.add_typer(data_cmd.app, name="data")
+stages.register(app)
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as err:
+        console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(err.exit_code)
+
+
+if __name__ == "__main__":
+    main()

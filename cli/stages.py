@@ -1,0 +1,107 @@
+"""The stage commands. Each parses arguments, loads a recipe, and calls one library function."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlrecipe.errors import UserError
+
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="dotted override, e.g. rl.steps=10")]
+
+
+def _load(recipe: Path, overrides: list[str] | None):
+    from rlrecipe.recipe import load_recipe
+
+    return load_recipe(recipe, overrides or [])
+
+
+def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")],
+             set_: SetOpt = None) -> None:
+    """Load and type-check recipes; print each one's sha256."""
+    from rlrecipe.recipe import RecipeError, load_recipe
+
+    failed = 0
+    for path in recipes:
+        try:
+            loaded = load_recipe(path, set_ or [])
+        except RecipeError as err:
+            typer.echo(f"error: {err}", err=True)
+            failed += 1
+            continue
+        typer.echo(f"ok  {loaded.sha256[:12]}  {path}")
+    if failed:
+        raise typer.Exit(2)
+
+
+def sft(recipe: Path, set_: SetOpt = None,
+        resume: Annotated[bool, typer.Option(help="continue from the last checkpoint")] = False) -> None:
+    """Supervised fine-tuning (distillation), loss on response tokens only."""
+    from rlrecipe.sft import run_sft
+
+    run_sft(_load(recipe, set_), resume=resume)
+
+
+def rl(recipe: Path, set_: SetOpt = None,
+       resume: Annotated[bool, typer.Option(help="continue from the last checkpoint")] = False) -> None:
+    """Critic-free PPO with IcePop and C3PO++."""
+    from rlrecipe.rl import run_rl
+
+    run_rl(_load(recipe, set_), resume=resume)
+
+
+def eval_(recipe: Annotated[Path | None, typer.Argument(help="recipe; default: the latest run's own")] = None,
+          model: Annotated[str | None, typer.Option(help="model dir; default: the run's final export")] = None,
+          set_: SetOpt = None) -> None:
+    """Evaluate avg@n / pass@k on the recipe's benchmarks; record results."""
+    from rlrecipe.eval.runner import run_eval_command
+
+    run_eval_command(recipe, model, set_ or [])
+
+
+def grade(file: Path, out: Annotated[Path | None, typer.Option(help="graded JSONL")] = None,
+          timeout: Annotated[float, typer.Option(help="seconds per answer")] = 2.0) -> None:
+    """Grade JSONL rows with `response` and `answer`/`answers`."""
+    from rlrecipe.reward import grade_file
+
+    grade_file(file, out, timeout)
+
+
+def results(json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+            write: Annotated[bool, typer.Option(help="regenerate RESULTS.md")] = True) -> None:
+    """Print recorded evaluation results (and regenerate RESULTS.md)."""
+    from rlrecipe.eval.report import results_command
+
+    results_command(as_json=json_, write=write)
+
+
+def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
+          host: Annotated[str, typer.Option()] = "127.0.0.1",
+          dtype: Annotated[str, typer.Option()] = "float32") -> None:
+    """Serve a model over the SGLang HTTP API subset, on the in-process engine (CPU)."""
+    try:
+        from rlrecipe.rollout.serve import serve_forever
+    except ImportError as err:
+        raise UserError(f"serve is not available: {err}") from None
+    serve_forever(model, host=host, port=port, dtype=dtype)
+
+
+def plot(runs: list[Path], out: Annotated[Path, typer.Option()] = Path("plots")) -> None:
+    """PNG curves of runs' metrics, several runs overlaid."""
+    from rlrecipe.plot import plot_runs
+
+    for path in plot_runs(runs, out):
+        typer.echo(str(path))
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(validate)
+    app.command()(sft)
+    app.command()(rl)
+    app.command(name="eval")(eval_)
+    app.command()(grade)
+    app.command()(results)
+    app.command()(serve)
+    app.command()(plot)

@@ -1,0 +1,1 @@
+"""Datasets: registry, download, canonical schemas, synthetic tiny tasks."""

@@ -1,0 +1,107 @@
+"""Models and tokenizers: the tiny from-scratch factory and the HF loading path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from rlrecipe.recipe import ModelSection, TinyModel
+
+PAD, EOS, USER, ASSISTANT = "<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>"
+# `\boxed{` is one token so the tiny model spends no capacity spelling it.
+MULTI_CHAR_TOKENS = ["\\boxed{"]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}" + USER + "{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}" + EOS + "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer():
+    """A byte-level tokenizer with no merges (one token per character), built locally.
+
+    It is a genuine Qwen2Tokenizer (byte-level BPE with an empty merge list), so the saved
+    directory loads with `AutoTokenizer.from_pretrained` exactly as it was built.
+    """
+    b2u = bytes_to_unicode()
+    specials = [PAD, EOS, USER, ASSISTANT]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for byte in range(256):
+        vocab[b2u[byte]] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token=EOS, pad_token=PAD, unk_token=EOS)
+    tok.add_tokens([AddedToken(s, special=True) for s in specials], special_tokens=True)
+    tok.add_tokens(MULTI_CHAR_TOKENS)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(cfg: TinyModel, vocab_size: int, seed: int, pad_id: int, eos_id: int):
+    """Same config + seed -> bit-identical weights."""
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        use_sliding_window=False,
+    )
+    gen = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(gen)
+    return model
+
+
+def create_tiny(cfg: TinyModel, out_dir: str | Path, seed: int) -> Path:
+    """Build the tiny model and tokenizer and save them as a normal HF directory."""
+    out_dir = Path(out_dir)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(cfg, len(tok), seed, tok.pad_token_id, tok.eos_token_id)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_tokenizer(path: str | Path):
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa"):
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
+                                                 attn_implementation=attn_implementation)
+    return model
+
+
+def resolve_model_dir(section: ModelSection, init_from: str | None, work_dir: Path, seed: int) -> Path:
+    """Where this stage's starting weights are: `init_from`, `model.path`, or a fresh tiny model."""
+    if init_from:
+        path = Path(init_from)
+        if not (path / "config.json").exists():
+            from rlrecipe.recipe import RecipeError
+
+            raise RecipeError(f"run.init_from: no model at {path} (run the stage that makes it first)")
+        return path
+    if section.path:
+        return Path(section.path)
+    assert section.tiny is not None
+    return create_tiny(section.tiny, work_dir / "init_model", seed)

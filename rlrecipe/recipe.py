@@ -1,0 +1,319 @@
+"""The typed recipe schema: the single source of truth for every setting of every stage.
+
+A recipe is a YAML file whose top-level keys are the sections below. Loading resolves
+`--set a.b.c=value` overrides, validates types, rejects unknown keys, and computes a
+sha256 over the canonical resolved form so that every reported number can be pinned to
+exactly the configuration that produced it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from rlrecipe.errors import UserError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class RecipeError(UserError):
+    """A user mistake in a recipe: printed as one line, exit code 2."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModel(Section):
+    """A Qwen2-architecture model built from scratch with a local character tokenizer."""
+
+    hidden_size: int = 128
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 384
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+
+
+class ModelSection(Section):
+    # An HF directory or hub id; or null with `tiny` set to build a model from scratch.
+    path: str | None = None
+    tiny: TinyModel | None = None
+    # Compute dtype of the trainer's master weights.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if self.path is None and self.tiny is None:
+            raise ValueError("set model.path (HF dir or hub id) or model.tiny (build from scratch)")
+        return self
+
+
+class DataSection(Section):
+    # Canonical JSONL files (see rlrecipe.data) or registry names (`boba-106k`).
+    train: str | None = None
+    # How a prompt is presented to the model before the tokenizer's chat template.
+    prompt_template: Literal["r1", "plain"] = "r1"
+    max_prompt_tokens: int = Field(2048, gt=0)
+    shuffle: bool = True
+
+
+class SFTSection(Section):
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    batch_size: int = Field(64, ge=1, description="sequences per optimizer step")
+    max_length: int = Field(32768, gt=0)
+    eval_every: int = Field(0, ge=0, description="steps; 0 = only at the end")
+    save_every: int = Field(50, ge=1)
+
+
+class IcePop(Section):
+    # icepop: M(k) = k in [alpha, beta] else 0; tis: min(k, tis_cap); off: weight 1.
+    mode: Literal["icepop", "tis", "off"] = "icepop"
+    alpha: float = Field(0.5, gt=0)
+    beta: float = Field(5.0, gt=0)
+    tis_cap: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _band(self) -> IcePop:
+        if self.alpha >= self.beta:
+            raise ValueError(f"alpha ({self.alpha}) must be below beta ({self.beta})")
+        return self
+
+
+class C3PO(Section):
+    """C3PO++ budget-controlled partial rollout."""
+
+    enabled: bool = True
+    token_budget: int = Field(16384, gt=0, description="Phi: finished tokens that end a rollout phase")
+    pool_capacity: int = Field(512, gt=0, description="Omega: trajectories in flight")
+    max_staleness: int = Field(2, ge=0, description="sigma: steps an unfinished rollout may age")
+
+
+class RLSection(Section):
+    steps: int = Field(100, ge=1)
+    prompts_per_step: int = Field(512, ge=1)
+    samples_per_prompt: int = Field(16, ge=1)
+    ppo_minibatches: int = Field(4, ge=1)
+    eps_clip_low: float = Field(0.2, ge=0)
+    eps_clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    adv_norm: Literal["global", "group", "none"] = "global"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    reward_correct: float = 5.0
+    reward_wrong: float = -5.0
+    kl_coef: float = Field(0.0, ge=0)
+    icepop: IcePop = IcePop()
+    # DeepSeek-V3.2 off-policy sequence mask: drop negative-advantage sequences whose mean
+    # log(pi_old/pi_infer) exceeds delta. null = off.
+    offpolicy_seq_delta: float | None = None
+    c3po: C3PO = C3PO()
+    eval_every: int = Field(0, ge=0)
+    save_every: int = Field(10, ge=1)
+    max_bad_steps: int = Field(3, ge=1, description="consecutive NaN/inf steps before stopping")
+
+
+class SGLangServer(Section):
+    tp_size: int = Field(1, ge=1)
+    dp_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.8, gt=0, le=1)
+    host: str = "127.0.0.1"
+    base_port: int = Field(30000, gt=0, lt=65536)
+    num_servers: int = Field(1, ge=1)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    extra_args: list[str] = []
+
+
+class RolloutSection(Section):
+    engine: Literal["inprocess", "sglang"] = "inprocess"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    max_new_tokens: int = Field(27648, gt=0)
+    max_batch: int = Field(512, ge=1, description="in-process engine: decoding slots")
+    refill_fraction: float = Field(0.25, gt=0, le=1, description="refill when this share of slots is free")
+    # Attach to running servers instead of launching them.
+    urls: list[str] = []
+    sglang: SGLangServer = SGLangServer()
+
+
+class TrainerSection(Section):
+    engine: Literal["torch", "deepspeed"] = "torch"
+    lr: float = Field(1e-5, gt=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    max_tokens_per_microbatch: int = Field(30720, gt=0)
+    bf16_autocast: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = 3
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    nproc: int = Field(1, ge=1, description="training processes per node")
+    nodes: int = Field(1, ge=1)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29500, gt=0, lt=65536)
+
+
+class Benchmark(Section):
+    name: str
+    # Canonical eval JSONL (id, problem, answer) or a registry name (`aime24`).
+    path: str
+    reference: dict[str, float] = {}
+
+
+class EvalSection(Section):
+    benchmarks: list[Benchmark] = []
+    n_samples: int = Field(32, ge=1)
+    temperature: float = Field(0.6, ge=0)
+    top_p: float = Field(0.95, gt=0, le=1)
+    max_new_tokens: int = Field(32768, gt=0)
+    pass_k: list[int] = [1, 8, 16]
+    greedy: bool = False
+    max_problems: int | None = Field(None, ge=1)
+
+
+class Tracking(Section):
+    wandb: bool = False
+    project: str = "rlrecipe"
+    mode: Literal["offline", "online"] = "offline"
+
+
+class RunSection(Section):
+    name: str
+    output_dir: str = "runs"
+    seed: int = 1
+    # Where this stage starts from: a path, or `run:<name>` for another run's final export.
+    init_from: str | None = None
+    keep_checkpoints: int = Field(2, ge=1)
+    tracking: Tracking = Tracking()
+
+
+class Recipe(Section):
+    run: RunSection
+    model: ModelSection
+    data: DataSection = DataSection()
+    sft: SFTSection = SFTSection()
+    rl: RLSection = RLSection()
+    rollout: RolloutSection = RolloutSection()
+    trainer: TrainerSection = TrainerSection()
+    eval: EvalSection = EvalSection()
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class LoadedRecipe(BaseModel):
+    """A validated recipe with where it came from."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    recipe: Recipe
+    path: str
+    overrides: list[str] = []
+
+    @property
+    def sha256(self) -> str:
+        return self.recipe.sha256()
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. rl.steps=10")
+    key, raw = item.split("=", 1)
+    keys = [k for k in key.strip().split(".") if k]
+    if not keys:
+        raise RecipeError(f"--set {item!r}: empty key")
+    # YAML scalars give ints, floats, bools, null and lists their natural types.
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return keys, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        keys, value = _parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            if not isinstance(nxt, dict):
+                raise RecipeError(f"--set {item!r}: {'.'.join(keys[:-1])} is not a section")
+            node = nxt
+        node[keys[-1]] = value
+    return data
+
+
+def _format_validation_error(path: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    got = first.get("input")
+    shown = "" if first["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+    return f"{path}: {loc}: {msg}{shown}{more}"
+
+
+def recipe_from_dict(data: dict, path: str = "<dict>") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_format_validation_error(path, err)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedRecipe:
+    path = Path(path)
+    overrides = list(overrides or [])
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{path}:{where} invalid YAML: {getattr(err, 'problem', err)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections")
+    data = apply_overrides(data, overrides)
+    recipe = recipe_from_dict(data, str(path))
+    _check_files(recipe, path)
+    return LoadedRecipe(recipe=recipe, path=str(path), overrides=overrides)
+
+
+def _looks_like_file(value: str) -> bool:
+    return "/" in value or value.endswith((".jsonl", ".json"))
+
+
+def _check_files(recipe: Recipe, path: Path) -> None:
+    """Local files a recipe names must exist, unless an earlier stage of the chain makes them."""
+    from rlrecipe.data.registry import is_registered  # local import: data imports recipe
+
+    candidates: list[tuple[str, str | None]] = [("data.train", recipe.data.train)]
+    candidates += [(f"eval.benchmarks.{i}.path", b.path) for i, b in enumerate(recipe.eval.benchmarks)]
+    for field, value in candidates:
+        if value is None or is_registered(value) or not _looks_like_file(value):
+            continue
+        if value.startswith("data/") or Path(value).exists():
+            # data/ is where `rlrecipe data` writes: a file there may not exist yet.
+            continue
+        raise RecipeError(f"{path}: {field}: file not found: {value}")

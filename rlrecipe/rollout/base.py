@@ -1,0 +1,36 @@
+"""The rollout engine interface shared by the in-process and SGLang engines."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from rlrecipe.trajectory import SamplingParams, Trajectory
+
+
+class RolloutEngine(ABC):
+    """Samples responses; reports the log-prob of every sampled token under its own numerics."""
+
+    version: int = 0
+
+    @abstractmethod
+    def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
+                 token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
+        """Continue every trajectory (fresh ones have empty responses) until eos or max_new_tokens.
+
+        With `token_budget`, stop as soon as the trajectories that finished during this call hold
+        at least that many response tokens; the others come back with status RUNNING and what
+        they have so far, and a later call resumes them (tokens then carry the new version).
+        Trajectories are updated in place and returned in the same order.
+        """
+
+    @abstractmethod
+    def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
+        """Load new weights (an HF export) and set the policy version for new tokens."""
+
+    def update_weights_from_state(self, state_dict: dict, version: int) -> None:
+        """Faster path where the engine shares memory with the trainer; default: not supported."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release servers or memory."""

@@ -74,11 +74,13 @@ def atomic_write_text(path: Path, text: str) -> None:
 class Run:
     """`runs/<name>/`: the resolved recipe, its sha256, environment, metrics, checkpoints."""
 
-    def __init__(self, loaded: LoadedRecipe, stage: str, resume: bool = False):
+    def __init__(self, loaded: LoadedRecipe, stage: str, resume: bool = False, subdir: str | None = None):
+        """`subdir` keeps a later stage's records (eval) beside, not over, the training run's."""
         self.loaded = loaded
         self.recipe = loaded.recipe
         self.stage = stage
-        self.dir = Path(self.recipe.run.output_dir) / self.recipe.run.name
+        self.run_dir = Path(self.recipe.run.output_dir) / self.recipe.run.name
+        self.dir = self.run_dir / subdir if subdir else self.run_dir
         self.ckpt_dir = self.dir / "checkpoints"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir.mkdir(exist_ok=True)
@@ -166,7 +168,7 @@ class Run:
 
     @property
     def final_model_dir(self) -> Path:
-        return self.dir / "final"
+        return self.run_dir / "final"
 
 
 def _fmt(v: Any) -> str:

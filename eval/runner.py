@@ -1,0 +1,131 @@
+"""Evaluation: sample n responses per problem through a rollout engine, grade, summarise, record.
+
+`evaluate_benchmarks` is the one path used by `rlrecipe eval` and by training-time validation,
+so in-training and standalone numbers agree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rlrecipe.data.io import load_rows
+from rlrecipe.data.templates import prompt_token_ids
+from rlrecipe.errors import UserError
+from rlrecipe.eval.metrics import summarize
+from rlrecipe.recipe import LoadedRecipe, Recipe, load_recipe
+from rlrecipe.reward import Grader
+from rlrecipe.rollout.base import RolloutEngine
+from rlrecipe.runs import Run, atomic_write_text, console, git_state, latest_run
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+
+
+def _sample_benchmark(engine: RolloutEngine, tokenizer, recipe: Recipe, rows: list[dict], n: int,
+                      params: SamplingParams, seed: int) -> list[Trajectory]:
+    trajs = []
+    for row in rows:
+        prompt = prompt_token_ids(tokenizer, row["problem"], recipe.data.prompt_template)
+        for j in range(n):
+            trajs.append(Trajectory(uid=f"{row['id']}#{j}", prompt_ids=prompt, group_id=str(row["id"]),
+                                    answers=[str(row["answer"])]))
+    engine.generate(trajs, params, seed=seed)
+    return trajs
+
+
+def _grade(trajs: list[Trajectory], tokenizer, grader: Grader) -> list[str]:
+    texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajs]
+    results = grader.grade(texts, [t.answers for t in trajs], [t.status != Status.FINISHED for t in trajs])
+    for t, r in zip(trajs, results, strict=True):
+        t.correct = r.correct
+        t.meta["extracted"] = r.extracted
+        t.meta["timed_out"] = r.timed_out
+    return texts
+
+
+def evaluate_benchmarks(recipe: Recipe, engine: RolloutEngine, tokenizer, grader: Grader, *,
+                        out_dir: Path | None, model: str, recipe_path: str, recipe_sha256: str,
+                        seed: int | None = None) -> dict[str, dict]:
+    """Evaluate every benchmark of the recipe; write samples.jsonl + summary.json when out_dir is set."""
+    ev = recipe.eval
+    seed = recipe.run.seed if seed is None else seed
+    summaries = {}
+    for bench in ev.benchmarks:
+        rows = load_rows(bench.path, "eval")[: ev.max_problems]
+        t0 = time.time()
+        params = SamplingParams(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens,
+                                greedy=ev.temperature == 0)
+        trajs = _sample_benchmark(engine, tokenizer, recipe, rows, ev.n_samples, params, seed)
+        texts = _grade(trajs, tokenizer, grader)
+        per_problem: dict[str, list[bool]] = {}
+        for t in trajs:
+            per_problem.setdefault(t.group_id, []).append(bool(t.correct))
+        summary = summarize(per_problem, [k for k in ev.pass_k if k <= ev.n_samples])
+        if ev.greedy:
+            greedy = _sample_benchmark(engine, tokenizer, recipe, rows, 1,
+                                       SamplingParams(max_new_tokens=ev.max_new_tokens, greedy=True), seed)
+            _grade(greedy, tokenizer, grader)
+            summary["greedy_acc"] = sum(bool(t.correct) for t in greedy) / max(1, len(greedy))
+        summary.update({
+            "benchmark": bench.name, "model": model, "recipe": recipe_path, "recipe_sha256": recipe_sha256,
+            "run": recipe.run.name, "commit": git_state()["commit"], "date": datetime.now(UTC).isoformat(),
+            "temperature": ev.temperature, "top_p": ev.top_p, "max_new_tokens": ev.max_new_tokens,
+            "wall_time_s": round(time.time() - t0, 3),
+            "tokens_generated": sum(len(t.response_ids) for t in trajs),
+            "truncated": sum(t.status == Status.TRUNCATED for t in trajs),
+            "reference": bench.reference or None,
+        })
+        summaries[bench.name] = summary
+        if out_dir is not None:
+            bdir = out_dir / bench.name
+            bdir.mkdir(parents=True, exist_ok=True)
+            lines = [json.dumps({"id": t.group_id, "sample": t.uid, "response": text, "answer": t.answers[0],
+                                 "extracted": t.meta.get("extracted"), "correct": t.correct,
+                                 "status": t.status.value, "tokens": len(t.response_ids)})
+                     for t, text in zip(trajs, texts, strict=True)]
+            atomic_write_text(bdir / "samples.jsonl", "\n".join(lines) + "\n")
+            atomic_write_text(bdir / "summary.json", json.dumps(summary, indent=2))
+    return summaries
+
+
+def evaluate_model_dir(loaded: LoadedRecipe, model_dir: str | Path, out_dir: Path) -> dict[str, dict]:
+    """Standalone evaluation of an HF model directory with the recipe's eval section."""
+    from rlrecipe.modeling import load_tokenizer
+    from rlrecipe.rollout.factory import make_rollout_engine
+
+    recipe = loaded.recipe
+    if not recipe.eval.benchmarks:
+        raise UserError(f"{loaded.path}: eval.benchmarks is empty: nothing to evaluate")
+    if not (Path(model_dir) / "config.json").exists():
+        raise UserError(f"{model_dir}: no model there (train first, or pass --model PATH)")
+    tokenizer = load_tokenizer(model_dir)
+    engine = make_rollout_engine(recipe, model_dir, tokenizer, run_dir=out_dir)
+    try:
+        with Grader(timeout=2.0) as grader:
+            return evaluate_benchmarks(recipe, engine, tokenizer, grader, out_dir=out_dir, model=str(model_dir),
+                                       recipe_path=loaded.path, recipe_sha256=loaded.sha256)
+    finally:
+        engine.close()
+
+
+def run_eval_command(recipe_path: Path | None, model: str | None, overrides: list[str]) -> dict[str, dict]:
+    if recipe_path is None:
+        last = latest_run()
+        if last is None:
+            raise UserError("no run yet: train first (e.g. `rlrecipe sft recipes/tiny_sft.yaml`) "
+                            "or give a recipe: `rlrecipe eval RECIPE --model PATH`")
+        recipe_path = last / "recipe.yaml"
+        console.print(f"evaluating the latest run: {last}")
+    loaded = load_recipe(recipe_path, overrides)
+    run = Run(loaded, "eval", subdir="eval")
+    model_dir = model or str(run.final_model_dir)
+    summaries = evaluate_model_dir(loaded, model_dir, run.dir)
+    for name, s in summaries.items():
+        shown = "  ".join(f"pass@{k}={v:.3f}" for k, v in s["pass_at_k"].items())
+        console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}  {shown}")
+        run.log(0, {f"{name}/avg": s["avg"], f"{name}/stderr": s["stderr"]}, echo=False)
+    from rlrecipe.eval.report import write_results_md
+
+    write_results_md()
+    return summaries

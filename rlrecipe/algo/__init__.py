@@ -1,0 +1,1 @@
+"""Pure tensor functions of the algorithms: packing, advantages, PPO loss, IcePop/TIS weights."""

@@ -1,0 +1,129 @@
+"""C3PO++: the budget-controlled rollout pool, and the synchronous baseline it replaces.
+
+Each step the engine generates over a pool of in-flight trajectories (capacity Omega) until the
+trajectories that finished hold Phi tokens; those are trained on. Unfinished ones stay in the
+pool, resume next step under the new weights (each token keeps its own logp_infer and
+version), and age by one per step; one older than sigma steps is dropped. New prompts, each
+sampled n times as a group, refill the pool.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from rlrecipe.data.templates import prompt_token_ids
+from rlrecipe.recipe import RLSection
+from rlrecipe.rollout.base import RolloutEngine
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+
+
+class PromptStream:
+    """Endless, seeded, epoch-shuffled stream of RL prompts; its cursor is checkpointed."""
+
+    def __init__(self, rows: list[dict], tokenizer, template: str, seed: int, shuffle: bool = True):
+        self.rows, self.tokenizer, self.template = rows, tokenizer, template
+        self.seed, self.shuffle = seed, shuffle
+        self.cursor = 0
+        self._order: tuple[int, list[int]] | None = None
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != epoch:
+            order = list(range(len(self.rows)))
+            if self.shuffle:
+                random.Random(self.seed * 7919 + epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def next_group(self, n: int) -> list[Trajectory]:
+        epoch, i = divmod(self.cursor, len(self.rows))
+        row = self.rows[self._epoch_order(epoch)[i]]
+        self.cursor += 1
+        prompt = prompt_token_ids(self.tokenizer, row["prompt"], self.template)
+        gid = f"{row['id']}@{self.cursor - 1}"
+        return [Trajectory(uid=f"{gid}#{j}", prompt_ids=prompt, group_id=gid, answers=list(row["answers"]))
+                for j in range(n)]
+
+
+@dataclass
+class RolloutStats:
+    generated_tokens: int = 0
+    finished: int = 0
+    resumed: int = 0
+    dropped: int = 0
+    pool_size: int = 0
+    mean_age: float = 0.0
+    max_age: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutPool:
+    """Owns the in-flight trajectories between steps (saved in checkpoints)."""
+
+    def __init__(self, cfg: RLSection, stream: PromptStream):
+        self.cfg = cfg
+        self.stream = stream
+        self.in_flight: list[Trajectory] = []
+        self.total_dropped = 0
+        self.total_resumed = 0
+
+    def _tokens(self, trajs: list[Trajectory]) -> int:
+        return sum(len(t.response_ids) for t in trajs)
+
+    def collect(self, engine: RolloutEngine, params: SamplingParams, seed: int) -> tuple[list[Trajectory], RolloutStats]:
+        if self.cfg.c3po.enabled:
+            return self._collect_budgeted(engine, params, seed)
+        return self._collect_synchronous(engine, params, seed)
+
+    def _collect_synchronous(self, engine, params, seed):
+        batch = [t for _ in range(self.cfg.prompts_per_step) for t in self.stream.next_group(self.cfg.samples_per_prompt)]
+        engine.generate(batch, params, seed=seed)
+        stats = RolloutStats(generated_tokens=self._tokens(batch), finished=len(batch), pool_size=len(batch))
+        return batch, stats
+
+    def _collect_budgeted(self, engine, params, seed):
+        c3 = self.cfg.c3po
+        stats = RolloutStats()
+        # Stale rollouts are dropped before they can waste more compute.
+        kept = []
+        for t in self.in_flight:
+            if t.age > c3.max_staleness:
+                t.status = Status.ABORTED
+                stats.dropped += 1
+            else:
+                kept.append(t)
+        stats.resumed = len(kept)
+        self.in_flight = kept
+        before = {t.uid: len(t.response_ids) for t in self.in_flight}
+        finished: list[Trajectory] = []
+        round_ = 0
+        while self._tokens(finished) < c3.token_budget:
+            n = self.cfg.samples_per_prompt
+            while len(self.in_flight) + n <= max(c3.pool_capacity, n):
+                self.in_flight += self.stream.next_group(n)
+            engine.generate(self.in_flight, params, token_budget=c3.token_budget - self._tokens(finished),
+                            seed=seed * 1009 + round_)
+            round_ += 1
+            finished += [t for t in self.in_flight if t.done]
+            self.in_flight = [t for t in self.in_flight if not t.done]
+        stats.generated_tokens = sum(len(t.response_ids) - before.get(t.uid, 0) for t in finished + self.in_flight)
+        for t in self.in_flight:
+            t.age += 1
+        stats.finished = len(finished)
+        stats.pool_size = len(self.in_flight)
+        ages = [t.age for t in self.in_flight] or [0]
+        stats.mean_age, stats.max_age = sum(ages) / len(ages), max(ages)
+        self.total_dropped += stats.dropped
+        self.total_resumed += sum(1 for t in finished if t.uid in before)
+        return finished, stats
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"cursor": self.stream.cursor, "in_flight": [t.to_dict() for t in self.in_flight],
+                "total_dropped": self.total_dropped, "total_resumed": self.total_resumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.cursor = state["cursor"]
+        self.in_flight = [Trajectory.from_dict(d) for d in state["in_flight"]]
+        self.total_dropped = state["total_dropped"]
+        self.total_resumed = state["total_resumed"]

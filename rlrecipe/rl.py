@@ -1,0 +1,201 @@
+"""The RL stage: critic-free PPO with IcePop and C3PO++.
+
+One step reads like the algorithm:
+rollout (pool) -> grade -> recompute logp_train_old -> advantages -> IcePop weights ->
+PPO minibatch updates -> push weights to the engine -> log -> checkpoint -> validate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from rlrecipe.algo.advantages import sequence_advantages
+from rlrecipe.algo.ppo import aggregation_scale, mismatch_weights, offpolicy_sequence_keep, policy_loss
+from rlrecipe.c3po import PromptStream, RolloutPool
+from rlrecipe.data.io import load_rows
+from rlrecipe.errors import UserError
+from rlrecipe.modeling import load_tokenizer, resolve_model_dir
+from rlrecipe.recipe import LoadedRecipe, RLSection
+from rlrecipe.reward import Grader
+from rlrecipe.rollout.factory import make_rollout_engine
+from rlrecipe.runs import Run, atomic_write_text, console, resolve_init
+from rlrecipe.train import make_train_engine
+from rlrecipe.train.torch_engine import TrainSample
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+
+
+# -- the named steps ----------------------------------------------------------------------------
+def grade(batch: list[Trajectory], tokenizer, grader: Grader, cfg: RLSection) -> None:
+    texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in batch]
+    results = grader.grade(texts, [t.answers for t in batch], [t.status != Status.FINISHED for t in batch])
+    for t, r in zip(batch, results, strict=True):
+        t.correct = r.correct
+        t.reward = cfg.reward_correct if r.correct else cfg.reward_wrong
+
+
+def recompute_old_logprobs(trainer, batch: list[Trajectory]) -> tuple[list[TrainSample], list[torch.Tensor], list[torch.Tensor]]:
+    samples = [TrainSample(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in batch]
+    out = trainer.compute_logprobs(samples)
+    return samples, [lp for lp, _ in out], [en for _, en in out]
+
+
+def attach_ppo_fields(samples: list[TrainSample], batch: list[Trajectory], logp_old: list[torch.Tensor],
+                      cfg: RLSection) -> dict[str, float]:
+    """Advantages, IcePop/TIS weights and aggregation scales, as per-token fields of each sample."""
+    lengths = [len(t.response_ids) for t in batch]
+    adv = sequence_advantages([t.reward for t in batch], lengths, [t.group_id for t in batch], cfg.adv_norm)
+    logp_infer = [torch.tensor(t.logp_infer) for t in batch]
+    keep = offpolicy_sequence_keep(adv, logp_old, logp_infer, cfg.offpolicy_seq_delta)
+    masked = total = 0
+    abs_gap = kl = 0.0
+    for s, a, lo, li, k in zip(samples, adv, logp_old, logp_infer, keep, strict=True):
+        ice = cfg.icepop
+        w, m = mismatch_weights(lo, li, ice.mode, ice.alpha, ice.beta, ice.tis_cap)
+        if not k:
+            w = torch.zeros_like(w)
+        s.fields = {"logp_old": lo, "adv": torch.full_like(lo, a), "weight": w}
+        masked += int(m.sum())
+        total += len(lo)
+        d = lo - li
+        abs_gap += float(d.abs().sum())
+        kl += float((torch.exp(d) - 1 - d).sum())  # k3 estimate of KL(infer || train)
+    return {"icepop_masked_frac": masked / max(1, total), "mismatch_abs_logp": abs_gap / max(1, total),
+            "mismatch_kl": kl / max(1, total), "offpolicy_dropped_seqs": float(len(keep) - sum(keep))}
+
+
+def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str, float]:
+    """`ppo_minibatches` optimizer steps over consecutive slices of the batch."""
+    n = cfg.ppo_minibatches
+    size = math.ceil(len(samples) / n)
+    totals: dict[str, float] = {}
+    steps = 0
+    for i in range(0, len(samples), size):
+        mb = samples[i:i + size]
+        for s, scale in zip(mb, aggregation_scale([x.num_response for x in mb], cfg.loss_agg), strict=True):
+            s.fields["scale"] = scale
+        stats = trainer.train_step(mb, lambda lp, f: policy_loss(lp, f, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip))
+        steps += 1
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v
+    out = {"loss": totals["loss"] / steps, "grad_norm": totals["grad_norm"] / steps, "lr": totals["lr"] / steps,
+           "skipped_minibatches": totals["skipped"],
+           "clip_frac": totals.get("clipped_tokens", 0.0) / max(1.0, totals.get("tokens", 0.0))}
+    return out
+
+
+def rollout_metrics(batch: list[Trajectory], entropy: list[torch.Tensor], version: int) -> dict[str, float]:
+    lengths = [len(t.response_ids) for t in batch]
+    staleness = [version - v for t in batch for v in t.versions]
+    return {
+        "reward_mean": sum(t.reward for t in batch) / len(batch),
+        "accuracy": sum(bool(t.correct) for t in batch) / len(batch),
+        "response_len_mean": sum(lengths) / len(batch),
+        "response_len_max": max(lengths),
+        "truncated_frac": sum(t.status == Status.TRUNCATED for t in batch) / len(batch),
+        "entropy": float(torch.cat(entropy).mean()),
+        "tokens_trained": sum(lengths),
+        "staleness_max": max(staleness),
+        "staleness_mean": sum(staleness) / len(staleness),
+    }
+
+
+# -- the loop -----------------------------------------------------------------------------------
+def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
+    recipe = loaded.recipe
+    cfg = recipe.rl
+    if not recipe.data.train:
+        raise UserError(f"{loaded.path}: data.train: an RL prompt set is required")
+    run = Run(loaded, "rl", resume=resume)
+    torch.manual_seed(recipe.run.seed)
+    model_dir = resolve_model_dir(recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir),
+                                  run.dir, recipe.run.seed)
+    tokenizer = load_tokenizer(model_dir)
+    stream = PromptStream(load_rows(recipe.data.train, "rl"), tokenizer, recipe.data.prompt_template,
+                          recipe.run.seed, recipe.data.shuffle)
+    pool = RolloutPool(cfg, stream)
+    trainer = make_train_engine(recipe, model_dir, cfg.steps * cfg.ppo_minibatches,
+                                temperature=recipe.rollout.temperature)
+    start = 0
+    ckpt = run.latest_checkpoint() if resume else None
+    if ckpt is not None:
+        trainer.load(ckpt / "trainer")
+        pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
+        start = json.loads((ckpt / "progress.json").read_text())["step"]
+        run.truncate_metrics(start)
+        console.print(f"resumed from {ckpt} at step {start}")
+    engine = make_rollout_engine(recipe, model_dir, tokenizer, version=start, run_dir=run.dir)
+    if ckpt is not None:
+        push_weights(trainer, engine, run, tokenizer, start)
+    ro = recipe.rollout
+    params = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
+    bad_in_a_row = 0
+    t_start = time.time()
+    try:
+        with Grader() as grader:
+            for step in range(start, cfg.steps):
+                t0 = time.time()
+                batch, roll = pool.collect(engine, params, seed=recipe.run.seed * 100003 + step)
+                t_roll = time.time() - t0
+                grade(batch, tokenizer, grader, cfg)
+                t1 = time.time()
+                samples, logp_old, entropy = recompute_old_logprobs(trainer, batch)
+                ice = attach_ppo_fields(samples, batch, logp_old, cfg)
+                upd = ppo_update(trainer, samples, cfg)
+                bad_in_a_row = bad_in_a_row + 1 if upd["skipped_minibatches"] == cfg.ppo_minibatches else 0
+                if bad_in_a_row >= cfg.max_bad_steps:
+                    raise UserError(f"step {step + 1}: loss or gradient was NaN/inf in {bad_in_a_row} steps in a row; "
+                                    "lower trainer.lr or check the data")
+                push_weights(trainer, engine, run, tokenizer, step + 1)
+                t_train = time.time() - t1
+                metrics = {**rollout_metrics(batch, entropy, step), **ice, **upd,
+                           "tokens_generated": roll.generated_tokens, "pool_size": roll.pool_size,
+                           "pool_mean_age": roll.mean_age, "pool_max_age": roll.max_age,
+                           "dropped": roll.dropped, "resumed": roll.resumed,
+                           "dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
+                           "rollout_s": t_roll, "train_s": t_train,
+                           "gen_tokens_per_s": roll.generated_tokens / max(t_roll, 1e-9)}
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                    metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
+                run.log(step + 1, metrics)
+                if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                    with run.writing_checkpoint(step + 1) as d:
+                        trainer.save(d / "trainer")
+                        atomic_write_text(d / "pool.json", json.dumps(pool.state_dict()))
+                        atomic_write_text(d / "progress.json", json.dumps({"step": step + 1}))
+    finally:
+        engine.close()
+    final = trainer.export_hf(run.final_model_dir, tokenizer)
+    console.print(f"RL done: {cfg.steps - start} steps in {time.time() - t_start:.1f}s; model at {final}")
+    results = {}
+    if recipe.eval.benchmarks:
+        from rlrecipe.eval.runner import evaluate_model_dir
+
+        results = evaluate_model_dir(loaded, final, Run(loaded, "eval", subdir="eval").dir)
+        for name, s in results.items():
+            console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}")
+    run.finish()
+    return results
+
+
+def push_weights(trainer, engine, run: Run, tokenizer, version: int) -> None:
+    """Shared memory when the engine can take a state dict; otherwise through an HF export on disk."""
+    try:
+        engine.update_weights_from_state(trainer.rollout_state(), version)
+    except NotImplementedError:
+        export = trainer.export_hf(Path(run.dir) / "weights_for_rollout", tokenizer)
+        engine.update_weights_from_disk(export, version)
+
+
+def validate(loaded: LoadedRecipe, engine, tokenizer, grader: Grader, run: Run, step: int) -> dict[str, float]:
+    """Training-time validation through the shared evaluation path, with the rollout engine's weights."""
+    from rlrecipe.eval.runner import evaluate_benchmarks
+
+    out = evaluate_benchmarks(loaded.recipe, engine, tokenizer, grader,
+                              out_dir=run.dir / "validation" / f"step_{step:07d}", model=f"{run.dir}@step{step}",
+                              recipe_path=loaded.path, recipe_sha256=loaded.sha256)
+    return {f"val/{name}/avg": s["avg"] for name, s in out.items()}

@@ -1,0 +1,139 @@
+"""In-process rollout engine on transformers/torch: the CPU path and the reference for SGLang.
+
+Batched decoding with a KV cache over a fixed number of slots. When a share of the slots has
+finished, the batch is rebuilt: finished rows leave, queued trajectories come in, and the rows
+that keep going are re-prefilled from prompt + partial response (the same operation that
+resumes a C3PO++ rollout under new weights). With nothing left in the queue, finished rows
+are simply dropped from the cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from rlrecipe.modeling import DTYPES, load_model
+from rlrecipe.rollout.base import RolloutEngine
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside top-k / the top-p nucleus with -inf (for sampling only)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class InProcessEngine(RolloutEngine):
+    def __init__(self, model_dir: str | Path, eos_token_id: int, pad_token_id: int, dtype: str = "float32",
+                 max_batch: int = 512, refill_fraction: float = 0.25, version: int = 0):
+        self.dtype = DTYPES[dtype]
+        self.model = load_model(model_dir, dtype).eval()
+        self.eos = eos_token_id
+        self.pad = pad_token_id
+        self.max_batch = max_batch
+        self.refill_fraction = refill_fraction
+        self.version = version
+
+    # -- weights ----------------------------------------------------------------------------
+    def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
+        self.model = load_model(model_dir, str(self.dtype).removeprefix("torch.")).eval()
+        self.version = version
+
+    def update_weights_from_state(self, state_dict: dict, version: int) -> None:
+        with torch.no_grad():
+            own = self.model.state_dict()
+            for name, tensor in state_dict.items():
+                if name in own:
+                    own[name].copy_(tensor.to(own[name].dtype))
+        self.version = version
+
+    # -- decoding ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def _prefill(self, rows: list[Trajectory]):
+        seqs = [t.prompt_ids + t.response_ids for t in rows]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s)
+            mask[i, width - len(s):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        return out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1]
+
+    @torch.no_grad()
+    def _step(self, tokens: torch.Tensor, cache, mask: torch.Tensor, last_pos: torch.Tensor):
+        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
+        pos = last_pos + 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None],
+                         past_key_values=cache, use_cache=True)
+        return out.logits[:, -1, :].float(), out.past_key_values, mask, pos
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
+        if params.greedy or params.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logp.argmax(-1)
+        else:
+            logp = torch.log_softmax(logits / params.temperature, dim=-1)
+            probs = torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), -1)
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
+                 token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
+        gen = torch.Generator().manual_seed(0 if seed is None else seed)
+        queue = [t for t in trajs if not t.done and t.status != Status.ABORTED]
+        queue.reverse()  # pop() from the end keeps the caller's order
+        for t in queue:
+            t.status = Status.RUNNING
+            if len(t.response_ids) >= params.max_new_tokens:
+                t.status = Status.TRUNCATED
+        queue = [t for t in queue if t.status == Status.RUNNING]
+        finished_tokens = 0
+        rows: list[Trajectory] = []
+        cache = mask = last_pos = logits = None
+        while queue or rows:
+            live = [r for r in rows if r.status == Status.RUNNING]
+            free = self.max_batch - len(live)
+            if queue and (not live or free >= max(1, int(self.refill_fraction * self.max_batch))):
+                rows = live + [queue.pop() for _ in range(min(free, len(queue)))]
+                logits, cache, mask, last_pos = self._prefill(rows)
+            elif len(live) < len(rows):
+                if not live:
+                    rows = []
+                    continue
+                keep = torch.tensor([i for i, r in enumerate(rows) if r.status == Status.RUNNING])
+                if len(keep) <= len(rows) // 2:  # compact only when it halves the work
+                    cache.batch_select_indices(keep)
+                    logits, mask, last_pos = logits[keep], mask[keep], last_pos[keep]
+                    rows = [rows[i] for i in keep.tolist()]
+            tok, lp = self._sample(logits, params, gen)
+            for i, t in enumerate(rows):
+                if t.status != Status.RUNNING:
+                    continue
+                t.append(int(tok[i]), float(lp[i]), self.version)
+                if int(tok[i]) == self.eos:
+                    t.status = Status.FINISHED
+                elif len(t.response_ids) >= params.max_new_tokens:
+                    t.status = Status.TRUNCATED
+                if t.done:
+                    finished_tokens += len(t.response_ids)
+            if token_budget is not None and finished_tokens >= token_budget:
+                break
+            if any(r.status == Status.RUNNING for r in rows):
+                logits, cache, mask, last_pos = self._step(tok, cache, mask, last_pos)
+            else:
+                rows = []
+        return trajs

@@ -1,0 +1,169 @@
+"""Plain-torch training engine: packed micro-batches, global-token-normalised accumulation,
+AdamW, LR schedule, clipping, checkpoint save/load (model + optimizer + scheduler + RNG)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers.optimization import (
+    get_constant_schedule_with_warmup,
+    get_cosine_with_min_lr_schedule_with_warmup,
+)
+
+from rlrecipe.algo.packing import allocate_microbatches, pack
+from rlrecipe.modeling import load_model
+from rlrecipe.recipe import TrainerSection
+
+# loss_fn(logp, fields, entropy) -> (loss already scaled to its share of the global batch, stats sums)
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class TrainSample:
+    """A prompt + response sequence; per-token fields cover the response tokens (input_ids[start:])."""
+
+    input_ids: list[int]
+    start: int
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_response(self) -> int:
+        return len(self.input_ids) - self.start
+
+
+def capture_rng() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def make_scheduler(optimizer, cfg: TrainerSection, total_steps: int):
+    warmup = cfg.warmup_steps or int(math.ceil(cfg.warmup_ratio * total_steps))
+    if cfg.lr_schedule == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, max(total_steps, 1),
+                                                       min_lr_rate=cfg.min_lr_ratio)
+
+
+class TorchTrainEngine:
+    def __init__(self, model_dir: str | Path, cfg: TrainerSection, total_steps: int, dtype: str = "float32",
+                 temperature: float = 1.0, gradient_checkpointing: bool = False):
+        self.cfg = cfg
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(model_dir, dtype).to(self.device)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.temperature = temperature
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
+        self.steps_done = 0
+
+    # -- forward -----------------------------------------------------------------------------
+    def _autocast(self):
+        if self.cfg.bf16_autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, samples: list[TrainSample], with_entropy: bool):
+        """Per-response-token log-probs (and entropies) of a packed micro-batch, concatenated."""
+        ids, pos = pack([s.input_ids for s in samples])
+        with self._autocast():
+            logits = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+                                use_cache=False).logits[0]  # no cache: lets transformers see the packing
+        logits = logits.float() / self.temperature
+        # the token at position t is predicted by the logits at t - 1
+        offsets, sel_pos, targets = 0, [], []
+        for s in samples:
+            n = len(s.input_ids)
+            sel_pos.append(torch.arange(offsets + s.start - 1, offsets + n - 1))
+            targets.append(torch.tensor(s.input_ids[s.start:]))
+            offsets += n
+        rows = logits[torch.cat(sel_pos).to(self.device)]
+        logp_all = torch.log_softmax(rows, dim=-1)
+        logp = logp_all.gather(-1, torch.cat(targets).to(self.device)[:, None]).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+        return logp, entropy
+
+    def microbatches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
+        bins = allocate_microbatches([len(s.input_ids) for s in samples], self.cfg.max_tokens_per_microbatch)
+        return [[samples[i] for i in b] for b in bins]
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[TrainSample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(logp, entropy) per sample for its response tokens, under the current weights."""
+        self.model.eval()
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        index = {id(s): i for i, s in enumerate(samples)}
+        for mb in self.microbatches(samples):
+            logp, ent = self._forward(mb, with_entropy=True)
+            for s, lp, en in zip(mb, logp.split([s.num_response for s in mb]),
+                                 ent.split([s.num_response for s in mb]), strict=True):
+                out[index[id(s)]] = (lp.cpu(), en.cpu())
+        return [out[i] for i in range(len(samples))]
+
+    # -- update ------------------------------------------------------------------------------
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over all samples, accumulated over packed micro-batches."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+        total_loss = 0.0
+        for mb in self.microbatches(samples):
+            logp, _ = self._forward(mb, with_entropy=False)
+            fields = {k: torch.cat([s.fields[k] for s in mb]).to(self.device) for k in mb[0].fields}
+            loss, mb_stats = loss_fn(logp, fields)
+            loss.backward()
+            total_loss += float(loss.detach())
+            for k, v in mb_stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        finite = math.isfinite(total_loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.steps_done += 1
+        return {"loss": total_loss, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                "skipped": 0.0 if finite else 1.0, **stats}
+
+    # -- state -------------------------------------------------------------------------------
+    def rollout_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def export_hf(self, out_dir: str | Path, tokenizer=None) -> Path:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+        return out_dir
+
+    def save(self, ckpt_dir: str | Path) -> None:
+        ckpt_dir = Path(ckpt_dir)
+        self.export_hf(ckpt_dir / "model")
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "steps_done": self.steps_done, "rng": capture_rng()}, ckpt_dir / "trainer_state.pt")
+
+    def load(self, ckpt_dir: str | Path) -> None:
+        ckpt_dir = Path(ckpt_dir)
+        fresh = load_model(ckpt_dir / "model", str(next(self.model.parameters()).dtype).removeprefix("torch."))
+        self.model.load_state_dict(fresh.state_dict())
+        state = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps_done = state["steps_done"]
+        restore_rng(state["rng"])

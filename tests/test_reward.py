@@ -1,0 +1,315 @@
+r"""Reward: last-\boxed extraction, fast path, math-verify in worker processes with hard time limits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlrecipe.errors import UserError
+from rlrecipe.reward import (
+    Grader,
+    GradeResult,
+    extract_boxed,
+    fast_grade,
+    grade_batch,
+    grade_file,
+    normalize_answer,
+    reward_of,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def grader():
+    with Grader(timeout=2.0, workers=2) as g:
+        yield g
+
+
+# -- extraction -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{70}.", "70"),
+    (r"\boxed{3} then \boxed{5}", "5"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"\boxed{ 12 }", "12"),
+    (r"\boxed {12}", "12"),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}"),  # escaped braces do not count
+    (r"\boxed{a\\}", "a\\\\"),  # \\ is an escaped backslash, the brace closes the box
+    (r"\boxed 7", "7"),
+    (r"the answer is $\boxed 70$.", "70"),
+    (r"\boxed7.", "7"),
+    (r"\fbox{12}", "12"),
+    (r"\boxed{1} and \fbox{2}", "2"),
+    (r"\fbox{2} and \boxed{1}", "1"),
+    (r"\boxed{\boxed{5}}", "5"),
+    (r"\boxed{4} \fboxsep", "4"),  # \fboxsep is another command
+    (r"\boxed{4} \boxedx", "4"),
+    ("no box here", None),
+    ("", None),
+    (r"\boxed{}", None),
+    (r"\boxed{\frac{1}{2}", None),  # the last box is unbalanced (truncated)
+    (r"\boxed{1} then \boxed{\frac{1}{2}", None),
+    (r"ends with \boxed", None),
+    (r"\fbox 3", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+def test_extract_boxed_huge_inputs_return():
+    mb = 1 << 20
+    assert extract_boxed("x" * mb) is None
+    assert extract_boxed("x" * mb + r"\boxed{42}") == "42"
+    assert extract_boxed(r"\boxed{" + "{" * mb) is None
+    assert extract_boxed(r"\boxedx" * (mb // 7) + r"\fbox{1}") == "1"  # many false candidates
+    deep = r"\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}"
+    assert extract_boxed(deep) == "{" * 10_000 + "1" + "}" * 10_000
+    assert extract_boxed(r"\boxed{" + "\\" * mb) is None
+
+
+# -- fast path ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extracted, answers, expected", [
+    ("070", ["70"], True),
+    (" 70 ", ["070"], True),
+    ("-0", ["0"], True),
+    ("+5", ["5"], True),
+    ("71", ["70"], False),
+    ("-3", ["3"], False),
+    ("4", ["2", "4"], True),
+    ("4", ["2", r"\frac{8}{2}"], None),  # a non-integer reference: math-verify decides
+    (r"\text{70}", ["70"], True),
+    (r"\left(1,2\right)", ["(1, 2)"], True),
+    (r"\dfrac{1}{2}", [r"\frac{1}{2}"], True),
+    ("0.5", [r"\frac12"], None),
+    ("7" * 5000, ["7" * 5000], True),  # beyond int()'s digit limit
+    ("7" * 5000, ["7" * 4999 + "6"], False),
+])
+def test_fast_grade(extracted, answers, expected):
+    assert fast_grade(extracted, answers) is expected
+
+
+def test_normalize_answer():
+    assert normalize_answer(r" \textbf{ 12 } ") == "12"
+    assert normalize_answer(r"$\frac{1}{2}$.") == r"\frac{1}{2}"
+    assert normalize_answer(r"\text{a}+\text{b}") == r"\text{a}+\text{b}"  # not one wrapper
+
+
+def test_fast_path_needs_no_pool():
+    with Grader(timeout=2.0) as g:
+        res = g.grade([r"\boxed{070}", r"\boxed{5}", "no answer", r"\boxed{9}"],
+                      [["70"], ["6"], ["1"], ["9"]], truncated=[False, False, False, True])
+        assert [r.correct for r in res] == [True, False, False, False]
+        assert g.stats["workers_started"] == 0 and g.stats["math_verify"] == 0
+
+
+# -- the table of tricky cases (expected values written by hand) ---------------------------
+
+CASES = [
+    # response, reference answers, correct
+    (r"The answer is \boxed{70}", ["070"], True),
+    (r"\boxed{070}", ["70"], True),
+    (r"\boxed{ 70 }", ["70"], True),
+    (r"\boxed{007}", ["7"], True),
+    (r"\boxed{71}", ["70"], False),
+    (r"\boxed{-3}", ["-3"], True),
+    (r"\boxed{-3}", ["3"], False),
+    (r"\boxed{\frac{1}{2}}", ["0.5"], True),
+    (r"\boxed{0.5}", [r"\frac12"], True),
+    (r"\boxed{1/2}", [r"\frac{1}{2}"], True),
+    (r"\boxed{\dfrac{3}{4}}", ["3/4"], True),
+    (r"\boxed{\frac{1}{3}}", ["0.5"], False),
+    (r"\boxed{0.333}", [r"\frac{1}{3}"], False),
+    (r"\boxed{3.0}", ["3"], True),
+    (r"\boxed{3.5}", ["3"], False),
+    (r"\boxed{\text{70}}", ["70"], True),
+    (r"\boxed{\textbf{70}}", ["70"], True),
+    (r"\boxed{\text{(B)}}", ["B"], True),
+    (r"\boxed{(1,2)}", ["(1, 2)"], True),
+    (r"\boxed{\left(1,2\right)}", ["(1,2)"], True),
+    (r"\boxed{[1,3)}", ["[1,3)"], True),
+    (r"\boxed{(1,3]}", ["[1,3)"], False),
+    (r"\boxed{(-\infty, 2]}", [r"(-\infty,2]"], True),
+    (r"\boxed{\{1,2\}}", [r"\{2,1\}"], True),
+    (r"\boxed{x=5}", ["5"], True),
+    (r"\boxed{2\sqrt{2}}", [r"\sqrt{8}"], True),
+    (r"\boxed{\sqrt{2}/2}", [r"\frac{\sqrt{2}}{2}"], True),
+    (r"\boxed{\sqrt{2}}", ["1.41421356"], True),
+    (r"\boxed{\frac{\pi}{2}}", [r"\pi/2"], True),
+    (r"\boxed{x^2+2x+1}", ["(x+1)^2"], True),
+    (r"\boxed{x^2+1}", ["(x+1)^2"], False),
+    (r"\boxed{1,000}", ["1000"], True),
+    (r"\boxed{90^\circ}", ["90"], True),
+    (r"\boxed{a}", ["b"], False),
+    (r"\boxed{\frac{1}{0}}", ["1"], False),
+    (r"\boxed{4}", ["2", "4"], True),
+    (r"\boxed{3} at first, but finally \boxed{5}", ["5"], True),
+    (r"\boxed{5} at first, but finally \boxed{3}", ["5"], False),
+    (r"\boxed 7", ["7"], True),
+    (r"\fbox{12}", ["12"], True),
+    (r"\boxed{\boxed{5}}", ["5"], True),
+    (r"the answer is 70", ["70"], False),  # no box, no answer
+    (r"\boxed{}", ["1"], False),
+    (r"\boxed{\frac{1}{2}", ["1/2"], False),  # unbalanced
+    (r"\boxed{5}", [r"\boxed{5}"], True),  # a boxed reference
+    (r"\boxed{\frac{10}{2}}", ["5"], True),
+]
+
+
+def test_tricky_cases(grader):
+    res = grader.grade([c[0] for c in CASES], [c[1] for c in CASES])
+    wrong = [(c[0], c[1], c[2], r) for c, r in zip(CASES, res, strict=True) if r.correct != c[2]]
+    assert not wrong
+    assert not any(r.timed_out for r in res)
+
+
+def test_truncated_is_wrong_and_results_line_up(grader):
+    res = grader.grade([r"\boxed{\frac{1}{2}}"] * 3 + [r"\boxed{2}"], [["0.5"]] * 3 + [["2"]],
+                       truncated=[False, True, False, False])
+    assert [r.correct for r in res] == [True, False, True, True]
+    assert res[1] == GradeResult(r"\frac{1}{2}", False, False)
+    assert grader.grade([], []) == []
+    with pytest.raises(ValueError):
+        grader.grade(["a"], [])
+
+
+def test_reward_values():
+    assert reward_of(GradeResult("1", True)) == 5.0
+    assert reward_of(GradeResult("1", False)) == -5.0
+    assert reward_of(GradeResult(None, False, True)) == -5.0
+    assert reward_of(GradeResult("1", True), correct_value=1.0, wrong_value=0.0) == 1.0
+
+
+def test_grade_batch_module_level():
+    res = grade_batch([r"\boxed{6}", r"\boxed{0.25}"], [["06"], [r"\frac14"]])
+    assert [r.correct for r in res] == [True, True]
+
+
+# -- adversarial inputs: every call returns, within the time limit mechanism ---------------
+
+def test_adversarial_inputs_return():
+    mb = 1 << 20
+    responses = [
+        r"\boxed{9^{9^{9^{9^{9}}}}}",
+        r"\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
+        r"\boxed{" + "1+" * (mb // 2) + "1}",
+        "x" * mb,
+        r"\boxed{" + "(" * mb + "}",
+        r"\boxed{\frac{1}{2}}",
+    ]
+    answers = [[r"\boxed{1}"], ["1"], ["1"], ["1"], ["1"], ["0.5"]]
+    with Grader(timeout=1.0, workers=2) as g:
+        res = g.grade(responses, answers)
+        assert [r.correct for r in res] == [False] * 5 + [True]
+        assert res[0].timed_out  # the tower never evaluates within the limit
+        assert res[3].extracted is None
+        # the pool is still healthy afterwards
+        assert g.grade([r"\boxed{\frac{2}{4}}"], [["0.5"]])[0].correct
+
+
+def test_hard_kill_replaces_a_hung_worker():
+    # With the worker's own SIGALRM disabled only the parent's kill can stop the tower.
+    with Grader(timeout=1.0, workers=1, soft_fraction=None) as g:
+        g.start()
+        first = g._workers[0].proc
+        res = g.grade([r"\boxed{9^{9^{9^{9^{9}}}}}"], [["1"]])
+        assert res[0] == GradeResult("9^{9^{9^{9^{9}}}}", False, True)
+        assert first.poll() is not None  # killed
+        assert g.stats["workers_started"] == 2
+        assert g.grade([r"\boxed{\frac{3}{6}}"], [["0.5"]])[0].correct
+
+
+def test_crashed_worker_is_replaced():
+    with Grader(timeout=30.0, workers=1, soft_fraction=None) as g:
+        g.start()
+        # dies mid-task: graded wrong, not timed out, and the caller carries on
+        pid = g._workers[0].proc.pid
+        timer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
+        timer.start()
+        res = g.grade([r"\boxed{9^{9^{9^{9^{9}}}}}"], [["1"]])
+        timer.join()
+        assert res[0] == GradeResult("9^{9^{9^{9^{9}}}}", False, False)
+        assert g.stats["crashes"] == 1
+        # dies while idle: its next task is retried on a replacement
+        g.start()
+        g._workers[0].proc.kill()
+        g._workers[0].proc.wait()
+        assert g.grade([r"\boxed{\frac{3}{6}}"], [["0.5"]])[0].correct
+
+
+def test_grading_inside_a_thread(grader):
+    # math-verify's signal.alarm fails in threads; the worker processes do not care
+    out = []
+    t = threading.Thread(target=lambda: out.extend(grader.grade([r"\boxed{\frac{1}{4}}"], [["0.25"]])))
+    t.start()
+    t.join()
+    assert out[0].correct
+
+
+# -- `rlrecipe grade` -----------------------------------------------------------------------
+
+def _write_jsonl(path: Path, rows: list) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_cli_grade(tmp_path):
+    from rlrecipe.cli.app import app
+
+    src = tmp_path / "samples.jsonl"
+    _write_jsonl(src, [
+        {"id": "a", "response": r"so \boxed{070}", "answer": "70"},
+        {"id": "b", "response": r"\boxed{\frac{1}{2}}", "answers": ["0.5", "1/2"]},
+        {"id": "c", "response": "no box", "answer": "3"},
+        {"id": "d", "response": r"\boxed{4}", "answer": "4", "truncated": True},
+    ])
+    result = CliRunner().invoke(app, ["grade", str(src)])
+    assert result.exit_code == 0, result.output
+    assert "accuracy" in result.output and "50.0%" in result.output
+    graded = [json.loads(ln) for ln in (tmp_path / "samples.graded.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in graded] == ["a", "b", "c", "d"]
+    assert [r["correct"] for r in graded] == [True, True, False, False]
+    assert [r["reward"] for r in graded] == [5.0, 5.0, -5.0, -5.0]
+    assert [r["extracted"] for r in graded] == ["070", r"\frac{1}{2}", None, "4"]
+
+    out = tmp_path / "sub" / "custom.jsonl"
+    result = CliRunner().invoke(app, ["grade", str(src), "--out", str(out), "--timeout", "1.5"])
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("rows, line, message", [
+    ([{"response": "x", "answer": "1"}, "{not json"], 2, "not valid JSON"),
+    ([{"answer": "1"}], 1, "'response'"),
+    ([{"response": "x"}], 1, "'answer'"),
+    ([{"response": "x", "answers": []}], 1, "'answers'"),
+    ([{"response": "x", "answer": ["1"]}], 1, "'answer'"),
+    (["", "[1, 2]"], 2, "JSON object"),
+])
+def test_grade_file_bad_rows(tmp_path, rows, line, message):
+    src = tmp_path / "bad.jsonl"
+    _write_jsonl(src, rows)
+    with pytest.raises(UserError) as err:
+        grade_file(src, None, 2.0)
+    assert f"{src}:{line}" in str(err.value) and message in str(err.value)
+
+
+def test_cli_grade_user_error_exit_code(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    _write_jsonl(src, [{"response": r"\boxed{1}", "answer": "1"}, {"response": 3, "answer": "1"}])
+    exe = Path(sys.executable).with_name("rlrecipe")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "rlrecipe.cli.app"]
+    proc = subprocess.run([*cmd, "grade", str(src)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert f"{src}:2" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(UserError, match="no such file"):
+        grade_file(tmp_path / "missing.jsonl")

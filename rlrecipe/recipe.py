@@ -47,12 +47,6 @@ class ModelSection(Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
 
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSection:
-        if self.path is None and self.tiny is None:
-            raise ValueError("set model.path (HF dir or hub id) or model.tiny (build from scratch)")
-        return self
-
 
 class DataSection(Section):
     # Canonical JSONL files (see rlrecipe.data) or registry names (`boba-106k`).
@@ -201,13 +195,20 @@ class RunSection(Section):
 
 class Recipe(Section):
     run: RunSection
-    model: ModelSection
+    model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     sft: SFTSection = SFTSection()
     rl: RLSection = RLSection()
     rollout: RolloutSection = RolloutSection()
     trainer: TrainerSection = TrainerSection()
     eval: EvalSection = EvalSection()
+
+    @model_validator(mode="after")
+    def _model_source(self) -> Recipe:
+        if self.model.path is None and self.model.tiny is None and self.run.init_from is None:
+            raise ValueError("model: set model.path (HF dir or hub id), model.tiny (build from scratch), "
+                             "or run.init_from (another run's output)")
+        return self
 
     def canonical_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -367,7 +367,6 @@ class Grader:
         self._workers: list[_Worker] = []
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._closed = False
         self.stats = {"graded": 0, "fast_path": 0, "math_verify": 0, "timeouts": 0,
                       "crashes": 0, "workers_started": 0}
         _LIVE.add(self)
@@ -451,7 +450,6 @@ class Grader:
     def _own_pool(self) -> None:
         if self._pid != os.getpid():  # we were forked: the workers belong to the parent
             self._workers, self._pid = [], os.getpid()
-        self._closed = False
 
     def _grow(self, n: int) -> None:
         while len(self._workers) < n:
@@ -602,11 +600,10 @@ def read_grading_rows(file: Path) -> list[tuple[int, dict[str, Any], list[str]]]
             raise UserError(f"{where}: missing string field 'response'")
         if "answers" in row:
             refs = row["answers"]
-            if (not isinstance(refs, list) or not refs
-                    or not all(isinstance(a, (str, int)) and not isinstance(a, bool) for a in refs)):
+            if not isinstance(refs, list) or not refs or not all(_is_answer(a) for a in refs):
                 raise UserError(f"{where}: 'answers' must be a non-empty list of strings")
         elif "answer" in row:
-            if not isinstance(row["answer"], (str, int)) or isinstance(row["answer"], bool):
+            if not _is_answer(row["answer"]):
                 raise UserError(f"{where}: 'answer' must be a string")
             refs = [row["answer"]]
         else:
@@ -615,6 +612,10 @@ def read_grading_rows(file: Path) -> list[tuple[int, dict[str, Any], list[str]]]
             raise UserError(f"{where}: 'truncated' must be true or false")
         rows.append((lineno, row, [str(a) for a in refs]))
     return rows
+
+
+def _is_answer(a: Any) -> bool:
+    return isinstance(a, (str, int, float)) and not isinstance(a, bool)
 
 
 def grade_file(file: Path | str, out: Path | str | None = None, timeout: float = DEFAULT_TIMEOUT) -> Path:

@@ -40,16 +40,22 @@ def sft(recipe: Path, set_: SetOpt = None,
         resume: Annotated[bool, typer.Option(help="continue from the last checkpoint")] = False) -> None:
     """Supervised fine-tuning (distillation), loss on response tokens only."""
     from rlrecipe.sft import run_sft
+    from rlrecipe.train.launch import maybe_relaunch
 
-    run_sft(_load(recipe, set_), resume=resume)
+    loaded = _load(recipe, set_)
+    maybe_relaunch("sft", loaded, resume)  # several DeepSpeed processes: run under torchrun, exit
+    run_sft(loaded, resume=resume)
 
 
 def rl(recipe: Path, set_: SetOpt = None,
        resume: Annotated[bool, typer.Option(help="continue from the last checkpoint")] = False) -> None:
     """Critic-free PPO with IcePop and C3PO++."""
     from rlrecipe.rl import run_rl
+    from rlrecipe.train.launch import maybe_relaunch
 
-    run_rl(_load(recipe, set_), resume=resume)
+    loaded = _load(recipe, set_)
+    maybe_relaunch("rl", loaded, resume)  # multi-process RL is refused with a clear message
+    run_rl(loaded, resume=resume)
 
 
 def eval_(recipe: Annotated[Path | None, typer.Argument(help="recipe; default: the latest run's own")] = None,

@@ -121,6 +121,12 @@ class SGLangServer(Section):
     num_servers: int = Field(1, ge=1)
     startup_timeout_s: float = Field(600.0, gt=0)
     extra_args: list[str] = []
+    # Concurrent /generate requests the engine keeps open per server (SGLang batches them itself).
+    max_concurrency: int = Field(512, ge=1)
+    # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
+    # Placeholders: {model} {host} {port} {index} {dtype} {seed}. E.g. the CPU stand-in that
+    # speaks the same API: ["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"].
+    launch_cmd: list[str] = []
 
 
 class RolloutSection(Section):

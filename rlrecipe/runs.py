@@ -82,6 +82,10 @@ class Run:
         self.run_dir = Path(self.recipe.run.output_dir) / self.recipe.run.name
         self.dir = self.run_dir / subdir if subdir else self.run_dir
         self.ckpt_dir = self.dir / "checkpoints"
+        if not resume:
+            # a fresh start must not mix with an earlier run of the same name
+            shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+            (self.dir / "metrics.jsonl").unlink(missing_ok=True)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir.mkdir(exist_ok=True)
         recorded = self.dir / "recipe.sha256"

@@ -15,6 +15,7 @@ from rlrecipe.modeling import load_tokenizer, resolve_model_dir
 from rlrecipe.recipe import LoadedRecipe
 from rlrecipe.runs import Run, console, resolve_init
 from rlrecipe.train import make_train_engine
+from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero, make_run
 from rlrecipe.train.torch_engine import TrainSample
 
 
@@ -50,10 +51,10 @@ def run_sft(loaded: LoadedRecipe, resume: bool = False) -> dict:
     recipe = loaded.recipe
     if not recipe.data.train:
         raise UserError(f"{loaded.path}: data.train: an SFT dataset is required")
-    run = Run(loaded, "sft", resume=resume)
+    run = make_run(loaded, "sft", resume=resume)  # under torchrun: rank 0 alone writes records
     torch.manual_seed(recipe.run.seed)
-    model_dir = resolve_model_dir(recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir),
-                                  run.dir, recipe.run.seed)
+    model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
+        recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))
     tokenizer = load_tokenizer(model_dir)
     samples, cut = build_sft_samples(load_rows(recipe.data.train, "sft"), tokenizer, recipe.data.prompt_template,
                                      recipe.sft.max_length)
@@ -96,7 +97,7 @@ def run_sft(loaded: LoadedRecipe, resume: bool = False) -> dict:
                     engine.save(d)
     final = engine.export_hf(run.final_model_dir, tokenizer)
     results = {}
-    if recipe.eval.benchmarks:
+    if recipe.eval.benchmarks and is_rank_zero():
         from rlrecipe.eval.runner import evaluate_model_dir
 
         results = evaluate_model_dir(loaded, final, Run(loaded, "eval", subdir="eval").dir)
@@ -111,5 +112,7 @@ def _validate(loaded: LoadedRecipe, engine, tokenizer, run: Run, step: int) -> d
     from rlrecipe.eval.runner import evaluate_model_dir
 
     export = engine.export_hf(run.dir / "validation_model", tokenizer)
+    if not is_rank_zero():
+        return {}
     out = evaluate_model_dir(loaded, export, run.dir / "validation" / f"step_{step:07d}")
     return {f"val/{name}/avg": s["avg"] for name, s in out.items()}

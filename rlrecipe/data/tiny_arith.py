@@ -1,27 +1,36 @@
 """tiny-arith: a synthetic boxed-answer task that tells the story of distillation, then RL.
 
-Column addition, one line per column from the right (`da+db+carry=sum`), ending in
-`\\boxed{a+b}`. The SFT "teacher" has a systematic bug: when the previous column summed to
-10 or 11 it forgets the carry with probability `forget_prob`. A model distilled from it
-inherits the bug (SFT plateaus near the teacher); only a verifiable reward can take it past.
+"Start at 347 and keep adding 58. What is the first number above 900?" The worked solution
+writes one line per addition (`347+58=405`) until it passes the limit, then `\\boxed{...}`.
+Every value has three digits and every step two, so each line has the same shape and each
+step is local (copy the last result, add the step, compare with the limit): a model of about
+a million parameters learns it in minutes on a CPU.
 
-Operand lengths have a long tail, so response lengths do too (what C3PO++ is for), and the
-prompt phrasing varies, so prompts have different lengths as well.
+The SFT "teacher" has a systematic bug: when the units digits of a line sum to 10 or 11 it
+forgets the carry with probability `forget_prob`, and carries the wrong value forward (which
+always ends at a wrong answer). A model distilled from it inherits the bug, so SFT plateaus
+near the teacher; only a verifiable reward takes it past. The number of lines has a long
+tail, so response lengths do too (what C3PO++ is for); prompts differ in wording and length.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlrecipe.runs import atomic_write_text
 
-PHRASINGS = ["Add {a} and {b}.", "What is {a} + {b}?", "Compute {a}+{b}.", "Find the sum of {a} and {b}."]
-# P(number of digits = 1..8): most problems are short, a few are long.
-LENGTH_WEIGHTS = [0.10, 0.22, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03]
-FORGETFUL_SUMS = (10, 11)
+PHRASINGS = [
+    "Start at {start} and keep adding {step}. What is the first number above {limit}?",
+    "Count up from {start} in steps of {step}. Which is the first number above {limit}?",
+    "From {start}, add {step} again and again until you pass {limit}. Where do you land?",
+]
+# P(number of lines = 1, 2, ...): most problems are short, a few are long.
+LINE_WEIGHTS = [0.16, 0.16, 0.14, 0.12, 0.10, 0.08, 0.06, 0.05, 0.04, 0.03, 0.02, 0.02, 0.01, 0.01]
+FORGETFUL_UNITS = (10, 11)
 
 
 @dataclass(frozen=True)
@@ -31,54 +40,69 @@ class TinyArithConfig:
     n_rl: int = 4000
     n_eval: int = 200
     forget_prob: float = 0.6
+    max_lines: int = len(LINE_WEIGHTS)
+    phrasings: int = len(PHRASINGS)  # how many of PHRASINGS prompts use
 
 
-def _number(rng: random.Random) -> int:
-    length = rng.choices(range(1, len(LENGTH_WEIGHTS) + 1), weights=LENGTH_WEIGHTS)[0]
-    if length == 1:
-        return rng.randrange(0, 10)
-    return rng.randrange(10 ** (length - 1), 10**length)
+@dataclass(frozen=True)
+class Problem:
+    start: int
+    step: int
+    limit: int
+
+    @property
+    def answer(self) -> int:
+        return self.start + self.step * ((self.limit - self.start) // self.step + 1)
 
 
-def columns(a: int, b: int) -> list[tuple[int, int]]:
-    da, db = str(a)[::-1], str(b)[::-1]
-    width = max(len(da), len(db))
-    return [(int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0) for i in range(width)]
+def add_line(value: int, step: int, rng: random.Random | None, forget_prob: float) -> int:
+    """One addition of the teacher's; with `rng` it may forget the units carry."""
+    if value % 10 + step % 10 in FORGETFUL_UNITS and rng is not None and rng.random() < forget_prob:
+        return value + step - 10
+    return value + step
 
 
-def solve(a: int, b: int, rng: random.Random | None = None, forget_prob: float = 0.0) -> tuple[str, int]:
+def solve(p: Problem, rng: random.Random | None = None, forget_prob: float = 0.0) -> tuple[str, int]:
     """The worked solution and the answer it reaches. With `rng`, the teacher may forget carries."""
-    lines, digits, carry, prev_sum = [], [], 0, None
-    for da, db in columns(a, b):
-        if carry and prev_sum in FORGETFUL_SUMS and rng is not None and rng.random() < forget_prob:
-            carry = 0
-        s = da + db + carry
-        lines.append(f"{da}+{db}+{carry}={s}")
-        digits.append(s % 10)
-        carry, prev_sum = s // 10, s
-    answer = int(("1" if carry else "") + "".join(str(d) for d in reversed(digits)))
-    return "\n".join(lines) + f"\n\\boxed{{{answer}}}", answer
+    lines, value = [], p.start
+    while value <= p.limit:
+        new = add_line(value, p.step, rng, forget_prob)
+        lines.append(f"{value}+{p.step}={new}")
+        value = new
+    return "\n".join(lines) + f"\n\\boxed{{{value}}}", value
 
 
-def teacher_accuracy(a: int, b: int, forget_prob: float) -> float:
+def teacher_accuracy(p: Problem, forget_prob: float) -> float:
     """Exact probability that the teacher's solution is right: no forgotten carry on the way."""
-    events, carry, prev_sum = 0, 0, None
-    for da, db in columns(a, b):
-        if carry and prev_sum in FORGETFUL_SUMS:
-            events += 1
-        s = da + db + carry
-        carry, prev_sum = s // 10, s
+    events, value = 0, p.start
+    while value <= p.limit:
+        events += (value % 10 + p.step % 10) in FORGETFUL_UNITS
+        value += p.step
     return (1.0 - forget_prob) ** events
 
 
-def _problems(rng: random.Random, count: int, taken: set) -> list[tuple[int, int]]:
+def parse_problem(prompt: str) -> Problem:
+    start, step, limit = (int(x) for x in re.findall(r"\d+", prompt))
+    return Problem(start, step, limit)
+
+
+def _problem(rng: random.Random, max_lines: int) -> Problem:
+    lines = rng.choices(range(1, max_lines + 1), weights=LINE_WEIGHTS[:max_lines])[0]
+    # every value stays in 100..999 and every step in 11..99, so all lines have one shape
+    step = rng.randrange(11, min(99, 899 // lines) + 1)
+    start = rng.randrange(100, 999 - lines * step + 1)
+    limit = rng.randrange(start + (lines - 1) * step, start + lines * step)
+    return Problem(start, step, limit)
+
+
+def _problems(rng: random.Random, count: int, taken: set, max_lines: int) -> list[Problem]:
     out = []
     while len(out) < count:
-        pair = (_number(rng), _number(rng))
-        if pair in taken:
+        p = _problem(rng, max_lines)
+        if p in taken:
             continue
-        taken.add(pair)
-        out.append(pair)
+        taken.add(p)
+        out.append(p)
     return out
 
 
@@ -86,20 +110,20 @@ def generate(cfg: TinyArithConfig) -> dict[str, list[dict]]:
     rng = random.Random(cfg.seed)
     taken: set = set()
     # Eval first, so growing the training sets never changes the held-out problems.
-    eval_pairs = _problems(rng, cfg.n_eval, taken)
-    sft_pairs = _problems(rng, cfg.n_sft, taken)
-    rl_pairs = _problems(rng, cfg.n_rl, taken)
+    eval_p = _problems(rng, cfg.n_eval, taken, cfg.max_lines)
+    sft_p = _problems(rng, cfg.n_sft, taken, cfg.max_lines)
+    rl_p = _problems(rng, cfg.n_rl, taken, cfg.max_lines)
 
-    def prompt(a: int, b: int) -> str:
-        return rng.choice(PHRASINGS).format(a=a, b=b)
+    def prompt(p: Problem) -> str:
+        return rng.choice(PHRASINGS[: cfg.phrasings]).format(start=p.start, step=p.step, limit=p.limit)
 
     sft = []
-    for i, (a, b) in enumerate(sft_pairs):
-        response, _ = solve(a, b, rng, cfg.forget_prob)
-        sft.append({"id": f"sft-{i}", "prompt": prompt(a, b), "response": response})
-    rl = [{"id": f"rl-{i}", "prompt": prompt(a, b), "answers": [str(a + b)]} for i, (a, b) in enumerate(rl_pairs)]
-    ev = [{"id": f"eval-{i}", "problem": prompt(a, b), "answer": str(a + b),
-           "teacher_accuracy": teacher_accuracy(a, b, cfg.forget_prob)} for i, (a, b) in enumerate(eval_pairs)]
+    for i, p in enumerate(sft_p):
+        response, _ = solve(p, rng, cfg.forget_prob)
+        sft.append({"id": f"sft-{i}", "prompt": prompt(p), "response": response})
+    rl = [{"id": f"rl-{i}", "prompt": prompt(p), "answers": [str(p.answer)]} for i, p in enumerate(rl_p)]
+    ev = [{"id": f"eval-{i}", "problem": prompt(p), "answer": str(p.answer),
+           "teacher_accuracy": teacher_accuracy(p, cfg.forget_prob)} for i, p in enumerate(eval_p)]
     return {"sft": sft, "rl": rl, "eval": ev}
 
 
@@ -109,9 +133,8 @@ def write_tiny_arith(out_dir: str | Path, cfg: TinyArithConfig) -> dict:
     splits = generate(cfg)
     for kind, rows in splits.items():
         atomic_write_text(out_dir / f"{kind}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    sft_correct = sum(
-        r["response"].endswith(f"\\boxed{{{_true_sum(r['prompt'])}}}") for r in splits["sft"]
-    ) / max(1, len(splits["sft"]))
+    sft_correct = sum(r["response"].endswith(f"\\boxed{{{parse_problem(r['prompt']).answer}}}")
+                      for r in splits["sft"]) / max(1, len(splits["sft"]))
     teacher_eval = sum(r["teacher_accuracy"] for r in splits["eval"]) / max(1, len(splits["eval"]))
     stats = {
         "config": asdict(cfg),
@@ -121,10 +144,3 @@ def write_tiny_arith(out_dir: str | Path, cfg: TinyArithConfig) -> dict:
     }
     atomic_write_text(out_dir / "meta.json", json.dumps(stats, indent=2))
     return stats
-
-
-def _true_sum(prompt: str) -> int:
-    import re
-
-    a, b = (int(x) for x in re.findall(r"\d+", prompt))
-    return a + b

@@ -1,0 +1,227 @@
+"""`make bench`: ratios measured side by side in one run; writes bench/results.json, prints a table.
+
+Never part of `make test`; nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from rlrecipe.algo.packing import allocate_microbatches
+from rlrecipe.c3po import PromptStream, RolloutPool
+from rlrecipe.data.io import load_rows
+from rlrecipe.modeling import load_model, load_tokenizer
+from rlrecipe.recipe import RLSection, TrainerSection
+from rlrecipe.reward import Grader
+from rlrecipe.rollout.inprocess import InProcessEngine
+from rlrecipe.sft import build_sft_samples, sft_loss
+from rlrecipe.train.torch_engine import TorchTrainEngine
+from rlrecipe.trajectory import SamplingParams, Trajectory
+
+console = Console()
+OUT = Path("bench/results.json")
+DATA = Path("data/tiny-arith")
+MODEL = Path("runs/tiny-sft/final")
+
+
+def ensure_inputs() -> None:
+    """The benchmarks use the demo's SFT model: its responses have the task's long-tail lengths."""
+    if not (DATA / "rl.jsonl").exists():
+        subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "data", "make", "tiny-arith", "--out", str(DATA)],
+                       check=True)
+    if not (MODEL / "config.json").exists():
+        console.print("no runs/tiny-sft/final yet: training it with recipes/tiny_sft.yaml first")
+        subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "sft", "recipes/tiny_sft.yaml",
+                        "--set", "eval.benchmarks=[]"], check=True)
+
+
+def bench_c3po(steps: int = 6) -> dict:
+    """Synchronous batches vs C3PO++ with the same tokens trained per step (same weights, no update)."""
+    tok = load_tokenizer(MODEL)
+    rows = load_rows(str(DATA / "rl.jsonl"), "rl")
+    params = SamplingParams(temperature=1.0, max_new_tokens=160)
+    engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="bfloat16", max_batch=512)
+    sync_cfg = RLSection(prompts_per_step=64, samples_per_prompt=8, c3po={"enabled": False})
+    pool = RolloutPool(sync_cfg, PromptStream(rows, tok, "plain", seed=0))
+    sync_times, tokens = [], []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        batch, _ = pool.collect(engine, params, seed=s)
+        sync_times.append(time.perf_counter() - t0)
+        tokens.append(sum(len(t.response_ids) for t in batch))
+    budget = int(sum(tokens) / len(tokens))
+    c3_cfg = RLSection(prompts_per_step=64, samples_per_prompt=8,
+                       c3po={"enabled": True, "token_budget": budget, "pool_capacity": 512, "max_staleness": 2})
+    pool = RolloutPool(c3_cfg, PromptStream(rows, tok, "plain", seed=0))
+    c3_times, c3_tokens = [], []
+    for s in range(steps + 1):
+        t0 = time.perf_counter()
+        batch, _ = pool.collect(engine, params, seed=s)
+        if s > 0:  # the first phase fills an empty pool; steady state starts after it
+            c3_times.append(time.perf_counter() - t0)
+            c3_tokens.append(sum(len(t.response_ids) for t in batch))
+    sync_rate = sum(tokens) / sum(sync_times)
+    c3_rate = sum(c3_tokens) / sum(c3_times)
+    return {"sync_rollout_s_per_step": sum(sync_times) / steps, "c3po_rollout_s_per_step": sum(c3_times) / steps,
+            "tokens_per_step_sync": budget, "tokens_per_step_c3po": sum(c3_tokens) / steps,
+            "rollout_speedup_per_trained_token": c3_rate / sync_rate}
+
+
+def _sft_samples(n: int = 256):
+    tok = load_tokenizer(MODEL)
+    samples, _ = build_sft_samples(load_rows(str(DATA / "sft.jsonl"), "sft")[:n], tok, "plain", 512)
+    total = sum(s.num_response for s in samples)
+    for s in samples:
+        s.fields = {"scale": torch.full((s.num_response,), 1.0 / total)}
+    return samples
+
+
+def bench_packing(budget: int = 2048, repeats: int = 3) -> dict:
+    samples = _sft_samples()
+    engine = TorchTrainEngine(MODEL, TrainerSection(max_tokens_per_microbatch=budget), total_steps=100)
+    lengths = [len(s.input_ids) for s in samples]
+    bins = allocate_microbatches(lengths, budget)
+    engine.train_step(samples, sft_loss)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        engine.train_step(samples, sft_loss)
+    packed_s = (time.perf_counter() - t0) / repeats
+
+    # padded baseline: same sequences, same number of sequences per micro-batch, right-padded
+    model = engine.model
+    per_mb = max(1, len(samples) // len(bins))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def padded_step():
+        opt.zero_grad()
+        for i in range(0, len(samples), per_mb):
+            mb = samples[i:i + per_mb]
+            width = max(len(s.input_ids) for s in mb)
+            ids = torch.zeros((len(mb), width), dtype=torch.long)
+            mask = torch.zeros((len(mb), width), dtype=torch.long)
+            for j, s in enumerate(mb):
+                ids[j, :len(s.input_ids)] = torch.tensor(s.input_ids)
+                mask[j, :len(s.input_ids)] = 1
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            (-(logp * mask[:, 1:]).sum() / mask.sum()).backward()
+        opt.step()
+
+    padded_step()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        padded_step()
+    padded_s = (time.perf_counter() - t0) / repeats
+    padded_tokens = sum(max(len(s.input_ids) for s in samples[i:i + per_mb]) * len(samples[i:i + per_mb])
+                        for i in range(0, len(samples), per_mb))
+    return {"packed_s_per_step": packed_s, "padded_s_per_step": padded_s, "packed_speedup": padded_s / packed_s,
+            "microbatches": len(bins), "microbatch_lower_bound": -(-sum(lengths) // budget),
+            "padding_fraction_padded": 1 - sum(lengths) / padded_tokens, "padding_fraction_packed": 0.0}
+
+
+def bench_trainer_overhead(repeats: int = 3) -> dict:
+    """Our train_step vs a bare torch loop over the very same packed micro-batches."""
+    samples = _sft_samples()
+    engine = TorchTrainEngine(MODEL, TrainerSection(max_tokens_per_microbatch=2048), total_steps=100)
+    mbs = engine.microbatches(samples)
+    engine.train_step(samples, sft_loss)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        engine.train_step(samples, sft_loss)
+    ours = (time.perf_counter() - t0) / repeats
+    model, opt = engine.model, torch.optim.AdamW(engine.model.parameters(), lr=1e-4)
+    from rlrecipe.algo.packing import pack
+
+    def bare():
+        opt.zero_grad()
+        for mb in mbs:
+            ids, pos = pack([s.input_ids for s in mb])
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
+            logp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            (-logp.sum() / ids.numel()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    bare()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        bare()
+    base = (time.perf_counter() - t0) / repeats
+    return {"ours_s_per_step": ours, "bare_torch_s_per_step": base, "overhead_ratio": ours / base}
+
+
+def bench_grading(n: int = 400) -> dict:
+    fast = [f"so \\boxed{{{i}}}" for i in range(n)]
+    slow = [f"so \\boxed{{\\frac{{{i}}}{{2}}}}" for i in range(n)]
+    refs = [[str(i / 2)] for i in range(n)]
+    with Grader(timeout=2.0) as g:
+        g.grade(slow[:4], refs[:4])  # start the workers
+        t0 = time.perf_counter()
+        g.grade(fast, [[str(i)] for i in range(n)])
+        fast_rate = n / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        res = g.grade(slow, refs)
+        slow_rate = n / (time.perf_counter() - t0)
+    return {"fast_path_answers_per_s": fast_rate, "math_verify_answers_per_s": slow_rate,
+            "math_verify_correct_frac": sum(r.correct for r in res) / n}
+
+
+def bench_engine(n: int = 256) -> dict:
+    """Slot-refilling engine vs plain transformers generate on the same prompts, same model."""
+    tok = load_tokenizer(MODEL)
+    rows = load_rows(str(DATA / "rl.jsonl"), "rl")[:n]
+    from rlrecipe.data.templates import prompt_token_ids
+
+    prompts = [prompt_token_ids(tok, r["prompt"], "plain") for r in rows]
+    engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="float32", max_batch=128)
+    trajs = [Trajectory(uid=str(i), prompt_ids=p) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    engine.generate(trajs, SamplingParams(max_new_tokens=160), seed=0)
+    ours_s = time.perf_counter() - t0
+    ours_tokens = sum(len(t.response_ids) for t in trajs)
+    model = load_model(MODEL)
+    tok.padding_side = "left"
+    hf_tokens, t0 = 0, time.perf_counter()
+    for i in range(0, n, 128):
+        batch = tok.pad({"input_ids": prompts[i:i + 128]}, return_tensors="pt")
+        out = model.generate(**batch, max_new_tokens=160, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id)
+        new = out[:, batch["input_ids"].shape[1]:]
+        hf_tokens += int(((new != tok.pad_token_id).cumsum(-1) > 0).sum())
+    hf_s = time.perf_counter() - t0
+    return {"ours_tokens_per_s": ours_tokens / ours_s, "hf_generate_tokens_per_s": hf_tokens / hf_s,
+            "speedup": (ours_tokens / ours_s) / (hf_tokens / hf_s)}
+
+
+def main() -> None:
+    ensure_inputs()
+    results = {}
+    for name, fn in [("c3po_vs_sync", bench_c3po), ("packed_vs_padded", bench_packing),
+                     ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
+                     ("engine_refill_vs_generate", bench_engine)]:
+        console.print(f"[bold]bench[/] {name} ...")
+        results[name] = fn()
+    results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "time": time.time()}
+    OUT.write_text(json.dumps(results, indent=2))
+    table = Table(title="rlrecipe bench (ratios from one run, same machine)")
+    table.add_column("benchmark")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, vals in results.items():
+        if name == "env":
+            continue
+        for k, v in vals.items():
+            table.add_row(name, k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    console.print(table)
+    console.print(f"written to {OUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""DeepSpeed ZeRO training engine: the TorchTrainEngine interface over one or many processes.
+
+Data parallelism and the global batch
+-------------------------------------
+Every rank calls `train_step(samples, loss_fn)` and `compute_logprobs(samples)` with the same
+global batch (the caller computes the per-token `scale` fields over that global batch). The
+engine splits the samples across ranks, balancing tokens (longest first onto the least-loaded
+rank), and each rank packs its share into micro-batches exactly as the torch engine does.
+
+Loss normalisation: each rank's loss is the sum over its micro-batches of per-token terms already
+scaled for the global batch, so the global loss is the SUM over ranks. DeepSpeed AVERAGES
+gradients over the data-parallel ranks (it divides by the world size when it reduces them), so
+every micro-batch loss is multiplied by the world size before `engine.backward`; the reduced
+gradient is then exactly the gradient of the global loss, the same one the torch engine computes
+in one process. Reported `loss` and the loss_fn's stats are summed over ranks.
+
+Equal collectives: ZeRO-2 reduces gradients in every backward and ZeRO-3 gathers parameters in
+every forward, so all ranks must run the same number of forwards and backwards. Ranks with fewer
+micro-batches than the busiest one run padding micro-batches (a 2-token dummy sequence whose
+loss is multiplied by 0: zero gradient, same collectives). The accumulation boundary is set by
+hand (`set_gradient_accumulation_boundary`, True on the last micro-batch only, with
+gradient_accumulation_steps 1), then one `engine.step()` per `train_step`.
+
+Optimizer and schedule: torch AdamW with the recipe's lr/betas/eps/weight decay, passed to
+DeepSpeed (`zero_allow_untested_optimizer`, so no C++ Adam op is built); the transformers
+schedule of the torch engine as DeepSpeed's client scheduler; clipping through DeepSpeed's
+`gradient_clipping`. A step whose gradient norm is NaN/inf is skipped by DeepSpeed; the schedule
+still advances, as in the torch engine. `model.dtype: bfloat16` enables DeepSpeed bf16 (bf16
+weights and compute, fp32 master weights in the optimizer), `float16` enables fp16 with dynamic
+loss scaling, `float32` trains in fp32; `trainer.bf16_autocast` additionally runs the forward in
+torch.autocast, as in the torch engine. ZeRO stage 1, 2 or 3 from `trainer.zero_stage`;
+`trainer.offload_optimizer` / `trainer.offload_params` (stage 3) offload to CPU memory.
+
+Checkpoints: `save(dir)` writes DeepSpeed's own checkpoint (every rank writes its optimizer shard;
+module, scheduler and `steps_done` from rank 0), each rank's RNG state, and a full HF export in
+`dir/model` (the torch engine's layout). `load(dir)` restores all of that; it needs the same
+number of ranks. `export_hf` gathers ZeRO-3 parameters layer by layer onto rank 0, which alone
+writes; `rollout_state()` returns that gathered state dict on rank 0 (an empty dict elsewhere).
+
+Known limit: every rank loads the full model into host memory before DeepSpeed partitions it
+(no `zero.Init` loading yet), so host RAM must hold nproc copies of the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlrecipe.algo.packing import allocate_microbatches, balanced_bins
+from rlrecipe.errors import UserError
+from rlrecipe.modeling import load_model
+from rlrecipe.recipe import TrainerSection
+from rlrecipe.train.launch import barrier, init_distributed
+from rlrecipe.train.torch_engine import (
+    LossFn,
+    TorchTrainEngine,
+    TrainSample,
+    capture_rng,
+    make_scheduler,
+    restore_rng,
+)
+
+CKPT_SUBDIR = "deepspeed"
+CKPT_TAG = "state"
+
+
+def _skip_cpu_shm_comm_build() -> None:
+    """On CPU, DeepSpeed's comm backend compiles a shared-memory all-reduce op (~70 s on 2 cores) that
+    only inference all-reduce uses; training never calls it and falls back to gloo without it.
+    Skip the build unless RLRECIPE_DS_SHM_COMM=1. No effect on GPU (no such op there)."""
+    if torch.cuda.is_available() or os.environ.get("RLRECIPE_DS_SHM_COMM") == "1":
+        return
+    import importlib
+
+    # (`import deepspeed.comm.torch as m` would bind torch itself: deepspeed.comm has a `torch` attribute)
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_comm_torch, "build_shm_op"):
+        ds_comm_torch.build_shm_op = lambda: None
+
+
+def build_ds_config(cfg: TrainerSection, dtype: str, world: int, overrides: dict | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for a recipe's trainer section (one micro-batch, boundaries set by hand)."""
+    if cfg.zero_stage == 0:
+        raise UserError("trainer.zero_stage: 0 is plain data parallelism; the DeepSpeed engine needs ZeRO stage "
+                        "1, 2 or 3 (or use trainer.engine: torch in one process)")
+    if cfg.offload_params and cfg.zero_stage != 3:
+        raise UserError(f"trainer.offload_params needs trainer.zero_stage: 3 (got {cfg.zero_stage})")
+    zero: dict[str, Any] = {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": False,
+                            "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    elif dtype == "float16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return _merge(config, overrides or {})
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class DeepSpeedTrainEngine(TorchTrainEngine):
+    """Same interface as TorchTrainEngine; `_forward` and `microbatches` are inherited."""
+
+    def __init__(self, model_dir: str | Path, cfg: TrainerSection, total_steps: int, dtype: str = "float32",
+                 temperature: float = 1.0, gradient_checkpointing: bool = False,
+                 ds_config_overrides: dict | None = None):
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        init_distributed()
+        _skip_cpu_shm_comm_build()
+        # DeepSpeed calls torch.distributed functions that torch has deprecated; not ours to fix.
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+        self.cfg = cfg
+        self.temperature = temperature
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.ds_config = build_ds_config(cfg, dtype, self.world, ds_config_overrides)
+        model = load_model(model_dir, dtype)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                                      weight_decay=cfg.weight_decay)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config,
+            lr_scheduler=lambda opt: make_scheduler(opt, cfg, total_steps))
+        self.model = self.engine  # TorchTrainEngine._forward calls self.model(...)
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.zero3 = cfg.zero_stage == 3
+        self.steps_done = 0
+        self._pad_token = 0
+
+    # -- data parallel helpers -----------------------------------------------------------------
+    def shard(self, samples: list[TrainSample]) -> list[int]:
+        """Indices of the samples this rank handles: tokens balanced over ranks, data order kept."""
+        if self.world == 1:
+            return list(range(len(samples)))
+        lengths = [len(s.input_ids) for s in samples]
+        bins = balanced_bins(lengths, self.world, budget=sum(lengths) + 1) or [[] for _ in range(self.world)]
+        return sorted(bins[self.rank])
+
+    def _max_over_ranks(self, n: int) -> int:
+        if self.world == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        if self.world == 1:
+            return dict(values)
+        gathered: list[dict[str, float]] = [{} for _ in range(self.world)]
+        dist.all_gather_object(gathered, values)
+        out: dict[str, float] = {}
+        for part in gathered:
+            for k, v in part.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def _dummy(self) -> list[TrainSample]:
+        return [TrainSample([self._pad_token, self._pad_token], 1)]
+
+    # -- forward -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[TrainSample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(logp, entropy) per sample for its response tokens, on every rank (each computes its share)."""
+        self.engine.eval()
+        mine = self.shard(samples)
+        bins = self.microbatches_of(samples, mine)
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(self._max_over_ranks(len(bins))):
+            if i >= len(bins):
+                self._forward(self._dummy(), with_entropy=False)  # keep ZeRO-3's gathers in step
+                continue
+            mb = [samples[j] for j in bins[i]]
+            logp, ent = self._forward(mb, with_entropy=True)
+            sizes = [s.num_response for s in mb]
+            for j, lp, en in zip(bins[i], logp.split(sizes), ent.split(sizes), strict=True):
+                out[j] = (lp.cpu(), en.cpu())
+        if self.world > 1:
+            parts: list[dict] = [{} for _ in range(self.world)]
+            dist.all_gather_object(parts, out)
+            for part in parts:
+                out.update(part)
+        return [out[i] for i in range(len(samples))]
+
+    def microbatches_of(self, samples: list[TrainSample], indices: list[int]) -> list[list[int]]:
+        """Packed micro-batches of samples[indices] (as `microbatches` packs), as indices into samples."""
+        bins = allocate_microbatches([len(samples[i].input_ids) for i in indices], self.cfg.max_tokens_per_microbatch)
+        return [[indices[k] for k in b] for b in bins]
+
+    # -- update --------------------------------------------------------------------------------
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the global batch; this rank trains on its share."""
+        if not samples:  # every rank sees the same global batch, so all return here together
+            self.scheduler.step()
+            self.steps_done += 1
+            return {"loss": 0.0, "grad_norm": 0.0, "lr": self.scheduler.get_last_lr()[0], "skipped": 0.0}
+        self.engine.train()
+        bins = self.microbatches_of(samples, self.shard(samples))
+        n = max(1, self._max_over_ranks(len(bins)))
+        stats: dict[str, float] = {}
+        local_loss = 0.0
+        for i in range(n):
+            self.engine.set_gradient_accumulation_boundary(i == n - 1)
+            if i < len(bins):
+                mb = [samples[j] for j in bins[i]]
+                logp, _ = self._forward(mb, with_entropy=False)
+                fields = {k: torch.cat([s.fields[k] for s in mb]).to(self.device) for k in mb[0].fields}
+                loss, mb_stats = loss_fn(logp, fields)
+                if not loss.requires_grad:  # a constant loss still has to run the backward collectives
+                    loss = loss + logp.sum() * 0.0
+                local_loss += float(loss.detach())
+                for k, v in mb_stats.items():
+                    stats[k] = stats.get(k, 0.0) + v
+            else:
+                logp, _ = self._forward(self._dummy(), with_entropy=False)
+                loss = logp.sum() * 0.0
+            # DeepSpeed averages gradients over ranks; the global loss is their sum.
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+        skipped_before = self.engine.skipped_steps
+        self.engine.step()
+        skipped = self.engine.skipped_steps > skipped_before
+        if skipped:
+            self.scheduler.step()  # DeepSpeed does not advance the schedule on a skipped step; torch engine does
+        totals = self._sum_over_ranks({"loss": local_loss, **stats})
+        norm = self.engine.get_global_grad_norm()  # before clipping, like torch's clip_grad_norm_
+        grad_norm = float("nan") if skipped or norm is None else float(norm)
+        self.steps_done += 1
+        return {"loss": totals.pop("loss"), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                "skipped": 1.0 if skipped else 0.0, **totals}
+
+    # -- state ---------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on rank 0, {} on other ranks. Collective.
+
+        ZeRO-3: gathered module by module onto rank 0 and copied to CPU. ZeRO-1/2: the module's own
+        tensors (views, as TorchTrainEngine.rollout_state returns)."""
+        module = self.engine.module
+        if not self.zero3:  # every rank holds the whole model: views, no copy (as the torch engine)
+            return {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
+        import deepspeed
+
+        out: dict[str, torch.Tensor] = {}
+        seen: dict[int, str] = {}
+
+        def visit(mod: torch.nn.Module, prefix: str) -> None:
+            params = list(mod.parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                if self.rank == 0:
+                    for name, p in mod.named_parameters(recurse=False):
+                        key = prefix + name
+                        if p.ds_id in seen:  # tied weights stay tied
+                            out[key] = out[seen[p.ds_id]]
+                        else:
+                            out[key] = p.detach().to("cpu", copy=True)
+                            seen[p.ds_id] = key
+                    for name, buf in mod.named_buffers(recurse=False):
+                        if name not in mod._non_persistent_buffers_set:
+                            out[prefix + name] = buf.detach().to("cpu", copy=True)
+            for name, child in mod.named_children():
+                visit(child, prefix + name + ".")
+
+        visit(module, "")
+        return out
+
+    def rollout_state(self) -> dict[str, torch.Tensor]:
+        """Full weights for the rollout engine: on rank 0; an empty dict elsewhere. Collective."""
+        return self.full_state_dict()
+
+    def export_hf(self, out_dir: str | Path, tokenizer=None) -> Path:
+        """A full HF safetensors model (and tokenizer) written by rank 0. Collective."""
+        out_dir = Path(out_dir)
+        state = self.full_state_dict()
+        if self.rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.engine.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+        barrier()
+        return out_dir
+
+    def save(self, ckpt_dir: str | Path) -> None:
+        """DeepSpeed checkpoint (all ranks write their shards) + RNG per rank + HF export. Collective."""
+        ckpt_dir = Path(ckpt_dir)
+        ds_dir = ckpt_dir / CKPT_SUBDIR
+        ds_dir.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(ds_dir), tag=CKPT_TAG, client_state={"steps_done": self.steps_done})
+        torch.save(capture_rng(), ds_dir / f"rng_rank{self.rank:05d}.pt")
+        self.export_hf(ckpt_dir / "model")
+        barrier()
+
+    def load(self, ckpt_dir: str | Path) -> None:
+        ds_dir = Path(ckpt_dir) / CKPT_SUBDIR
+        rng_file = ds_dir / f"rng_rank{self.rank:05d}.pt"
+        if not rng_file.exists():
+            raise UserError(f"{ckpt_dir}: no DeepSpeed state for rank {self.rank} (resume with the same "
+                            "trainer.nproc * trainer.nodes and trainer.engine: deepspeed)")
+        path, client = self.engine.load_checkpoint(str(ds_dir), tag=CKPT_TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if path is None:
+            raise UserError(f"{ds_dir}: DeepSpeed could not load the checkpoint")
+        self.steps_done = int(client["steps_done"])
+        restore_rng(torch.load(rng_file, weights_only=False))

@@ -1,0 +1,271 @@
+"""Process launch and rank helpers for multi-process training (the DeepSpeed engine).
+
+One command on one node
+-----------------------
+`rlrecipe sft RECIPE` with `trainer.engine: deepspeed` and `trainer.nproc * trainer.nodes > 1`
+re-executes itself under torchrun (`python -m torch.distributed.run`) with `trainer.nproc`
+processes on this node, then exits with torchrun's status. The children carry
+`RLRECIPE_LAUNCHED=1` so they do not launch again; a command that is already running under
+torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) is never relaunched either, so
+`torchrun --nproc_per_node 8 -m rlrecipe.cli.app sft RECIPE` by hand also works.
+With `trainer.nodes: 1` the rendezvous is torchrun's `--standalone` (a free local port), so
+`trainer.master_addr/master_port` are not used and two runs on one machine do not collide.
+With `trainer.nproc * trainer.nodes == 1` nothing is launched: the engine starts a
+one-process group itself (gloo on CPU, nccl on GPU).
+
+Several nodes
+-------------
+Run the same command on every node with the node's rank in the environment::
+
+    RLRECIPE_NODE_RANK=<0..nodes-1> rlrecipe sft recipes/32b_200.yaml
+
+(`NODE_RANK` and SLURM's `SLURM_NODEID` are read too, in that order.) Node 0 hosts the
+rendezvous at `trainer.master_addr:trainer.master_port`, so master_addr must be node 0's
+address as the other nodes see it and the port must be free there. `run.output_dir` must be on
+a filesystem all nodes share: DeepSpeed writes each rank's optimizer shard into the checkpoint
+directory and every rank reads its own back on resume. Resume with the same nproc * nodes.
+
+Rank 0 alone writes run records (recipe, env.json, metrics.jsonl, W&B, checkpoint markers)
+and prints; the other ranks compute and join collective checkpoint saves
+(`make_run` returns a `Run` that does this). Multi-process RL is not supported yet (the rollout
+engine, grading and the prompt pool would have to live on rank 0 and broadcast each batch);
+RL with the DeepSpeed engine runs with nproc * nodes == 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+from rlrecipe.errors import UserError
+from rlrecipe.recipe import LoadedRecipe, RecipeError, TrainerSection
+
+LAUNCHED_ENV = "RLRECIPE_LAUNCHED"
+NODE_RANK_ENVS = ("RLRECIPE_NODE_RANK", "NODE_RANK", "SLURM_NODEID")
+# Collectives wait this long for a slow rank (e.g. rank 0 evaluating while the others wait).
+TIMEOUT = timedelta(minutes=float(os.environ.get("RLRECIPE_DIST_TIMEOUT_MIN", "120")))
+
+T = TypeVar("T")
+
+
+# -- rank queries: 0 of 1 until a process group is started ----------------------------------------
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def rank() -> int:
+    d = _dist()
+    return d.get_rank() if d else 0
+
+
+def world_size() -> int:
+    d = _dist()
+    return d.get_world_size() if d else 1
+
+
+def is_rank_zero() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    d = _dist()
+    if d and d.get_world_size() > 1:
+        d.barrier()
+
+
+def under_launcher() -> bool:
+    """True inside a process started by torchrun (ours or the user's)."""
+    return bool(os.environ.get(LAUNCHED_ENV)) or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+# -- process group -------------------------------------------------------------------------------
+def init_distributed() -> None:
+    """Start the default process group once: from torchrun's environment, else a 1-process group.
+
+    gloo on CPU, nccl on CUDA. A 1-process group uses an in-memory store, so it needs no port.
+    DeepSpeed finds the group already started and uses it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads it
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if under_launcher() and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=TIMEOUT)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def quiet_other_ranks() -> None:
+    """Only rank 0 prints: the shared rich console goes silent on the others."""
+    from rlrecipe.runs import console
+
+    if not is_rank_zero():
+        console.quiet = True
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def broadcast_from_rank_zero(fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 only and hand its result to every rank (e.g. files only rank 0 may write).
+
+    An exception on rank 0 is raised there; the other ranks exit quietly with status 1.
+    """
+    d = _dist()
+    if d is None or d.get_world_size() == 1:
+        return fn()
+    box: list = [None]
+    if d.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except BaseException:
+            d.broadcast_object_list([("error", None)], src=0)
+            raise
+    d.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status != "ok":
+        raise SystemExit(1)
+    return value
+
+
+# -- relaunch under torchrun ---------------------------------------------------------------------
+def node_rank(nodes: int) -> int:
+    for key in NODE_RANK_ENVS:
+        if os.environ.get(key, "").strip():
+            value = os.environ[key].strip()
+            if not value.isdigit() or int(value) >= nodes:
+                raise UserError(f"{key}={value}: expected a node rank in 0..{nodes - 1} (trainer.nodes = {nodes})")
+            return int(value)
+    if nodes > 1:
+        raise UserError(f"trainer.nodes = {nodes}: set RLRECIPE_NODE_RANK=<0..{nodes - 1}> on every node")
+    return 0
+
+
+def torchrun_command(tr: TrainerSection, cli_args: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tr.nproc}"]
+    if tr.nodes == 1:
+        cmd += ["--standalone", "--nnodes=1"]
+    else:
+        cmd += [f"--nnodes={tr.nodes}", f"--node_rank={node_rank(tr.nodes)}",
+                f"--master_addr={tr.master_addr}", f"--master_port={tr.master_port}"]
+    return cmd + ["-m", "rlrecipe.cli.app", *cli_args]
+
+
+def cli_args_for(stage: str, loaded: LoadedRecipe, resume: bool) -> list[str]:
+    args = [stage, str(loaded.path)]
+    for item in loaded.overrides:
+        args += ["--set", item]
+    return args + (["--resume"] if resume else [])
+
+
+def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False) -> None:
+    """Start torchrun and exit when this recipe wants several DeepSpeed processes; else return.
+
+    Inside a launched process: start the process group and silence ranks other than 0.
+    """
+    tr = loaded.recipe.trainer
+    world = tr.nproc * tr.nodes
+    if under_launcher():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            if tr.engine != "deepspeed":
+                raise RecipeError(f"{loaded.path}: trainer.engine: {tr.engine} runs in one process; use "
+                                  "trainer.engine: deepspeed to train with several")
+            if stage != "sft":
+                raise RecipeError(f"{loaded.path}: trainer.nproc * trainer.nodes > 1: multi-process {stage} is "
+                                  "not supported yet; set trainer.nproc: 1 and trainer.nodes: 1")
+            init_distributed()
+            quiet_other_ranks()
+        return
+    if tr.engine != "deepspeed" or world == 1:
+        return
+    if stage != "sft":
+        raise RecipeError(f"{loaded.path}: trainer.nproc * trainer.nodes = {world}: multi-process {stage} is not "
+                          "supported yet; set trainer.nproc: 1 and trainer.nodes: 1")
+    cmd = torchrun_command(tr, cli_args_for(stage, loaded, resume))
+    env = {**os.environ, LAUNCHED_ENV: "1"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tr.nproc)))
+    rc = subprocess.call(cmd, env=env)
+    raise SystemExit(rc)
+
+
+# -- run records written by rank 0 only ----------------------------------------------------------
+def make_run(loaded: LoadedRecipe, stage: str, resume: bool = False, subdir: str | None = None):
+    """A `Run` for this process: the plain one in a single process; rank-aware under torchrun."""
+    from rlrecipe.runs import Run
+
+    if world_size() == 1:
+        return Run(loaded, stage, resume=resume, subdir=subdir)
+    return _rank_aware_run_class()(loaded, stage, resume=resume, subdir=subdir)
+
+
+def _rank_aware_run_class():
+    from rlrecipe.runs import Run
+
+    class RankAwareRun(Run):
+        """Rank 0 is a normal Run; the others know the paths, write nothing, and join checkpoints."""
+
+        def __init__(self, loaded, stage, resume=False, subdir=None):
+            if is_rank_zero():
+                broadcast_from_rank_zero(lambda: super(RankAwareRun, self).__init__(loaded, stage, resume=resume,
+                                                                                    subdir=subdir))
+                return
+            broadcast_from_rank_zero(lambda: None)  # rank 0 made the directories (or failed)
+            self.loaded, self.recipe, self.stage = loaded, loaded.recipe, stage
+            self.run_dir = Path(self.recipe.run.output_dir) / self.recipe.run.name
+            self.dir = self.run_dir / subdir if subdir else self.run_dir
+            self.ckpt_dir = self.dir / "checkpoints"
+            self.metrics_path = self.dir / "metrics.jsonl"
+            self._wandb = None
+
+        def truncate_metrics(self, after_step: int) -> None:
+            if is_rank_zero():
+                super().truncate_metrics(after_step)
+
+        def log(self, step, metrics, echo: bool = True) -> None:
+            if is_rank_zero():
+                super().log(step, metrics, echo=echo)
+
+        def finish(self) -> None:
+            if is_rank_zero():
+                super().finish()
+
+        @contextmanager
+        def writing_checkpoint(self, step: int):
+            """Every rank writes its part into rank 0's temp dir; rank 0 renames it when all are done."""
+            outer = super().writing_checkpoint(step) if is_rank_zero() else None
+            tmp = broadcast_from_rank_zero(lambda: outer.__enter__())
+            try:
+                yield tmp
+                barrier()  # all parts written
+            except BaseException:
+                if outer is not None:
+                    outer.__exit__(*sys.exc_info())
+                raise
+            if outer is not None:
+                outer.__exit__(None, None, None)
+            barrier()  # the checkpoint is in place before anyone goes on
+
+    return RankAwareRun

@@ -1,0 +1,33 @@
+"""Shared test helpers: tiny recipes written to tmp dirs."""
+
+from pathlib import Path
+
+import yaml
+
+TINY_MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
+              "max_position_embeddings": 256}
+
+
+def write_tiny_data(out: Path, n: int = 64) -> Path:
+    from rlrecipe.data.tiny_arith import TinyArithConfig, write_tiny_arith
+
+    write_tiny_arith(out, TinyArithConfig(seed=0, n_sft=n, n_rl=n, n_eval=8, max_lines=3))
+    return out
+
+
+def write_recipe(path: Path, sections: dict) -> Path:
+    path.write_text(yaml.safe_dump(sections, sort_keys=False))
+    return path
+
+
+def rl_recipe(tmp: Path, data: Path, init_from: str, **rl) -> dict:
+    return {
+        "run": {"name": "rl", "seed": 3, "output_dir": str(tmp / "runs"), "init_from": init_from},
+        "data": {"train": str(data / "rl.jsonl"), "prompt_template": "plain"},
+        "rl": {"steps": 4, "prompts_per_step": 4, "samples_per_prompt": 4, "ppo_minibatches": 2, "save_every": 1,
+               "c3po": {"enabled": True, "token_budget": 300, "pool_capacity": 24, "max_staleness": 1}, **rl},
+        "trainer": {"lr": 1e-3, "max_tokens_per_microbatch": 512},
+        "rollout": {"dtype": "bfloat16", "max_new_tokens": 40, "max_batch": 24},
+        "eval": {"benchmarks": [{"name": "tiny", "path": str(data / "eval.jsonl")}], "n_samples": 2,
+                 "max_new_tokens": 40, "pass_k": [1, 2]},
+    }

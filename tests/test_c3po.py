@@ -1,0 +1,75 @@
+import json
+
+from rlrecipe.c3po import PromptStream, RolloutPool
+from rlrecipe.modeling import load_tokenizer
+from rlrecipe.recipe import RLSection
+from rlrecipe.rollout.inprocess import InProcessEngine
+from rlrecipe.trajectory import SamplingParams, Status
+
+
+def _setup(model_dir, **c3po):
+    tok = load_tokenizer(model_dir)
+    rows = [{"id": f"p{i}", "prompt": "Add %d and %d." % (i, 7 * i), "answers": [str(8 * i)]} for i in range(50)]
+    cfg = RLSection(prompts_per_step=4, samples_per_prompt=3,
+                    c3po={"enabled": True, "token_budget": 60, "pool_capacity": 12, "max_staleness": 1, **c3po})
+    engine = InProcessEngine(model_dir, tok.eos_token_id, tok.pad_token_id, max_batch=12)
+    pool = RolloutPool(cfg, PromptStream(rows, tok, "plain", seed=0))
+    # one group is already 30 tokens in (carried over from an earlier step), so it ends first;
+    # the untrained model never says eos, so everything else runs to max_new_tokens together
+    head = pool.stream.next_group(3)
+    engine.generate(head, SamplingParams(max_new_tokens=30), seed=0)
+    for t in head:
+        t.status = Status.RUNNING
+    pool.in_flight = head
+    return pool, engine
+
+
+def test_budget_ends_the_phase_and_unfinished_rollouts_carry_over(tiny_model_dir):
+    pool, engine = _setup(tiny_model_dir)
+    params = SamplingParams(max_new_tokens=40)
+    finished, stats = pool.collect(engine, params, seed=1)
+    assert sum(len(t.response_ids) for t in finished) >= 60
+    assert all(t.done for t in finished)
+    assert {t.group_id for t in finished} == {"p0@0"} or len(finished) >= 3
+    assert stats.pool_size == len(pool.in_flight) > 0
+    assert all(t.status == Status.RUNNING and t.age == 1 for t in pool.in_flight)
+    assert len(finished) + len(pool.in_flight) <= 12 + 3 * 4  # capacity plus refills within the phase
+    # groups are sampled n = 3 times from one prompt
+    groups = {}
+    for t in finished + pool.in_flight:
+        groups.setdefault(t.group_id, set()).add(tuple(t.prompt_ids))
+    assert all(len(p) == 1 for p in groups.values())
+    carried = {t.uid: len(t.response_ids) for t in pool.in_flight}
+    engine.version = 1
+    finished2, stats2 = pool.collect(engine, params, seed=2)
+    resumed = [t for t in finished2 if t.uid in carried]
+    assert stats2.resumed == len(carried)
+    for t in resumed:  # earlier tokens keep version 0, the continuation is version 1
+        assert set(t.versions[:carried[t.uid]]) <= {0} and t.versions[-1] == 1
+
+
+def test_stale_rollouts_are_dropped_and_counted(tiny_model_dir):
+    pool, engine = _setup(tiny_model_dir, max_staleness=0)
+    params = SamplingParams(max_new_tokens=40)
+    pool.collect(engine, params, seed=1)
+    stale = sum(t.age > 0 for t in pool.in_flight)
+    assert stale > 0
+    _, stats = pool.collect(engine, params, seed=2)
+    assert stats.dropped == stale and pool.total_dropped == stale
+
+
+def test_pool_state_round_trips_through_json(tiny_model_dir):
+    pool, engine = _setup(tiny_model_dir)
+    pool.collect(engine, SamplingParams(max_new_tokens=40), seed=1)
+    state = json.loads(json.dumps(pool.state_dict()))
+    other, _ = _setup(tiny_model_dir)
+    other.load_state_dict(state)
+    assert other.stream.cursor == pool.stream.cursor
+    assert [t.to_dict() for t in other.in_flight] == [t.to_dict() for t in pool.in_flight]
+
+
+def test_synchronous_mode_finishes_every_sample(tiny_model_dir):
+    pool, engine = _setup(tiny_model_dir, enabled=False)
+    pool.in_flight = []  # the synchronous baseline keeps nothing between steps
+    batch, stats = pool.collect(engine, SamplingParams(max_new_tokens=30), seed=1)
+    assert len(batch) == 4 * 3 and all(t.done for t in batch) and not pool.in_flight

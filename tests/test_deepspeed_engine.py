@@ -1,0 +1,265 @@
+"""DeepSpeed engine (ZeRO-2 / ZeRO-3) in real processes: 2 ranks on CPU over gloo, via torchrun.
+
+The same 3 steps run on the torch engine in this process (the reference) and on the DeepSpeed
+engine in 2 processes; losses, gradient norms, log-probs and the exported weights must agree.
+The batches are chosen so the ranks get uneven work: step 2 gives the ranks different numbers of
+micro-batches and step 3 has a single sample, so one rank trains on padding only. A second
+launch loads the step-2 checkpoint in fresh processes and must repeat step 3 exactly.
+
+This file is also the worker: torchrun runs it with a JSON spec as its argument.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+TRAINER = dict(lr=1e-2, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, adam_betas=(0.9, 0.95),
+               adam_eps=1e-8, grad_clip=1.0, max_tokens_per_microbatch=40)
+TOTAL_STEPS = 4
+STEPS = 3
+# Tiny parameters would stay whole under ZeRO-3 (persistence threshold); partition every one.
+PARTITION_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+LOSS_RTOL = 1e-4  # DeepSpeed vs torch engine, float32; observed: loss 3e-7, grad norm 3e-6 (relative)
+WEIGHT_ATOL = 5e-4  # after 3 AdamW steps at lr 1e-2 (one step moves a weight by ~1e-2); observed 6e-5
+TIMEOUT_S = 240
+
+
+def batch(step: int) -> list:
+    """Deterministic uneven batches: (lengths, prompt length) per step."""
+    from rlrecipe.train.torch_engine import TrainSample
+
+    lengths = [[30, 12, 25, 8, 17], [39, 38, 5], [21]][step]
+    g = torch.Generator().manual_seed(100 + step)
+    samples = [TrainSample(torch.randint(5, 200, (n,), generator=g).tolist(), 3) for n in lengths]
+    n_tok = sum(s.num_response for s in samples)
+    for s in samples:
+        s.fields = {"scale": torch.full((s.num_response,), 1.0 / n_tok)}
+    return samples
+
+
+def loss_fn(logp, f):
+    return -(logp * f["scale"]).sum(), {"nll_sum": float(-logp.detach().sum()), "tokens": float(len(logp))}
+
+
+def nan_loss(logp, f):
+    return (logp * f["scale"]).sum() * float("nan"), {}
+
+
+# -- the worker (runs under torchrun) -------------------------------------------------------------
+def worker(spec: dict) -> None:
+    import torch.distributed as dist
+
+    from rlrecipe.recipe import TrainerSection
+    from rlrecipe.train.deepspeed_engine import DeepSpeedTrainEngine
+
+    cfg = TrainerSection(engine="deepspeed", zero_stage=spec["stage"], **TRAINER)
+    eng = DeepSpeedTrainEngine(spec["model"], cfg, TOTAL_STEPS, ds_config_overrides=PARTITION_ALL)
+    out: dict = {"world": eng.world, "steps": []}
+    if spec.get("resume"):
+        eng.load(spec["resume"])
+    else:
+        out["logp0"] = [lp.tolist() for lp, _ in eng.compute_logprobs(batch(0))]
+    out["start"] = eng.steps_done
+    for step in range(eng.steps_done, STEPS):
+        samples = batch(step)
+        counts: list = [None] * eng.world
+        dist.all_gather_object(counts, len(eng.microbatches_of(samples, eng.shard(samples))))
+        stats = eng.train_step(samples, loss_fn)
+        out["steps"].append({"step": step, "microbatches_per_rank": counts, **stats})
+        if step + 1 == spec.get("save_at"):
+            eng.save(spec["ckpt"])
+    eng.export_hf(spec["export"])
+    out["rand_after"] = torch.rand(1).item()  # the RNG state is part of the checkpoint
+    before = eng.compute_logprobs(batch(0))
+    out["nan_step"] = eng.train_step(batch(0), nan_loss)
+    after = eng.compute_logprobs(batch(0))
+    out["nan_step_kept_weights"] = all(torch.equal(a[0], b[0]) for a, b in zip(before, after, strict=True))
+    if eng.rank == 0:
+        Path(spec["out"]).write_text(json.dumps(out))
+
+
+# -- helpers for the tests ------------------------------------------------------------------------
+def run_bounded(cmd: list[str], cwd: Path | None = None) -> str:
+    """Run a command in its own process group; kill the whole group on timeout; return its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+    env.pop("RLRECIPE_LAUNCHED", None)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"timed out after {TIMEOUT_S}s: {cmd}\n{log[-4000:]}")
+    assert proc.returncode == 0, f"failed ({proc.returncode}): {cmd}\n{log[-6000:]}"
+    return log
+
+
+def torchrun(spec: dict, nproc: int = 2) -> dict:
+    """This file as the worker, under torchrun with `nproc` processes (nproc 0: plain python, no torchrun)."""
+    launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     "--nnodes=1", f"--nproc_per_node={nproc}"]
+    run_bounded([*launcher, __file__, json.dumps(spec)])
+    return json.loads(Path(spec["out"]).read_text())
+
+
+def torch_reference(model_dir: Path) -> dict:
+    from rlrecipe.recipe import TrainerSection
+    from rlrecipe.train.torch_engine import TorchTrainEngine
+
+    eng = TorchTrainEngine(model_dir, TrainerSection(engine="torch", **TRAINER), TOTAL_STEPS)
+    ref = {"logp0": [lp for lp, _ in eng.compute_logprobs(batch(0))], "steps": []}
+    for step in range(STEPS):
+        ref["steps"].append(eng.train_step(batch(step), loss_fn))
+    ref["state"] = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+    ref["nan_step"] = eng.train_step(batch(0), nan_loss)
+    return ref
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return torch_reference(tiny_model_dir)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_match_torch_engine_and_resume(stage, tiny_model_dir, reference, tmp_path):
+    spec = {"model": str(tiny_model_dir), "stage": stage, "save_at": 2, "ckpt": str(tmp_path / "ckpt"),
+            "export": str(tmp_path / "export"), "out": str(tmp_path / "full.json")}
+    full = torchrun(spec)
+    assert full["world"] == 2
+
+    # uneven shards: different micro-batch counts at step 2, one rank with no samples at step 3
+    counts = [s["microbatches_per_rank"] for s in full["steps"]]
+    assert counts[1][0] != counts[1][1] and 0 in counts[2], counts
+
+    for i, (ds, ref) in enumerate(zip(full["steps"], reference["steps"], strict=True)):
+        assert ds["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL), f"step {i + 1} loss"
+        assert ds["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL), f"step {i + 1} grad norm"
+        assert ds["lr"] == pytest.approx(ref["lr"], rel=1e-9)
+        assert ds["nll_sum"] == pytest.approx(ref["nll_sum"], rel=LOSS_RTOL)
+        assert ds["tokens"] == ref["tokens"]
+        assert ds["skipped"] == 0.0
+    # a NaN loss skips the update on every rank; the schedule still advances, as in the torch engine
+    assert full["nan_step"]["skipped"] == reference["nan_step"]["skipped"] == 1.0
+    assert full["nan_step"]["lr"] == pytest.approx(reference["nan_step"]["lr"], rel=1e-9)
+    assert full["nan_step_kept_weights"]
+    for ds, ref in zip(full["logp0"], reference["logp0"], strict=True):
+        torch.testing.assert_close(torch.tensor(ds), ref, rtol=0, atol=1e-5)
+
+    # the exported model loads with from_pretrained and matches the torch engine's weights
+    exported = load_weights(tmp_path / "export")
+    for name, ref_w in reference["state"].items():
+        torch.testing.assert_close(exported[name], ref_w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    # so does the HF copy inside the checkpoint
+    assert set(load_weights(tmp_path / "ckpt" / "model")) == set(exported)
+
+    # fresh processes resume from the step-2 checkpoint and repeat step 3 exactly
+    resumed = torchrun({**spec, "resume": spec["ckpt"], "save_at": None, "export": str(tmp_path / "export_resumed"),
+                        "out": str(tmp_path / "resumed.json")})
+    assert resumed["start"] == 2 and len(resumed["steps"]) == 1
+    again, first = resumed["steps"][0], full["steps"][2]
+    assert again["loss"] == pytest.approx(first["loss"], rel=1e-6)
+    assert again["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-6)
+    assert again["lr"] == pytest.approx(first["lr"], rel=1e-12)
+    assert resumed["rand_after"] == full["rand_after"]
+    resumed_w = load_weights(tmp_path / "export_resumed")
+    for name, w in exported.items():
+        torch.testing.assert_close(resumed_w[name], w, rtol=0, atol=1e-6)
+
+
+def test_single_process_without_launcher(tiny_model_dir, reference, tmp_path):
+    """nproc 1: no torchrun; the engine starts a 1-process group itself (ZeRO-3 with everything local)."""
+    spec = {"model": str(tiny_model_dir), "stage": 3, "export": str(tmp_path / "export"), "out": str(tmp_path / "o.json")}
+    out = torchrun(spec, nproc=0)
+    assert out["world"] == 1
+    for ds, ref in zip(out["steps"], reference["steps"], strict=True):
+        assert ds["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        assert ds["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
+
+
+def test_cli_sft_launches_two_ranks_and_resumes(tiny_model_dir, tmp_path):
+    """`rlrecipe sft` with nproc 2 starts torchrun itself; rank 0 alone writes records; resume repeats a step."""
+    rows = [{"id": f"r{i}", "prompt": f"Add {i} and {2 * i + 7}.",
+             "response": f"{i}+{2 * i + 7}\n\\boxed{{{3 * i + 7}}}" + "x" * (i % 5 * 7)} for i in range(12)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "r.yaml").write_text(f"""run: {{name: ds-sft, output_dir: runs, seed: 1}}
+model: {{path: {tiny_model_dir}}}
+data: {{train: sft.jsonl, prompt_template: plain}}
+sft: {{max_steps: 3, batch_size: 5, max_length: 128, save_every: 2}}
+trainer: {{engine: deepspeed, zero_stage: 2, nproc: 2, lr: 1.0e-3, max_tokens_per_microbatch: 64}}
+""")
+    cli = [sys.executable, "-m", "rlrecipe.cli.app", "sft", "r.yaml"]
+    log = run_bounded(cli, cwd=tmp_path)
+    assert log.count("SFT: 12 examples") == 1  # only rank 0 prints
+    run = tmp_path / "runs" / "ds-sft"
+    metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # written once, by rank 0
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_0000003"
+    shards = sorted(p.name for p in (ckpts / "step_0000002" / "deepspeed").rglob("*optim_states.pt"))
+    assert len(shards) == 2, shards  # each rank wrote its optimizer shard
+    assert not list(ckpts.glob("*.partial"))
+    load_weights(run / "final")
+
+    # as if killed after step 2: resume in new processes, step 3 again, same numbers
+    shutil.rmtree(ckpts / "step_0000003")
+    (ckpts / "latest").write_text("step_0000002")
+    log = run_bounded([*cli, "--resume"], cwd=tmp_path)
+    assert "resumed from" in log
+    again = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in again] == [1, 2, 3]
+    assert again[2]["loss"] == pytest.approx(metrics[2]["loss"], rel=1e-6)
+    assert again[2]["grad_norm"] == pytest.approx(metrics[2]["grad_norm"], rel=1e-6)
+
+
+def test_multi_process_rl_is_refused_and_torchrun_command(tmp_path, monkeypatch):
+    from rlrecipe.errors import UserError
+    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
+    from rlrecipe.train import launch
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.LAUNCHED_ENV, *launch.NODE_RANK_ENVS):
+        monkeypatch.delenv(key, raising=False)
+    recipe = recipe_from_dict({"run": {"name": "x"}, "model": {"path": "m"},
+                               "trainer": {"engine": "deepspeed", "nproc": 4, "nodes": 2, "master_addr": "10.0.0.1",
+                                           "master_port": 29511}})
+    loaded = LoadedRecipe(recipe=recipe, path="r.yaml", overrides=["sft.max_steps=5"])
+    with pytest.raises(UserError, match="multi-process rl"):
+        launch.maybe_relaunch("rl", loaded)
+    with pytest.raises(UserError, match="RLRECIPE_NODE_RANK"):
+        launch.torchrun_command(recipe.trainer, ["sft"])
+    monkeypatch.setenv("RLRECIPE_NODE_RANK", "1")
+    cmd = launch.torchrun_command(recipe.trainer, launch.cli_args_for("sft", loaded, resume=True))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=4", "--nnodes=2", "--node_rank=1",
+                       "--master_addr=10.0.0.1", "--master_port=29511", "-m", "rlrecipe.cli.app", "sft", "r.yaml",
+                       "--set", "sft.max_steps=5", "--resume"]
+    monkeypatch.setenv("RLRECIPE_NODE_RANK", "2")
+    with pytest.raises(UserError, match="0..1"):
+        launch.torchrun_command(recipe.trainer, ["sft"])
+    # one process, or the torch engine: nothing is launched
+    single = LoadedRecipe(recipe=recipe_from_dict({"run": {"name": "x"}, "model": {"path": "m"},
+                                                   "trainer": {"engine": "deepspeed"}}), path="r.yaml")
+    assert launch.maybe_relaunch("rl", single) is None
+    assert launch.is_rank_zero() and launch.world_size() == 1
+
+
+if __name__ == "__main__":
+    worker(json.loads(sys.argv[1]))

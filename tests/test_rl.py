@@ -1,0 +1,50 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .helpers import rl_recipe, write_recipe, write_tiny_data
+
+TIMING = {"rollout_s", "train_s", "gen_tokens_per_s"}
+REQUIRED = {"reward_mean", "accuracy", "response_len_mean", "response_len_max", "truncated_frac", "tokens_trained",
+            "tokens_generated", "pool_size", "pool_mean_age", "dropped", "entropy", "grad_norm", "clip_frac",
+            "icepop_masked_frac", "mismatch_abs_logp", "mismatch_kl", "rollout_s", "train_s", "gen_tokens_per_s"}
+
+
+def _metrics(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def _rl(recipe, *extra):
+    return [sys.executable, "-m", "rlrecipe.cli.app", "rl", str(recipe), *extra]
+
+
+def test_rl_runs_logs_everything_and_resumes_after_a_kill_identically(tmp_path, tiny_model_dir):
+    data = write_tiny_data(tmp_path / "data")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # uninterrupted reference
+    ref = write_recipe(tmp_path / "ref.yaml", rl_recipe(tmp_path / "a", data, str(tiny_model_dir)))
+    subprocess.run(_rl(ref), check=True, env=env, timeout=600, capture_output=True)
+    ref_metrics = _metrics(tmp_path / "a" / "runs" / "rl")
+    assert len(ref_metrics) == 4 and REQUIRED <= set(ref_metrics[0])
+    assert ref_metrics[0]["mismatch_abs_logp"] > 0  # bf16 rollout vs fp32 trainer
+    summary = json.loads((tmp_path / "a" / "runs" / "rl" / "eval" / "tiny" / "summary.json").read_text())
+    assert summary["n"] == 2 and summary["num_problems"] == 8
+
+    # the same run, killed once its second checkpoint exists, then resumed
+    run = tmp_path / "b" / "runs" / "rl"
+    rec = write_recipe(tmp_path / "b.yaml", rl_recipe(tmp_path / "b", data, str(tiny_model_dir)))
+    proc = subprocess.Popen(_rl(rec), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not (run / "checkpoints" / "step_0000002").exists():
+            assert proc.poll() is None and time.time() < deadline, "run ended before its second checkpoint"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    subprocess.run(_rl(rec, "--resume"), check=True, env=env, timeout=600, capture_output=True)
+    assert _metrics(run) == ref_metrics

@@ -1,0 +1,402 @@
+"""The SGLang engine against `rlrecipe serve` (SGLang's HTTP API on the CPU engine), over loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from rlrecipe.errors import UserError
+from rlrecipe.modeling import load_model, load_tokenizer
+from rlrecipe.recipe import SGLangServer, recipe_from_dict
+from rlrecipe.rollout.sglang import SGLangEngine, sglang_sampling_params
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+
+BOOT_TIMEOUT_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rlrecipe_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "rlrecipe"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rlrecipe.cli.app"]
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """`rlrecipe serve` on a free port, stopped at the end whatever happens."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*rlrecipe_cmd(), "serve", str(tiny_model_dir), "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"rlrecipe serve exited: {log_path.read_text()[-2000:]}"
+            try:
+                if requests.get(url + "/health_generate", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"rlrecipe serve not up: {log_path.read_text()[-2000:]}"
+            time.sleep(0.2)
+        yield {"url": url, "proc": proc, "log": log_path}
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with perturbed weights, saved as another HF directory."""
+    out = tmp_path_factory.mktemp("other") / "model"
+    model = load_model(tiny_model_dir)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    load_tokenizer(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def engine(server, tok):
+    eng = SGLangEngine([server["url"]], eos_token_id=tok.eos_token_id, max_concurrency=16)
+    yield eng
+    eng.close()
+
+
+def prompts(tok, n: int) -> list[Trajectory]:
+    return [Trajectory(uid=f"p{i}", group_id=f"g{i // 2}", prompt_ids=tok.encode(f"Add {i * 37} and {10 ** (i % 4)}."))
+            for i in range(n)]
+
+
+def recompute(model, t: Trajectory, temperature: float = 1.0) -> torch.Tensor:
+    ids = torch.tensor([t.prompt_ids + t.response_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
+    p = len(t.prompt_ids)
+    return lp[p - 1:-1].gather(-1, torch.tensor(t.response_ids)[:, None]).squeeze(-1)
+
+
+def check_consistent(t: Trajectory) -> None:
+    assert len(t.response_ids) == len(t.logp_infer) == len(t.versions)
+
+
+# -- pure mapping ---------------------------------------------------------------------------------
+def test_sampling_params_and_response_mapping():
+    sp = sglang_sampling_params(SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=50), 20, [1])
+    assert sp["max_new_tokens"] == 20 and sp["temperature"] == 0.7 and sp["top_p"] == 0.9
+    assert sp["top_k"] == -1 and sp["stop_token_ids"] == [1] and sp["ignore_eos"] is False
+    assert sglang_sampling_params(SamplingParams(greedy=True, top_k=5), 3, [])["temperature"] == 0.0
+    eng = SGLangEngine(["http://127.0.0.1:9"], eos_token_id=1)
+    try:
+        params = SamplingParams(max_new_tokens=4)
+        # the shapes SGLang returns: [logprob, token_id, text|null]; -inf arrives as null
+        t = Trajectory(uid="a", prompt_ids=[5])
+        eng._apply(t, {"output_ids": [7, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1},
+                                                           "output_token_logprobs": [[-0.5, 7, None], [None, 1, None]]}},
+                   params, 3)
+        assert t.status == Status.FINISHED and t.response_ids == [7, 1] and t.versions == [3, 3]
+        assert t.logp_infer[0] == -0.5 and t.logp_infer[1] < -1e6
+        t = Trajectory(uid="b", prompt_ids=[5])
+        eng._apply(t, {"meta_info": {"finish_reason": {"type": "abort", "message": "x"},
+                                     "output_token_logprobs": [[-1.0, 9, None]]}}, params, 0)
+        assert t.status == Status.RUNNING and t.response_ids == [9]
+        eng._apply(t, {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}},
+                       "output_ids": []}, params, 1)  # aborted while waiting: nothing new
+        assert t.status == Status.RUNNING and t.response_ids == [9]
+        eng._apply(t, {"meta_info": {"finish_reason": {"type": "length", "length": 3},
+                                     "output_token_logprobs": [[-1.0, 9, None]] * 3}}, params, 1)
+        assert t.status == Status.TRUNCATED and t.versions == [0, 1, 1, 1]
+    finally:
+        eng.close()
+
+
+# -- against `rlrecipe serve` ---------------------------------------------------------------------
+def test_server_speaks_the_sglang_api(server, tok):
+    url = server["url"]
+    info = requests.get(url + "/get_model_info", timeout=10).json()
+    assert info["is_generation"] is True and "model_path" in info
+    ids = [tok.encode("Add 1 and 2."), tok.encode("Add 30 and 4.")]
+    r = requests.post(url + "/generate", json={"input_ids": ids, "return_logprob": True, "rid": ["x1", "x2"],
+                                              "sampling_params": {"max_new_tokens": 5, "temperature": 0}}, timeout=60)
+    outs = r.json()
+    assert r.status_code == 200 and isinstance(outs, list) and len(outs) == 2
+    for out, rid in zip(outs, ["x1", "x2"], strict=True):
+        meta = out["meta_info"]
+        assert meta["id"] == rid and meta["finish_reason"]["type"] in ("stop", "length")
+        assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+        assert meta["completion_tokens"] == len(out["output_ids"]) <= 5
+    one = requests.post(url + "/generate", json={"text": "Add 1 and 2.", "sampling_params": {"max_new_tokens": 3}},
+                        timeout=60).json()
+    assert isinstance(one["text"], str) and "output_token_logprobs" not in one["meta_info"]
+    bad = requests.post(url + "/generate", json={"input_ids": ids[0], "sampling_params": {"top_k": 0}}, timeout=10)
+    assert bad.status_code == 400
+    assert requests.post(url + "/abort_request", json={"rid": "nobody"}, timeout=10).status_code == 200
+    assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
+
+
+def test_generate_logprobs_match_full_recompute(engine, tok, tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    for params in (SamplingParams(max_new_tokens=24),
+                   SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16)):
+        trajs = engine.generate(prompts(tok, 6), params, seed=1)
+        assert all(t.done for t in trajs)
+        gaps = []
+        for t in trajs:
+            check_consistent(t)
+            assert 0 < len(t.response_ids) <= params.max_new_tokens and set(t.versions) == {0}
+            assert t.status == (Status.FINISHED if t.response_ids[-1] == tok.eos_token_id else Status.TRUNCATED)
+            gaps.append((recompute(model, t, params.temperature) - torch.tensor(t.logp_infer)).abs())
+        assert torch.cat(gaps).max() < 1e-4
+
+
+def _budgeted_call(engine, tok, params: SamplingParams) -> tuple[list[Trajectory], Trajectory]:
+    """One trajectory that is nearly done (a forced partial 8 tokens short) among fresh ones, budget 1.
+
+    It finishes within the first chunk; the others are aborted and come back partial."""
+    trajs = prompts(tok, 9)
+    near = trajs[0]
+    filler = tok.encode("0123456789" * 10)[:params.max_new_tokens - 8]
+    near.response_ids, near.logp_infer, near.versions = list(filler), [0.0] * len(filler), [0] * len(filler)
+    engine.generate(trajs, params, token_budget=1, seed=2)
+    return trajs, near
+
+
+def test_token_budget_aborts_in_flight_and_a_later_call_resumes(engine, tok, tiny_model_dir):
+    params = SamplingParams(max_new_tokens=64)
+    trajs, near = _budgeted_call(engine, tok, params)
+    assert near.done
+    running = [t for t in trajs if t.status == Status.RUNNING]
+    assert running and any(t.response_ids for t in running)
+    for t in trajs:
+        check_consistent(t)
+        assert len(t.response_ids) <= params.max_new_tokens
+    assert all(len(t.response_ids) < params.max_new_tokens for t in running)
+    partial = {t.uid: list(t.response_ids) for t in running}
+    engine.generate(trajs, params, seed=3)
+    assert all(t.done for t in trajs)
+    model = load_model(tiny_model_dir)
+    for t in running:
+        assert t.response_ids[:len(partial[t.uid])] == partial[t.uid]  # appended, not replaced
+        check_consistent(t)
+        assert (recompute(model, t) - torch.tensor(t.logp_infer)).abs().max() < 1e-4
+
+
+def test_weight_update_mid_run(engine, tok, tiny_model_dir, other_model_dir, server):
+    params = SamplingParams(max_new_tokens=64)
+    trajs, near = _budgeted_call(engine, tok, params)
+    running = [t for t in trajs if t.status == Status.RUNNING and t.response_ids]
+    assert running
+    cut = {t.uid: len(t.response_ids) for t in running}
+    try:
+        engine.update_weights_from_disk(other_model_dir, 1)
+        assert engine.version == 1
+        info = requests.get(server["url"] + "/get_model_info", timeout=10).json()
+        assert Path(info["model_path"]).resolve() == Path(other_model_dir).resolve() and info["weight_version"] == "1"
+        engine.generate(trajs, params, seed=4)
+        assert all(t.done for t in trajs)
+        old, new = load_model(tiny_model_dir), load_model(other_model_dir)
+        for t in running:
+            n = cut[t.uid]
+            check_consistent(t)
+            assert set(t.versions[:n]) == {0} and set(t.versions[n:]) == {1}
+            lp = torch.tensor(t.logp_infer)
+            assert (recompute(old, t)[:n] - lp[:n]).abs().max() < 1e-4  # sampled under the old weights
+            assert (recompute(new, t)[n:] - lp[n:]).abs().max() < 1e-4  # and the rest under the new ones
+            assert (recompute(old, t)[n:] - lp[n:]).abs().max() > 1e-3  # the update really changed them
+        with pytest.raises(UserError, match="update_weights_from_disk"):
+            engine.update_weights_from_disk(Path(other_model_dir) / "missing", 2)
+        assert engine.version == 1
+    finally:
+        engine.update_weights_from_disk(tiny_model_dir, 0)  # the module's server serves the base model again
+
+
+def test_factory_attaches_to_urls(server, tiny_model_dir, tok):
+    from rlrecipe.rollout.factory import make_rollout_engine
+
+    recipe = recipe_from_dict({"run": {"name": "t"}, "model": {"path": str(tiny_model_dir)},
+                               "rollout": {"engine": "sglang", "urls": [server["url"]]}})
+    eng = make_rollout_engine(recipe, tiny_model_dir, tok, version=5)
+    try:
+        assert isinstance(eng, SGLangEngine) and eng.version == 5 and not eng.servers
+        [t] = eng.generate(prompts(tok, 1), SamplingParams(max_new_tokens=4))
+        assert t.done and set(t.versions) == {5}
+    finally:
+        eng.close()
+
+
+def test_attaching_with_another_model_dir_loads_it(server, tiny_model_dir, other_model_dir, tok):
+    """`rlrecipe eval --model X` on attached servers must sample from X, whatever they served before."""
+    from rlrecipe.rollout.factory import make_rollout_engine
+
+    recipe = recipe_from_dict({"run": {"name": "t"}, "model": {"path": str(tiny_model_dir)},
+                               "rollout": {"engine": "sglang", "urls": [server["url"]]}})
+    eng = make_rollout_engine(recipe, other_model_dir, tok)
+    try:
+        info = requests.get(server["url"] + "/get_model_info", timeout=10).json()
+        assert Path(info["model_path"]).resolve() == Path(other_model_dir).resolve()
+    finally:
+        eng.update_weights_from_disk(tiny_model_dir, 0)
+        eng.close()
+
+
+def test_unreachable_attached_server_is_a_clear_error(tok):
+    eng = SGLangEngine([f"http://127.0.0.1:{free_port()}"], eos_token_id=tok.eos_token_id)
+    try:
+        with pytest.raises(UserError, match="unreachable|failed"):
+            eng.generate(prompts(tok, 2), SamplingParams(max_new_tokens=4))
+    finally:
+        eng.close()
+
+
+# -- lifecycle: the engine launches and stops its servers ------------------------------------------
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds (TIME_WAIT is fine)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int) -> int:
+    base = free_port()
+    while not all(_free(base + i) for i in range(n)):
+        base = free_port()
+    return base
+
+
+def test_launch_rlrecipe_serve_logs_and_close(tiny_model_dir, tok, tmp_path):
+    base = free_ports(1)
+    cfg = SGLangServer(base_port=base, startup_timeout_s=BOOT_TIMEOUT_S,
+                       launch_cmd=[*rlrecipe_cmd(), "serve", "{model}", "--host", "{host}", "--port", "{port}",
+                                   "--dtype", "{dtype}"])
+    eng = SGLangEngine.launch(tiny_model_dir, cfg=cfg, dtype="float32", run_dir=tmp_path,
+                              eos_token_id=tok.eos_token_id)
+    proc = eng.servers[0].proc
+    log = tmp_path / "sglang_server_0.log"
+    try:
+        assert eng.urls == [f"http://127.0.0.1:{base}"] and proc.poll() is None
+        assert "ready on" in log.read_text()
+        trajs = eng.generate(prompts(tok, 4), SamplingParams(max_new_tokens=6))
+        assert all(t.done for t in trajs)
+    finally:
+        eng.close()
+    assert proc.poll() is not None
+    assert "shutting down" in log.read_text()  # stopped with SIGTERM, cleanly
+    assert _free(base)
+
+
+# A stand-in server with no model: token = port % 1000; max_new_tokens 999 hangs (to be killed).
+FAKE_SERVER = r"""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port = int(sys.argv[1])
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._send({"model_path": "fake"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path == "/generate":
+            if body["sampling_params"]["max_new_tokens"] == 999:
+                time.sleep(120)
+            tok = port % 1000
+            self._send({"output_ids": [tok], "meta_info": {"id": body["rid"], "finish_reason": {"type": "length"},
+                                                           "output_token_logprobs": [[-1.5, tok, None]]}})
+        else:
+            self._send({"success": True})
+print("fake sglang listening", flush=True)
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_two_servers_share_groups_and_a_crash_names_its_log(tmp_path, tiny_model_dir):
+    import threading
+
+    base = free_ports(2)
+    cfg = SGLangServer(base_port=base, num_servers=2, startup_timeout_s=30,
+                       launch_cmd=[sys.executable, "-c", FAKE_SERVER, "{port}"])
+    eng = SGLangEngine.launch(tiny_model_dir, cfg=cfg, run_dir=tmp_path, eos_token_id=1, version=7)
+    procs = [s.proc for s in eng.servers]
+    try:
+        trajs = [Trajectory(uid=f"{g}-{j}", group_id=str(g), prompt_ids=[5, 6]) for g in range(4) for j in range(2)]
+        eng.generate(trajs, SamplingParams(max_new_tokens=1))
+        # a group's samples share a server; groups alternate between the two
+        assert [t.response_ids[0] for t in trajs] == [(base + g % 2) % 1000 for g in range(4) for _ in range(2)]
+        assert all(t.status == Status.TRUNCATED and t.versions == [7] and t.logp_infer == [-1.5] for t in trajs)
+        killer = threading.Timer(0.5, os.kill, (procs[1].pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(UserError) as err:  # the server dies while requests are in flight
+            eng.generate([Trajectory(uid=str(g), group_id=str(g), prompt_ids=[5]) for g in range(4)],
+                         SamplingParams(max_new_tokens=999))
+        killer.join()
+        assert "server 1" in str(err.value) and str(tmp_path / "sglang_server_1.log") in str(err.value)
+        assert "fake sglang listening" in str(err.value)  # the log's last line
+        assert time.monotonic() - t0 < 15
+    finally:
+        eng.close()
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_server_that_dies_at_start_up_is_reported_with_its_log(tmp_path, tiny_model_dir):
+    cfg = SGLangServer(base_port=free_port(), startup_timeout_s=30,
+                       launch_cmd=[sys.executable, "-c", "import sys; print('CUDA error: no device'); sys.exit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as err:
+        SGLangEngine.launch(tiny_model_dir, cfg=cfg, run_dir=tmp_path)
+    msg = str(err.value)
+    assert "code 3" in msg and "CUDA error: no device" in msg and str(tmp_path / "sglang_server_0.log") in msg
+    assert time.monotonic() - t0 < 20
+
+
+def test_busy_port_and_missing_sglang_are_user_errors(tmp_path, tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        cfg = SGLangServer(base_port=s.getsockname()[1], launch_cmd=["true"])
+        with pytest.raises(UserError, match="already in use"):
+            SGLangEngine.launch(tiny_model_dir, cfg=cfg, run_dir=tmp_path)
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        with pytest.raises(UserError, match="SGLang is not installed"):
+            SGLangEngine.launch(tiny_model_dir, cfg=SGLangServer(base_port=free_port()), run_dir=tmp_path)

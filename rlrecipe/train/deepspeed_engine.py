@@ -91,8 +91,7 @@ def build_ds_config(cfg: TrainerSection, dtype: str, world: int, overrides: dict
                         "1, 2 or 3 (or use trainer.engine: torch in one process)")
     if cfg.offload_params and cfg.zero_stage != 3:
         raise UserError(f"trainer.offload_params needs trainer.zero_stage: 3 (got {cfg.zero_stage})")
-    zero: dict[str, Any] = {"stage": cfg.zero_stage, "contiguous_gradients": True, "overlap_comm": False,
-                            "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}  # DeepSpeed's defaults for buckets, overlap, prefetch
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if cfg.offload_params:
@@ -165,7 +164,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
     def _max_over_ranks(self, n: int) -> int:
         if self.world == 1:
             return n
-        t = torch.tensor([n], dtype=torch.long)
+        t = torch.tensor([n], dtype=torch.long, device=self.device)  # nccl reduces device tensors only
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 

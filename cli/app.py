@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 import typer
-
 from rlrecipe.cli import data as data_cmd
 from rlrecipe.cli import stages
+
 from rlrecipe.errors import UserError
 from rlrecipe.runs import console
 

@@ -11,10 +11,11 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from rlrecipe.eval.metrics import summarize
+
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import prompt_token_ids
 from rlrecipe.errors import UserError
-from rlrecipe.eval.metrics import summarize
 from rlrecipe.recipe import LoadedRecipe, Recipe, load_recipe
 from rlrecipe.reward import Grader
 from rlrecipe.rollout.base import RolloutEngine
@@ -115,9 +116,14 @@ def run_eval_command(recipe_path: Path | None, model: str | None, overrides: lis
         if last is None:
             raise UserError("no run yet: train first (e.g. `rlrecipe sft recipes/tiny_sft.yaml`) "
                             "or give a recipe: `rlrecipe eval RECIPE --model PATH`")
-        recipe_path = last / "recipe.yaml"
         console.print(f"evaluating the latest run: {last}")
-    loaded = load_recipe(recipe_path, overrides)
+        # the run's own resolved recipe, reported under the recipe path it was started from
+        loaded = load_recipe(last / "recipe.yaml", overrides)
+        started_from = json.loads((last / "env.json").read_text()).get("recipe_path")
+        if started_from:
+            loaded = loaded.model_copy(update={"path": started_from})
+    else:
+        loaded = load_recipe(recipe_path, overrides)
     run = Run(loaded, "eval", subdir="eval")
     model_dir = model or str(run.final_model_dir)
     summaries = evaluate_model_dir(loaded, model_dir, run.dir)

@@ -8,6 +8,7 @@ import torch
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.utils import logging as transformers_logging
 
 from rlrecipe.recipe import ModelSection, TinyModel
 
@@ -21,6 +22,8 @@ TINY_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )
+
+transformers_logging.disable_progress_bar()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

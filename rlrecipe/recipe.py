@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from rlrecipe.errors import UserError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlrecipe.errors import UserError
 
 
 class RecipeError(UserError):

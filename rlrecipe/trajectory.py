@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     RUNNING = "running"      # unfinished: may resume (C3PO++ keeps it in the pool)
     FINISHED = "finished"    # ended with eos
     TRUNCATED = "truncated"  # hit max_new_tokens: graded as wrong

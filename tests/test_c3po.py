@@ -9,7 +9,7 @@ from rlrecipe.trajectory import SamplingParams, Status
 
 def _setup(model_dir, **c3po):
     tok = load_tokenizer(model_dir)
-    rows = [{"id": f"p{i}", "prompt": "Add %d and %d." % (i, 7 * i), "answers": [str(8 * i)]} for i in range(50)]
+    rows = [{"id": f"p{i}", "prompt": f"Add {i} and {7 * i}.", "answers": [str(8 * i)]} for i in range(50)]
     cfg = RLSection(prompts_per_step=4, samples_per_prompt=3,
                     c3po={"enabled": True, "token_budget": 60, "pool_capacity": 12, "max_staleness": 1, **c3po})
     engine = InProcessEngine(model_dir, tok.eos_token_id, tok.pad_token_id, max_batch=12)

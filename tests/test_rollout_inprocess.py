@@ -12,7 +12,7 @@ def _engine(model_dir, dtype="float32", max_batch=16):
 
 def _trajs(tok, n=12):
     # prompts of different lengths, so left padding and refills are exercised
-    return [Trajectory(uid=str(i), prompt_ids=tok.encode("Add %d and %d." % (i * 37, 10**i))) for i in range(n)]
+    return [Trajectory(uid=str(i), prompt_ids=tok.encode(f"Add {i * 37} and {10**i}.")) for i in range(n)]
 
 
 def _recompute(model, t):

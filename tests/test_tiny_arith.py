@@ -2,7 +2,15 @@ import json
 import random
 
 from rlrecipe.data.io import read_jsonl
-from rlrecipe.data.tiny_arith import Problem, TinyArithConfig, generate, parse_problem, solve, teacher_accuracy, write_tiny_arith
+from rlrecipe.data.tiny_arith import (
+    Problem,
+    TinyArithConfig,
+    generate,
+    parse_problem,
+    solve,
+    teacher_accuracy,
+    write_tiny_arith,
+)
 
 
 def test_worked_solution_by_hand():

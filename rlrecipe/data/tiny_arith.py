@@ -1,6 +1,6 @@
 """tiny-arith: a synthetic boxed-answer task that tells the story of distillation, then RL.
 
-"Start at 347 and keep adding 58. What is the first number above 900?" The worked solution
+"From 347 add 58 until above 900." The worked solution
 writes one line per addition (`347+58=405`) until it passes the limit, then `\\boxed{...}`.
 Every value has three digits and every step two, so each line has the same shape and each
 step is local (copy the last result, add the step, compare with the limit): a model of about
@@ -23,10 +23,11 @@ from pathlib import Path
 
 from rlrecipe.runs import atomic_write_text
 
+# Short on purpose: on a CPU, prompt tokens are most of what training computes.
 PHRASINGS = [
-    "Start at {start} and keep adding {step}. What is the first number above {limit}?",
-    "Count up from {start} in steps of {step}. Which is the first number above {limit}?",
-    "From {start}, add {step} again and again until you pass {limit}. Where do you land?",
+    "From {start} add {step} until above {limit}.",
+    "Start {start}, step {step}, first above {limit}?",
+    "Count from {start} by {step} past {limit}.",
 ]
 # P(number of lines = 1, 2, ...): most problems are short, a few are long.
 LINE_WEIGHTS = [0.16, 0.16, 0.14, 0.12, 0.10, 0.08, 0.06, 0.05, 0.04, 0.03, 0.02, 0.02, 0.01, 0.01]

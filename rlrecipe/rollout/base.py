@@ -32,5 +32,5 @@ class RolloutEngine(ABC):
         """Faster path where the engine shares memory with the trainer; default: not supported."""
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release servers or memory."""

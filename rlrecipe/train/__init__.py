@@ -13,8 +13,10 @@ def make_train_engine(recipe: Recipe, model_dir: str | Path, total_steps: int, t
         from rlrecipe.train.deepspeed_engine import DeepSpeedTrainEngine
 
         return DeepSpeedTrainEngine(model_dir, tr, total_steps, dtype=recipe.model.dtype, temperature=temperature,
-                                    gradient_checkpointing=recipe.model.gradient_checkpointing)
+                                    gradient_checkpointing=recipe.model.gradient_checkpointing,
+                                    attn_implementation=recipe.model.attn_implementation)
     from rlrecipe.train.torch_engine import TorchTrainEngine
 
     return TorchTrainEngine(model_dir, tr, total_steps, dtype=recipe.model.dtype, temperature=temperature,
-                            gradient_checkpointing=recipe.model.gradient_checkpointing)
+                            gradient_checkpointing=recipe.model.gradient_checkpointing,
+                            attn_implementation=recipe.model.attn_implementation)

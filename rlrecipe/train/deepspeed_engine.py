@@ -126,7 +126,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
 
     def __init__(self, model_dir: str | Path, cfg: TrainerSection, total_steps: int, dtype: str = "float32",
                  temperature: float = 1.0, gradient_checkpointing: bool = False,
-                 ds_config_overrides: dict | None = None):
+                 ds_config_overrides: dict | None = None, attn_implementation: str = "sdpa"):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -138,7 +138,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.temperature = temperature
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ds_config = build_ds_config(cfg, dtype, self.world, ds_config_overrides)
-        model = load_model(model_dir, dtype)
+        model = load_model(model_dir, dtype, attn_implementation)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,

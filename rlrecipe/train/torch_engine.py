@@ -58,10 +58,10 @@ def make_scheduler(optimizer, cfg: TrainerSection, total_steps: int):
 
 class TorchTrainEngine:
     def __init__(self, model_dir: str | Path, cfg: TrainerSection, total_steps: int, dtype: str = "float32",
-                 temperature: float = 1.0, gradient_checkpointing: bool = False):
+                 temperature: float = 1.0, gradient_checkpointing: bool = False, attn_implementation: str = "sdpa"):
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_model(model_dir, dtype).to(self.device)
+        self.model = load_model(model_dir, dtype, attn_implementation).to(self.device)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.temperature = temperature

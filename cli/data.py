@@ -17,7 +17,7 @@ app = typer.Typer(no_args_is_help=True, help="Datasets: pinned downloads, import
 def make(name: Annotated[str, typer.Argument(help="synthetic task: tiny-arith")],
          out: Annotated[Path, typer.Option(help="output directory")] = Path("data/tiny-arith"),
          seed: Annotated[int, typer.Option()] = 0,
-         n_sft: Annotated[int, typer.Option(help="SFT examples")] = 4000,
+         n_sft: Annotated[int, typer.Option(help="SFT examples")] = 20000,
          n_rl: Annotated[int, typer.Option(help="RL prompts")] = 4000,
          n_eval: Annotated[int, typer.Option(help="held-out problems")] = 200,
          forget_prob: Annotated[float, typer.Option(help="teacher's chance to drop a carry of 10 or 11")] = 0.6,

@@ -25,6 +25,7 @@ from rlrecipe.reward import Grader
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.runs import Run, atomic_write_text, console, resolve_init
 from rlrecipe.train import make_train_engine
+from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero, make_run
 from rlrecipe.train.torch_engine import TrainSample
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
@@ -36,6 +37,15 @@ def grade(batch: list[Trajectory], tokenizer, grader: Grader, cfg: RLSection) ->
     for t, r in zip(batch, results, strict=True):
         t.correct = r.correct
         t.reward = cfg.reward_correct if r.correct else cfg.reward_wrong
+
+
+def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer, grader: Grader, cfg: RLSection,
+                   seed: int):
+    """Rank 0's share of a step: roll out under the budget, then grade."""
+    batch, roll = pool.collect(engine, params, seed=seed)
+    grade(batch, tokenizer, grader, cfg)
+    roll.extra = {"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed}
+    return batch, roll
 
 
 def recompute_old_logprobs(trainer, batch: list[Trajectory]) -> tuple[list[TrainSample], list[torch.Tensor], list[torch.Tensor]]:
@@ -106,31 +116,38 @@ def rollout_metrics(batch: list[Trajectory], entropy: list[torch.Tensor], versio
 
 # -- the loop -----------------------------------------------------------------------------------
 def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
+    """With several DeepSpeed ranks, rank 0 owns the rollout engine, the pool and the grader and
+    hands each graded batch to every rank; all ranks train on it together."""
     recipe = loaded.recipe
     cfg = recipe.rl
     if not recipe.data.train:
         raise UserError(f"{loaded.path}: data.train: an RL prompt set is required")
-    run = Run(loaded, "rl", resume=resume)
+    run = make_run(loaded, "rl", resume=resume)
+    lead = is_rank_zero()
     torch.manual_seed(recipe.run.seed)
-    model_dir = resolve_model_dir(recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir),
-                                  run.dir, recipe.run.seed)
+    model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
+        recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))
     tokenizer = load_tokenizer(model_dir)
-    stream = PromptStream(load_rows(recipe.data.train, "rl"), tokenizer, recipe.data.prompt_template,
-                          recipe.run.seed, recipe.data.shuffle)
-    pool = RolloutPool(cfg, stream)
+    pool = None
+    if lead:
+        stream = PromptStream(load_rows(recipe.data.train, "rl"), tokenizer, recipe.data.prompt_template,
+                              recipe.run.seed, recipe.data.shuffle)
+        pool = RolloutPool(cfg, stream)
     trainer = make_train_engine(recipe, model_dir, cfg.steps * cfg.ppo_minibatches,
                                 temperature=recipe.rollout.temperature)
     start = 0
-    ckpt = run.latest_checkpoint() if resume else None
+    ckpt = broadcast_from_rank_zero(lambda: run.latest_checkpoint() if resume else None)
     if ckpt is not None:
         trainer.load(ckpt / "trainer")
-        pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
         start = json.loads((ckpt / "progress.json").read_text())["step"]
-        run.truncate_metrics(start)
-        console.print(f"resumed from {ckpt} at step {start}")
-    engine = make_rollout_engine(recipe, model_dir, tokenizer, version=start, run_dir=run.dir)
+        if lead:
+            pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
+            run.truncate_metrics(start)
+            console.print(f"resumed from {ckpt} at step {start}")
+    engine = make_rollout_engine(recipe, model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
+    via_disk = recipe.rollout.engine != "inprocess"
     if ckpt is not None:
-        push_weights(trainer, engine, run, tokenizer, start)
+        push_weights(trainer, engine, run, tokenizer, start, via_disk)
     ro = recipe.rollout
     params = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
     bad_in_a_row = 0
@@ -139,9 +156,10 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
         with Grader() as grader:
             for step in range(start, cfg.steps):
                 t0 = time.time()
-                batch, roll = pool.collect(engine, params, seed=recipe.run.seed * 100003 + step)
+                seed = recipe.run.seed * 100003 + step
+                batch, roll = broadcast_from_rank_zero(
+                    lambda: collect_graded(pool, engine, params, tokenizer, grader, cfg, seed))  # noqa: B023
                 t_roll = time.time() - t0
-                grade(batch, tokenizer, grader, cfg)
                 t1 = time.time()
                 samples, logp_old, entropy = recompute_old_logprobs(trainer, batch)
                 ice = attach_ppo_fields(samples, batch, logp_old, cfg)
@@ -150,29 +168,31 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
                 if bad_in_a_row >= cfg.max_bad_steps:
                     raise UserError(f"step {step + 1}: loss or gradient was NaN/inf in {bad_in_a_row} steps in a row; "
                                     "lower trainer.lr or check the data")
-                push_weights(trainer, engine, run, tokenizer, step + 1)
+                push_weights(trainer, engine, run, tokenizer, step + 1, via_disk)
                 t_train = time.time() - t1
                 metrics = {**rollout_metrics(batch, entropy, step), **ice, **upd,
                            "tokens_generated": roll.generated_tokens, "pool_size": roll.pool_size,
                            "pool_mean_age": roll.mean_age, "pool_max_age": roll.max_age,
                            "dropped": roll.dropped, "resumed": roll.resumed,
-                           "dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
+                           **roll.extra,
                            "rollout_s": t_roll, "train_s": t_train,
                            "gen_tokens_per_s": roll.generated_tokens / max(t_roll, 1e-9)}
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                     metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
                 run.log(step + 1, metrics)
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                     with run.writing_checkpoint(step + 1) as d:
                         trainer.save(d / "trainer")
-                        atomic_write_text(d / "pool.json", json.dumps(pool.state_dict()))
-                        atomic_write_text(d / "progress.json", json.dumps({"step": step + 1}))
+                        if lead:
+                            atomic_write_text(d / "pool.json", json.dumps(pool.state_dict()))
+                            atomic_write_text(d / "progress.json", json.dumps({"step": step + 1}))
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
     final = trainer.export_hf(run.final_model_dir, tokenizer)
     console.print(f"RL done: {cfg.steps - start} steps in {time.time() - t_start:.1f}s; model at {final}")
     results = {}
-    if recipe.eval.benchmarks:
+    if recipe.eval.benchmarks and lead:
         from rlrecipe.eval.runner import evaluate_model_dir
 
         results = evaluate_model_dir(loaded, final, Run(loaded, "eval", subdir="eval").dir)
@@ -182,13 +202,19 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
     return results
 
 
-def push_weights(trainer, engine, run: Run, tokenizer, version: int) -> None:
-    """Shared memory when the engine can take a state dict; otherwise through an HF export on disk."""
-    try:
-        engine.update_weights_from_state(trainer.rollout_state(), version)
-    except NotImplementedError:
+def push_weights(trainer, engine, run: Run, tokenizer, version: int, via_disk: bool) -> None:
+    """In memory for the in-process engine; through an HF export on disk for server engines.
+
+    Gathering a sharded trainer's weights is collective: every rank calls this; rank 0 (the one
+    holding the engine) pushes."""
+    if not via_disk:
+        state = trainer.rollout_state()
+        if engine is not None:
+            engine.update_weights_from_state(state, version)
+    else:
         export = trainer.export_hf(Path(run.dir) / "weights_for_rollout", tokenizer)
-        engine.update_weights_from_disk(export, version)
+        if engine is not None:
+            engine.update_weights_from_disk(export, version)
 
 
 def validate(loaded: LoadedRecipe, engine, tokenizer, grader: Grader, run: Run, step: int) -> dict[str, float]:

@@ -231,7 +231,32 @@ trainer: {{engine: deepspeed, zero_stage: 2, nproc: 2, lr: 1.0e-3, max_tokens_pe
     assert again[2]["grad_norm"] == pytest.approx(metrics[2]["grad_norm"], rel=1e-6)
 
 
-def test_multi_process_rl_is_refused_and_torchrun_command(tmp_path, monkeypatch):
+def test_cli_rl_on_two_ranks_matches_one_torch_process(tiny_model_dir, tmp_path):
+    """Rank 0 rolls out and grades, both ranks train on its batch; numbers match the torch engine."""
+    (tmp_path / "rl.jsonl").write_text("".join(
+        json.dumps({"id": f"p{i}", "prompt": f"From {100 + i} add {11 + i} until above {150 + i}.",
+                    "answers": [str(100 + i + 2 * (11 + i))]}) + "\n" for i in range(16)))
+    base = """run: {{name: {name}, output_dir: runs, seed: 2, init_from: {model}}}
+data: {{train: rl.jsonl, prompt_template: plain}}
+rl: {{steps: 2, prompts_per_step: 3, samples_per_prompt: 2, ppo_minibatches: 2, c3po: {{enabled: false}}}}
+rollout: {{dtype: float32, max_new_tokens: 12, max_batch: 8}}
+trainer: {{engine: {engine}, zero_stage: 2, nproc: {nproc}, lr: 1.0e-3, max_tokens_per_microbatch: 64}}
+"""
+    (tmp_path / "ds.yaml").write_text(base.format(name="ds-rl", model=tiny_model_dir, engine="deepspeed", nproc=2))
+    (tmp_path / "pt.yaml").write_text(base.format(name="pt-rl", model=tiny_model_dir, engine="torch", nproc=1))
+    log = run_bounded([sys.executable, "-m", "rlrecipe.cli.app", "rl", "ds.yaml"], cwd=tmp_path)
+    assert log.count("RL done") == 1  # only rank 0 prints
+    run_bounded([sys.executable, "-m", "rlrecipe.cli.app", "rl", "pt.yaml"], cwd=tmp_path)
+    ds = [json.loads(ln) for ln in (tmp_path / "runs/ds-rl/metrics.jsonl").read_text().splitlines()]
+    pt = [json.loads(ln) for ln in (tmp_path / "runs/pt-rl/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in ds] == [1, 2]
+    assert ds[0]["tokens_trained"] == pt[0]["tokens_trained"]
+    assert ds[0]["loss"] == pytest.approx(pt[0]["loss"], rel=1e-4, abs=1e-6)
+    assert ds[0]["grad_norm"] == pytest.approx(pt[0]["grad_norm"], rel=1e-4)
+    load_weights(tmp_path / "runs/ds-rl/final")
+
+
+def test_torchrun_command(tmp_path, monkeypatch):
     from rlrecipe.errors import UserError
     from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
     from rlrecipe.train import launch
@@ -242,8 +267,6 @@ def test_multi_process_rl_is_refused_and_torchrun_command(tmp_path, monkeypatch)
                                "trainer": {"engine": "deepspeed", "nproc": 4, "nodes": 2, "master_addr": "10.0.0.1",
                                            "master_port": 29511}})
     loaded = LoadedRecipe(recipe=recipe, path="r.yaml", overrides=["sft.max_steps=5"])
-    with pytest.raises(UserError, match="multi-process rl"):
-        launch.maybe_relaunch("rl", loaded)
     with pytest.raises(UserError, match="RLRECIPE_NODE_RANK"):
         launch.torchrun_command(recipe.trainer, ["sft"])
     monkeypatch.setenv("RLRECIPE_NODE_RANK", "1")

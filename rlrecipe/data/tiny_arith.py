@@ -37,7 +37,7 @@ FORGETFUL_UNITS = (10, 11)
 @dataclass(frozen=True)
 class TinyArithConfig:
     seed: int = 0
-    n_sft: int = 4000
+    n_sft: int = 20000
     n_rl: int = 4000
     n_eval: int = 200
     forget_prob: float = 0.6

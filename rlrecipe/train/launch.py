@@ -193,17 +193,11 @@ def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False) -> No
             if tr.engine != "deepspeed":
                 raise RecipeError(f"{loaded.path}: trainer.engine: {tr.engine} runs in one process; use "
                                   "trainer.engine: deepspeed to train with several")
-            if stage != "sft":
-                raise RecipeError(f"{loaded.path}: trainer.nproc * trainer.nodes > 1: multi-process {stage} is "
-                                  "not supported yet; set trainer.nproc: 1 and trainer.nodes: 1")
             init_distributed()
             quiet_other_ranks()
         return
     if tr.engine != "deepspeed" or world == 1:
         return
-    if stage != "sft":
-        raise RecipeError(f"{loaded.path}: trainer.nproc * trainer.nodes = {world}: multi-process {stage} is not "
-                          "supported yet; set trainer.nproc: 1 and trainer.nodes: 1")
     cmd = torchrun_command(tr, cli_args_for(stage, loaded, resume))
     env = {**os.environ, LAUNCHED_ENV: "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tr.nproc)))

@@ -202,13 +202,15 @@ def test_second_download_uses_locked_commit_and_refuses_changed_file(hub, tmp_pa
 
 
 def test_registry_pinned_sha256_mismatch_is_refused_and_keeps_good_files(hub, tmp_path):
-    # aime24 is pinned in data/registry.yaml; our fake parquet cannot match that sha256.
-    hub.files[("HuggingFaceH4/aime_2024", "data/train-00000-of-00001.parquet")] = aime_parquet_bytes()
+    hub.files[("org/aime", "data/train.parquet")] = aime_parquet_bytes()
+    registry = write_registry(tmp_path / "registry.yaml", aime24={
+        "repo": "org/aime", "repo_type": "dataset", "filename": "data/train.parquet", "revision": COMMIT_A,
+        "sha256": "0" * 64, "kind": "eval", "format": "eval"})
     previous = tmp_path / "aime24" / "eval.jsonl"
     previous.parent.mkdir(parents=True)
     previous.write_text('{"id": "1", "problem": "p", "answer": "1"}\n')
     with pytest.raises(UserError, match="does not match .* pinned for 'aime24'"):
-        download("aime24", dest=tmp_path)
+        download("aime24", dest=tmp_path, registry_path=registry)
     assert previous.read_text() == '{"id": "1", "problem": "p", "answer": "1"}\n'
     assert sorted(p.name for p in (tmp_path / "aime24").iterdir()) == ["eval.jsonl"]
     assert not (tmp_path / "checksums.lock").exists()

@@ -53,9 +53,8 @@ def main() -> None:
         table.add_column(col)
     table.add_row("teacher (expected)", f"{teacher:.3f}", "", "", "")
     for name, s in (("SFT", sft), ("RL", rl)):
-        table.add_row(name, f"{s['avg']:.3f}", f"{s['stderr']:.3f}", f"{s['pass_at_k']['1']:.3f}"
-                      if "1" in s["pass_at_k"] else f"{s['pass_at_k'][1]:.3f}",
-                      f"{list(s['pass_at_k'].values())[-1]:.3f}")
+        pass_at = s["pass_at_k"]  # JSON keys: "1", ..., str(n)
+        table.add_row(name, f"{s['avg']:.3f}", f"{s['stderr']:.3f}", f"{pass_at['1']:.3f}", f"{pass_at[str(s['n'])]:.3f}")
     console.print(table)
     gain = rl["avg"] - sft["avg"]
     console.print(f"RL gain over SFT: {gain:+.3f} ({gain / max(rl['stderr'], sft['stderr'], 1e-9):.1f} standard errors); "

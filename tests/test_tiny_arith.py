@@ -15,14 +15,15 @@ from rlrecipe.data.tiny_arith import (
 
 def test_worked_solution_by_hand():
     text, answer = solve(Problem(start=347, step=58, limit=460))
-    assert text == "347+58=405\n405+58=463\n\\boxed{463}" and answer == 463 == Problem(347, 58, 460).answer
+    assert text == "347,58,460\n347+58=405<460\n405+58=463>460\n\\boxed{463}"
+    assert answer == 463 == Problem(347, 58, 460).answer
 
 
 def test_teacher_forgets_only_carries_of_ten_or_eleven():
     # 345 + 65: units 5 + 5 = 10 -> the teacher may write 400 instead of 410
     p = Problem(345, 65, 400)
     always = solve(p, random.Random(0), forget_prob=1.0)
-    assert always == ("345+65=400\n400+65=465\n\\boxed{465}", 465) and p.answer == 410
+    assert always == ("345,65,400\n345+65=400<400\n400+65=465>400\n\\boxed{465}", 465) and p.answer == 410
     assert teacher_accuracy(p, 0.6) == 0.4
     # 341 + 65: units 1 + 5 = 6, nothing to forget
     assert solve(Problem(341, 65, 400), random.Random(0), forget_prob=1.0)[1] == 406

@@ -1,9 +1,9 @@
 """tiny-arith: a synthetic boxed-answer task that tells the story of distillation, then RL.
 
-"From 347 add 58 until above 900." The worked solution
-writes one line per addition (`347+58=405`) until it passes the limit, then `\\boxed{...}`.
-Every value has three digits and every step two, so each line has the same shape and each
-step is local (copy the last result, add the step, compare with the limit): a model of about
+"From 347 add 58 until above 460." The worked solution copies the givens (`347,58,460`),
+then writes one line per addition with its comparison (`347+58=405<460`, `405+58=463>460`)
+and ends with `\\boxed{463}`. Every value has three digits and every step two, so all lines
+have one shape and each reads only the line above it (copy, add, compare): a model of about
 a million parameters learns it in minutes on a CPU.
 
 The SFT "teacher" has a systematic bug: when the units digits of a line sum to 10 or 11 it
@@ -65,10 +65,12 @@ def add_line(value: int, step: int, rng: random.Random | None, forget_prob: floa
 
 def solve(p: Problem, rng: random.Random | None = None, forget_prob: float = 0.0) -> tuple[str, int]:
     """The worked solution and the answer it reaches. With `rng`, the teacher may forget carries."""
-    lines, value = [], p.start
+    # the first line copies the givens; after it, every line reads only the line above it
+    lines, value = [f"{p.start},{p.step},{p.limit}"], p.start
     while value <= p.limit:
         new = add_line(value, p.step, rng, forget_prob)
-        lines.append(f"{value}+{p.step}={new}")
+        # the limit rides along on every line, so the stopping test is local too
+        lines.append(f"{value}+{p.step}={new}{'>' if new > p.limit else '<'}{p.limit}")
         value = new
     return "\n".join(lines) + f"\n\\boxed{{{value}}}", value
 

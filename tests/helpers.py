@@ -24,7 +24,9 @@ def rl_recipe(tmp: Path, data: Path, init_from: str, **rl) -> dict:
     return {
         "run": {"name": "rl", "seed": 3, "output_dir": str(tmp / "runs"), "init_from": init_from},
         "data": {"train": str(data / "rl.jsonl"), "prompt_template": "plain"},
+        # adv_norm none: the untrained model earns -5 everywhere, and raw rewards still move the weights
         "rl": {"steps": 4, "prompts_per_step": 4, "samples_per_prompt": 4, "ppo_minibatches": 2, "save_every": 1,
+               "adv_norm": "none",
                "c3po": {"enabled": True, "token_budget": 300, "pool_capacity": 24, "max_staleness": 1}, **rl},
         "trainer": {"lr": 1e-3, "max_tokens_per_microbatch": 512},
         "rollout": {"dtype": "bfloat16", "max_new_tokens": 40, "max_batch": 24},

@@ -29,7 +29,7 @@ def test_rl_runs_logs_everything_and_resumes_after_a_kill_identically(tmp_path, 
     ref = write_recipe(tmp_path / "ref.yaml", rl_recipe(tmp_path / "a", data, str(tiny_model_dir)))
     subprocess.run(_rl(ref), check=True, env=env, timeout=600, capture_output=True)
     ref_metrics = _metrics(tmp_path / "a" / "runs" / "rl")
-    assert len(ref_metrics) == 4 and REQUIRED <= set(ref_metrics[0])
+    assert len(ref_metrics) == 4 and REQUIRED - TIMING <= set(ref_metrics[0])
     assert ref_metrics[0]["mismatch_abs_logp"] > 0  # bf16 rollout vs fp32 trainer
     summary = json.loads((tmp_path / "a" / "runs" / "rl" / "eval" / "tiny" / "summary.json").read_text())
     assert summary["n"] == 2 and summary["num_problems"] == 8

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlrecipe.data.io import check_row
+from rlrecipe.data.io import answer_text, check_row
 from rlrecipe.errors import UserError
 
 ID_KEYS = ("id", "query_id", "ID", "Id", "unique_id", "problem_id", "qid", "idx")
@@ -207,18 +207,6 @@ def strip_boxed(answer: str) -> str:
     return answer.strip()
 
 
-def _answer_str(value) -> str | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else repr(value)
-    if isinstance(value, str):
-        return value
-    return None
-
-
 def _first(row: dict, keys: tuple[str, ...]) -> tuple[str | None, object]:
     for key in keys:
         if key in row and row[key] is not None:
@@ -255,7 +243,7 @@ def _convert_one(row: dict, kind: str) -> tuple[dict | None, str | None, list[st
             answers = [answers]
         out_answers = []
         for a in answers:
-            s = _answer_str(a)
+            s = answer_text(a)
             if s is None:
                 continue
             if not isinstance(a, str):
@@ -291,7 +279,7 @@ def _convert_one(row: dict, kind: str) -> tuple[dict | None, str | None, list[st
         if len(answer) != 1:
             return None, f"field {akey!r} holds {len(answer)} answers; an eval row needs exactly one", []
         answer = answer[0]
-    s = _answer_str(answer)
+    s = answer_text(answer)
     if s is None or not s.strip():
         return None, f"empty answer (field {akey!r})", []
     if not isinstance(answer, str):
@@ -322,7 +310,7 @@ def convert_records(records, kind: str, *, name: str, source: str) -> Conversion
             report.reject(where, reason)
             continue
         _, rid = _first(raw, ID_KEYS)
-        rid = _answer_str(rid) if rid is not None else None
+        rid = answer_text(rid) if rid is not None else None
         if rid is None or not rid.strip():
             rid = f"{name}-{index}"
             changes.append("id assigned")

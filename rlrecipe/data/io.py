@@ -45,7 +45,7 @@ def resolve_dataset_path(name_or_path: str, kind: str) -> Path:
     return path
 
 
-def _answer_text(value) -> str | None:
+def answer_text(value) -> str | None:
     """A reference answer as a non-empty string, or None if it is not one."""
     if isinstance(value, bool) or value is None:
         return None
@@ -83,7 +83,7 @@ def check_row(row, kind: str) -> tuple[dict | None, str | None]:
             return None, f"field 'answers' must be a list of strings, got {type(answers).__name__}"
         if not answers:
             return None, "field 'answers' is empty"
-        texts = [_answer_text(a) for a in answers]
+        texts = [answer_text(a) for a in answers]
         if any(t is None for t in texts):
             return None, "field 'answers' contains an empty or non-string answer"
         out["answers"] = texts
@@ -95,7 +95,7 @@ def check_row(row, kind: str) -> tuple[dict | None, str | None]:
     else:
         if not _nonempty_str(row["problem"]):
             return None, "field 'problem' is empty or not a string"
-        text = _answer_text(row["answer"])
+        text = answer_text(row["answer"])
         if text is None:
             return None, "field 'answer' is empty or not a string/number"
         out["answer"] = text

@@ -20,7 +20,7 @@ def make(name: Annotated[str, typer.Argument(help="synthetic task: tiny-arith")]
          n_sft: Annotated[int, typer.Option(help="SFT examples")] = 20000,
          n_rl: Annotated[int, typer.Option(help="RL prompts")] = 4000,
          n_eval: Annotated[int, typer.Option(help="held-out problems")] = 200,
-         forget_prob: Annotated[float, typer.Option(help="teacher's chance to drop a carry of 10 or 11")] = 0.6,
+         forget_prob: Annotated[float, typer.Option(help="teacher's chance to forget a carry when units sum to 10 or 11")] = 0.8,
          ) -> None:
     """Write a deterministic synthetic task (sft.jsonl, rl.jsonl, eval.jsonl)."""
     from rlrecipe.data.tiny_arith import TinyArithConfig, write_tiny_arith

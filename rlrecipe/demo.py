@@ -59,7 +59,7 @@ def main() -> None:
     gain = rl["avg"] - sft["avg"]
     console.print(f"RL gain over SFT: {gain:+.3f} ({gain / max(rl['stderr'], sft['stderr'], 1e-9):.1f} standard errors); "
                   f"over the teacher: {rl['avg'] - teacher:+.3f}")
-    console.print(f"IcePop masked fraction {totals['masked']:.4f}, mean |logp_train - logp_infer| "
+    console.print(f"IcePop masked fraction {totals['masked']:.2e}, mean |logp_train - logp_infer| "
                   f"{totals['mismatch']:.4f} (bf16 rollout, fp32 trainer)")
     console.print(f"C3PO++: {totals['resumed']} rollouts resumed across steps, {totals['dropped']} dropped as stale "
                   f"over {totals['steps']} steps")

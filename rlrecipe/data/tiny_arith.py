@@ -1,10 +1,10 @@
 """tiny-arith: a synthetic boxed-answer task that tells the story of distillation, then RL.
 
-"From 347 add 58 until above 460." The worked solution copies the givens (`347,58,460`),
-then writes one line per addition with its comparison (`347+58=405<460`, `405+58=463>460`)
-and ends with `\\boxed{463}`. Every value has three digits and every step two, so all lines
-have one shape and each reads only the line above it (copy, add, compare): a model of about
-a million parameters learns it in minutes on a CPU.
+"From 47 add 18 until above 80." The worked solution copies the givens (`47,18,80`), then
+writes one line per addition with its comparison (`47+18=65<80`, `65+18=83>80`) and ends with
+`\\boxed{83}`. Every value has two digits and every step is 11..19, so all lines have one shape
+and each reads only the line above it (copy, add, compare): a model of under a million
+parameters learns it in minutes on a CPU.
 
 The SFT "teacher" has a systematic bug: when the units digits of a line sum to 10 or 11 it
 forgets the carry with probability `forget_prob`, and carries the wrong value forward (which
@@ -30,7 +30,7 @@ PHRASINGS = [
     "Count from {start} by {step} past {limit}.",
 ]
 # P(number of lines = 1, 2, ...): most problems are short, a few are long.
-LINE_WEIGHTS = [0.16, 0.16, 0.14, 0.12, 0.10, 0.08, 0.06, 0.05, 0.04, 0.03, 0.02, 0.02, 0.01, 0.01]
+LINE_WEIGHTS = [0.20, 0.18, 0.15, 0.13, 0.11, 0.09, 0.08, 0.06]
 FORGETFUL_UNITS = (10, 11)
 
 
@@ -40,7 +40,7 @@ class TinyArithConfig:
     n_sft: int = 20000
     n_rl: int = 4000
     n_eval: int = 200
-    forget_prob: float = 0.6
+    forget_prob: float = 0.8
     max_lines: int = len(LINE_WEIGHTS)
     phrasings: int = len(PHRASINGS)  # how many of PHRASINGS prompts use
 
@@ -91,9 +91,10 @@ def parse_problem(prompt: str) -> Problem:
 
 def _problem(rng: random.Random, max_lines: int) -> Problem:
     lines = rng.choices(range(1, max_lines + 1), weights=LINE_WEIGHTS[:max_lines])[0]
-    # every value stays in 100..999 and every step in 11..99, so all lines have one shape
-    step = rng.randrange(11, min(99, 899 // lines) + 1)
-    start = rng.randrange(100, 999 - lines * step + 1)
+    # every value stays in 10..99 and every step in 11..19, so all lines have one shape (and a
+    # forgotten carry still moves forward: the teacher's loop always ends)
+    step = rng.randrange(11, min(19, 89 // lines) + 1)
+    start = rng.randrange(10, 99 - lines * step + 1)
     limit = rng.randrange(start + (lines - 1) * step, start + lines * step)
     return Problem(start, step, limit)
 

@@ -198,7 +198,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
         results = evaluate_model_dir(loaded, final, Run(loaded, "eval", subdir="eval").dir)
         for name, s in results.items():
             console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}")
-    run.finish()
+    run.finish(token_columns=("tokens_trained", "tokens_generated"))
     return results
 
 

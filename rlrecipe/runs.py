@@ -103,6 +103,7 @@ class Run:
                 **environment()}
         atomic_write_text(self.dir / "env.json", json.dumps(meta, indent=2))
         self.metrics_path = self.dir / "metrics.jsonl"
+        self._started = time.time()
         self._wandb = None
         if self.recipe.run.tracking.wandb:
             self._start_wandb()
@@ -135,7 +136,19 @@ class Run:
             shown = "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if not isinstance(v, (list, dict)))
             console.print(f"[bold]{self.stage}[/] step {step}: {shown}", highlight=False)
 
-    def finish(self) -> None:
+    def finish(self, token_columns: tuple[str, ...] = ()) -> None:
+        """Write run_summary.json: the cost of the run (GPU-hours, tokens) for RESULTS.md and notes."""
+        totals = {f"{c}_total": 0 for c in token_columns}
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                row = json.loads(line)
+                for c in token_columns:
+                    totals[f"{c}_total"] += row.get(c, 0)
+        gpus = len(environment()["gpus"])
+        wall = time.time() - self._started
+        summary = {"stage": self.stage, "wall_time_s_this_session": round(wall, 1), "gpus": gpus,
+                   "gpu_hours_this_session": round(gpus * wall / 3600, 3), **totals}
+        atomic_write_text(self.dir / "run_summary.json", json.dumps(summary, indent=2))
         if self._wandb is not None:
             self._wandb.finish()
 

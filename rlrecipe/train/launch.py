@@ -242,9 +242,9 @@ def _rank_aware_run_class():
             if is_rank_zero():
                 super().log(step, metrics, echo=echo)
 
-        def finish(self) -> None:
+        def finish(self, token_columns: tuple[str, ...] = ()) -> None:
             if is_rank_zero():
-                super().finish()
+                super().finish(token_columns)
 
         @contextmanager
         def writing_checkpoint(self, step: int):

@@ -1,0 +1,56 @@
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlrecipe.modeling import build_char_tokenizer, create_tiny
+from rlrecipe.recipe import LoadedRecipe, TinyModel, TrainerSection, recipe_from_dict
+from rlrecipe.runs import Run
+from rlrecipe.train.torch_engine import TorchTrainEngine, TrainSample
+
+
+def test_tiny_model_is_a_normal_hf_directory_and_seeded(tmp_path):
+    cfg = TinyModel(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    a, b, c = (create_tiny(cfg, tmp_path / name, seed) for name, seed in (("a", 1), ("b", 1), ("c", 2)))
+    ma, mb, mc = (AutoModelForCausalLM.from_pretrained(d) for d in (a, b, c))
+    assert all(torch.equal(x, y) for x, y in zip(ma.state_dict().values(), mb.state_dict().values(), strict=True))
+    assert not torch.equal(ma.model.embed_tokens.weight, mc.model.embed_tokens.weight)
+    tok = AutoTokenizer.from_pretrained(a)
+    text = "From 47 add 18 until above 80.\n47+18=65<80 \\boxed{83}"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.convert_tokens_to_ids("\\boxed{") in ids  # one token, not seven
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert chat == "<|user|>hi<|assistant|>"
+    assert len(tok) == len(build_char_tokenizer()) == ma.config.vocab_size
+
+
+def test_nan_loss_skips_the_update(tiny_model_dir):
+    eng = TorchTrainEngine(tiny_model_dir, TrainerSection(lr=1e-2), total_steps=4)
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    s = TrainSample([5, 6, 7, 8], 2, {"scale": torch.ones(2)})
+    stats = eng.train_step([s], lambda lp, f: ((lp * f["scale"]).sum() * float("nan"), {}))
+    assert stats["skipped"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
+    stats = eng.train_step([s], lambda lp, f: (-(lp * f["scale"]).sum(), {}))
+    assert stats["skipped"] == 0.0
+    assert any(not torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
+
+
+def test_run_records_and_offline_wandb(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    recipe = recipe_from_dict({"run": {"name": "r", "output_dir": str(tmp_path), "tracking": {"wandb": True}},
+                               "model": {"tiny": {}}})
+    run = Run(LoadedRecipe(recipe=recipe, path="r.yaml"), "sft")
+    run.log(1, {"loss": 1.5, "tokens": 10}, echo=False)
+    run.log(2, {"loss": 1.0, "tokens": 7}, echo=False)
+    run.finish(token_columns=("tokens",))
+    env = json.loads((tmp_path / "r" / "env.json").read_text())
+    assert env["recipe_sha256"] == recipe.sha256() and env["seed"] == 1 and "commit" in env and "dirty" in env
+    assert env["packages"]["torch"] and env["python"]
+    assert (tmp_path / "r" / "recipe.sha256").read_text().split()[0] == recipe.sha256()
+    assert json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])["loss"] == 1.5
+    cost = json.loads((tmp_path / "r" / "run_summary.json").read_text())
+    assert cost["tokens_total"] == 17 and cost["gpus"] == 0 and cost["gpu_hours_this_session"] == 0
+    assert list((tmp_path / "r").rglob("offline-run-*")), "W&B wrote an offline run"

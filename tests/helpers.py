@@ -1,5 +1,8 @@
 """Shared test helpers: tiny recipes written to tmp dirs."""
 
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import yaml
@@ -33,3 +36,16 @@ def rl_recipe(tmp: Path, data: Path, init_from: str, **rl) -> dict:
         "eval": {"benchmarks": [{"name": "tiny", "path": str(data / "eval.jsonl")}], "n_samples": 2,
                  "max_new_tokens": 40, "pass_k": [1, 2]},
     }
+
+
+def kill_once_checkpointed(cmd: list[str], env: dict, checkpoint: Path, limit_s: float = 300) -> None:
+    """Start a training command and SIGKILL it as soon as `checkpoint` exists (a crash at a random moment)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + limit_s
+        while not checkpoint.exists():
+            assert proc.poll() is None and time.time() < deadline, f"run ended before {checkpoint.name} existed"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)

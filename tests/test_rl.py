@@ -1,11 +1,9 @@
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
-from .helpers import rl_recipe, write_recipe, write_tiny_data
+from .helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 
 TIMING = {"rollout_s", "train_s", "gen_tokens_per_s"}
 REQUIRED = {"reward_mean", "accuracy", "response_len_mean", "response_len_max", "truncated_frac", "tokens_trained",
@@ -37,14 +35,6 @@ def test_rl_runs_logs_everything_and_resumes_after_a_kill_identically(tmp_path, 
     # the same run, killed once its second checkpoint exists, then resumed
     run = tmp_path / "b" / "runs" / "rl"
     rec = write_recipe(tmp_path / "b.yaml", rl_recipe(tmp_path / "b", data, str(tiny_model_dir)))
-    proc = subprocess.Popen(_rl(rec), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300
-        while not (run / "checkpoints" / "step_0000002").exists():
-            assert proc.poll() is None and time.time() < deadline, "run ended before its second checkpoint"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+    kill_once_checkpointed(_rl(rec), env, run / "checkpoints" / "step_0000002")
     subprocess.run(_rl(rec, "--resume"), check=True, env=env, timeout=600, capture_output=True)
     assert _metrics(run) == ref_metrics

@@ -1,8 +1,6 @@
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import torch
 from safetensors.torch import load_file
@@ -11,7 +9,7 @@ from rlrecipe.data.templates import prompt_token_ids
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.sft import batch_for_step, build_sft_samples
 
-from .helpers import TINY_MODEL, write_recipe, write_tiny_data
+from .helpers import TINY_MODEL, kill_once_checkpointed, write_recipe, write_tiny_data
 
 
 def sft_recipe(tmp, data, name):
@@ -51,15 +49,7 @@ def test_killed_sft_resumes_to_the_same_final_weights(tmp_path):
 
     rec = write_recipe(tmp_path / "killed.yaml", sft_recipe(tmp_path, data, "killed"))
     run = tmp_path / "runs" / "killed"
-    proc = subprocess.Popen([*cmd, str(rec)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300
-        while not (run / "checkpoints" / "step_0000002").exists():
-            assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+    kill_once_checkpointed([*cmd, str(rec)], env, run / "checkpoints" / "step_0000002")
     assert not (run / "final").exists()
     subprocess.run([*cmd, str(rec), "--resume"], check=True, env=env, timeout=600, capture_output=True)
     a = load_file(tmp_path / "runs" / "ref" / "final" / "model.safetensors")

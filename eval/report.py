@@ -170,9 +170,14 @@ def _settings_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
     def num(x: Any, fmt: str) -> str:
         return format(x, fmt) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
 
+    def training(r: dict[str, Any]) -> list[str]:
+        t = r.get("training") or {}
+        tokens = t.get("tokens_trained_total", t.get("tokens_total"))
+        return [num(t.get("gpu_hours_this_session"), ".2f"), num(tokens, ",d"), num(t.get("tokens_generated_total"), ",d")]
+
     return [[r.get("run", "-"), r["benchmark"], num(r.get("temperature"), "g"), num(r.get("top_p"), "g"),
              num(r.get("max_new_tokens"), "d"), num(r.get("wall_time_s"), ".0f"),
-             num(r.get("tokens_generated"), ",d"), r.get("summary_path", "-")] for r in results]
+             num(r.get("tokens_generated"), ",d"), *training(r), r.get("summary_path", "-")] for r in results]
 
 
 def published_table() -> str:
@@ -192,8 +197,11 @@ def render_results_md(results: list[dict[str, Any]]) -> str:
                      "the recipe declares for that benchmark; Δ is avg@n minus it, in points.\n")
         parts.append(_table(header, rows))
         parts.append("### Sampling and cost\n")
+        parts.append("Evaluation sampling and cost, then the cost of the training run that made the model\n"
+                     "(GPU-hours of its last session; tokens trained and generated over all its steps).\n")
         parts.append(_table(["Run", "Benchmark", "temperature", "top_p", "max new tokens", "wall time (s)",
-                             "tokens generated", "summary"], _settings_rows(results)))
+                             "tokens generated", "train GPU-h", "train tokens trained", "train tokens generated",
+                             "summary"], _settings_rows(results)))
     parts.append("## Published reference numbers\n")
     parts.append("AIME accuracy (percent) reported by AReaL-boba (inclusionAI/AReaL) for the released\n"
                  "models that the recipes reproduce.\n")

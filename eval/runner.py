@@ -45,6 +45,12 @@ def _grade(trajs: list[Trajectory], tokenizer, grader: Grader) -> list[str]:
     return texts
 
 
+def _training_cost(recipe: Recipe) -> dict | None:
+    """The run_summary.json of the training run this recipe names, if it has finished one."""
+    path = Path(recipe.run.output_dir) / recipe.run.name / "run_summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def evaluate_benchmarks(recipe: Recipe, engine: RolloutEngine, tokenizer, grader: Grader, *,
                         out_dir: Path | None, model: str, recipe_path: str, recipe_sha256: str,
                         seed: int | None = None) -> dict[str, dict]:
@@ -76,6 +82,7 @@ def evaluate_benchmarks(recipe: Recipe, engine: RolloutEngine, tokenizer, grader
             "tokens_generated": sum(len(t.response_ids) for t in trajs),
             "truncated": sum(t.status == Status.TRUNCATED for t in trajs),
             "reference": bench.reference or None,
+            "training": _training_cost(recipe),
         })
         summaries[bench.name] = summary
         if out_dir is not None:

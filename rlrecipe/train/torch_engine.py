@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,7 +136,9 @@ class TorchTrainEngine:
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped step still advances the schedule, on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         self.steps_done += 1
         return {"loss": total_loss, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
                 "skipped": 0.0 if finite else 1.0, **stats}

@@ -191,6 +191,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
             engine.close()
     final = trainer.export_hf(run.final_model_dir, tokenizer)
     console.print(f"RL done: {cfg.steps - start} steps in {time.time() - t_start:.1f}s; model at {final}")
+    run.finish(token_columns=("tokens_trained", "tokens_generated"))  # before the evaluation records it
     results = {}
     if recipe.eval.benchmarks and lead:
         from rlrecipe.eval.runner import evaluate_model_dir
@@ -198,7 +199,6 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
         results = evaluate_model_dir(loaded, final, Run(loaded, "eval", subdir="eval").dir)
         for name, s in results.items():
             console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}")
-    run.finish(token_columns=("tokens_trained", "tokens_generated"))
     return results
 
 

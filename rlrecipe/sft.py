@@ -96,6 +96,7 @@ def run_sft(loaded: LoadedRecipe, resume: bool = False) -> dict:
                 with run.writing_checkpoint(step + 1) as d:
                     engine.save(d)
     final = engine.export_hf(run.final_model_dir, tokenizer)
+    run.finish(token_columns=("tokens",))  # before the evaluation, which records this run's cost
     results = {}
     if recipe.eval.benchmarks and is_rank_zero():
         from rlrecipe.eval.runner import evaluate_model_dir
@@ -103,7 +104,6 @@ def run_sft(loaded: LoadedRecipe, resume: bool = False) -> dict:
         results = evaluate_model_dir(loaded, final, Run(loaded, "eval", subdir="eval").dir)
         for name, s in results.items():
             console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}")
-    run.finish(token_columns=("tokens",))
     return results
 
 

@@ -44,6 +44,9 @@ class InProcessEngine(RolloutEngine):
         self.max_batch = max_batch
         self.refill_fraction = refill_fraction
         self.version = version
+        # batched forward passes so far: on a GPU, where decoding is memory-bound, their number
+        # (not the batch size) is what a rollout costs; benchmarks report it beside seconds
+        self.forward_passes = 0
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
@@ -70,6 +73,7 @@ class InProcessEngine(RolloutEngine):
             mask[i, width - len(s):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        self.forward_passes += 1
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         return out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1]
 
@@ -77,6 +81,7 @@ class InProcessEngine(RolloutEngine):
     def _step(self, tokens: torch.Tensor, cache, mask: torch.Tensor, last_pos: torch.Tensor):
         mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
         pos = last_pos + 1
+        self.forward_passes += 1
         out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None],
                          past_key_values=cache, use_cache=True)
         return out.logits[:, -1, :].float(), out.past_key_values, mask, pos

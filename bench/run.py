@@ -32,6 +32,15 @@ DATA = Path("data/tiny-arith")
 MODEL = Path("runs/tiny-sft/final")
 
 
+def seconds_per_call(fn, repeats: int) -> float:
+    """Mean wall time of `fn` after one warm-up call."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
 def ensure_inputs() -> None:
     """The benchmarks use the demo's SFT model: its responses have the task's long-tail lengths."""
     if not (DATA / "rl.jsonl").exists():
@@ -96,11 +105,7 @@ def bench_packing(budget: int = 2048, repeats: int = 3) -> dict:
     engine = TorchTrainEngine(MODEL, TrainerSection(max_tokens_per_microbatch=budget), total_steps=100)
     lengths = [len(s.input_ids) for s in samples]
     bins = allocate_microbatches(lengths, budget)
-    engine.train_step(samples, sft_loss)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        engine.train_step(samples, sft_loss)
-    packed_s = (time.perf_counter() - t0) / repeats
+    packed_s = seconds_per_call(lambda: engine.train_step(samples, sft_loss), repeats)
 
     # padded baseline: same sequences, same number of sequences per micro-batch, right-padded
     model = engine.model
@@ -122,11 +127,7 @@ def bench_packing(budget: int = 2048, repeats: int = 3) -> dict:
             (-(logp * mask[:, 1:]).sum() / mask.sum()).backward()
         opt.step()
 
-    padded_step()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        padded_step()
-    padded_s = (time.perf_counter() - t0) / repeats
+    padded_s = seconds_per_call(padded_step, repeats)
     padded_tokens = sum(max(len(s.input_ids) for s in samples[i:i + per_mb]) * len(samples[i:i + per_mb])
                         for i in range(0, len(samples), per_mb))
     return {"packed_s_per_step": packed_s, "padded_s_per_step": padded_s, "packed_speedup": padded_s / packed_s,
@@ -139,11 +140,7 @@ def bench_trainer_overhead(repeats: int = 3) -> dict:
     samples = _sft_samples()
     engine = TorchTrainEngine(MODEL, TrainerSection(max_tokens_per_microbatch=2048), total_steps=100)
     mbs = engine.microbatches(samples)
-    engine.train_step(samples, sft_loss)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        engine.train_step(samples, sft_loss)
-    ours = (time.perf_counter() - t0) / repeats
+    ours = seconds_per_call(lambda: engine.train_step(samples, sft_loss), repeats)
     model, opt = engine.model, torch.optim.AdamW(engine.model.parameters(), lr=1e-4)
     from rlrecipe.algo.packing import pack
 
@@ -157,11 +154,7 @@ def bench_trainer_overhead(repeats: int = 3) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    bare()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        bare()
-    base = (time.perf_counter() - t0) / repeats
+    base = seconds_per_call(bare, repeats)
     return {"ours_s_per_step": ours, "bare_torch_s_per_step": base, "overhead_ratio": ours / base}
 
 

@@ -17,7 +17,7 @@ from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import prompt_token_ids
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe, load_recipe
-from rlrecipe.reward import Grader
+from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.base import RolloutEngine
 from rlrecipe.runs import Run, atomic_write_text, console, git_state, latest_run
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
@@ -33,16 +33,6 @@ def _sample_benchmark(engine: RolloutEngine, tokenizer, recipe: Recipe, rows: li
                                     answers=[str(row["answer"])]))
     engine.generate(trajs, params, seed=seed)
     return trajs
-
-
-def _grade(trajs: list[Trajectory], tokenizer, grader: Grader) -> list[str]:
-    texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajs]
-    results = grader.grade(texts, [t.answers for t in trajs], [t.status != Status.FINISHED for t in trajs])
-    for t, r in zip(trajs, results, strict=True):
-        t.correct = r.correct
-        t.meta["extracted"] = r.extracted
-        t.meta["timed_out"] = r.timed_out
-    return texts
 
 
 def _training_cost(recipe: Recipe) -> dict | None:
@@ -64,7 +54,7 @@ def evaluate_benchmarks(recipe: Recipe, engine: RolloutEngine, tokenizer, grader
         params = SamplingParams(temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens,
                                 greedy=ev.temperature == 0)
         trajs = _sample_benchmark(engine, tokenizer, recipe, rows, ev.n_samples, params, seed)
-        texts = _grade(trajs, tokenizer, grader)
+        texts = grade_trajectories(trajs, tokenizer, grader)
         per_problem: dict[str, list[bool]] = {}
         for t in trajs:
             per_problem.setdefault(t.group_id, []).append(bool(t.correct))
@@ -72,7 +62,7 @@ def evaluate_benchmarks(recipe: Recipe, engine: RolloutEngine, tokenizer, grader
         if ev.greedy:
             greedy = _sample_benchmark(engine, tokenizer, recipe, rows, 1,
                                        SamplingParams(max_new_tokens=ev.max_new_tokens, greedy=True), seed)
-            _grade(greedy, tokenizer, grader)
+            grade_trajectories(greedy, tokenizer, grader)
             summary["greedy_acc"] = sum(bool(t.correct) for t in greedy) / max(1, len(greedy))
         summary.update({
             "benchmark": bench.name, "model": model, "recipe": recipe_path, "recipe_sha256": recipe_sha256,

@@ -572,6 +572,23 @@ def grade_batch(responses: list[str], answers: list[list[str]], truncated: list[
     return default_grader().grade(responses, answers, truncated, timeout=timeout)
 
 
+def grade_trajectories(trajs: list, tokenizer, grader: Grader) -> list[str]:
+    """Decode and grade rollouts in place (`correct`, meta `extracted`/`timed_out`); returns the texts.
+
+    The one path RL rewards, training-time validation and evaluation share. A response that did
+    not end with eos (truncated, or still running) is wrong.
+    """
+    from rlrecipe.trajectory import Status
+
+    texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajs]
+    results = grader.grade(texts, [t.answers for t in trajs], [t.status != Status.FINISHED for t in trajs])
+    for t, r in zip(trajs, results, strict=True):
+        t.correct = r.correct
+        t.meta["extracted"] = r.extracted
+        t.meta["timed_out"] = r.timed_out
+    return texts
+
+
 # -- `rlrecipe grade` -----------------------------------------------------------------------
 
 def read_grading_rows(file: Path) -> list[tuple[int, dict[str, Any], list[str]]]:

@@ -21,7 +21,7 @@ from rlrecipe.data.io import load_rows
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_tokenizer, resolve_model_dir
 from rlrecipe.recipe import LoadedRecipe, RLSection
-from rlrecipe.reward import Grader
+from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.runs import Run, atomic_write_text, console, resolve_init
 from rlrecipe.train import make_train_engine
@@ -32,11 +32,9 @@ from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 # -- the named steps ----------------------------------------------------------------------------
 def grade(batch: list[Trajectory], tokenizer, grader: Grader, cfg: RLSection) -> None:
-    texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in batch]
-    results = grader.grade(texts, [t.answers for t in batch], [t.status != Status.FINISHED for t in batch])
-    for t, r in zip(batch, results, strict=True):
-        t.correct = r.correct
-        t.reward = cfg.reward_correct if r.correct else cfg.reward_wrong
+    grade_trajectories(batch, tokenizer, grader)
+    for t in batch:
+        t.reward = cfg.reward_correct if t.correct else cfg.reward_wrong
 
 
 def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer, grader: Grader, cfg: RLSection,

@@ -91,6 +91,26 @@ def bench_c3po(steps: int = 6) -> dict:
             "forward_pass_ratio_per_trained_token": (sync_passes / sum(tokens)) / (c3_passes / sum(c3_tokens))}
 
 
+def bench_c3po_end_to_end(steps: int = 5) -> dict:
+    """Whole RL steps (rollout + grading + training + weight push) with tiny_rl.yaml, C3PO++ on vs off."""
+    from rlrecipe.recipe import load_recipe
+    from rlrecipe.rl import run_rl
+
+    per_token = {}
+    for mode, enabled in (("sync", False), ("c3po", True)):
+        loaded = load_recipe("recipes/tiny_rl.yaml", [
+            f"run.name=bench-rl-{mode}", f"run.init_from={MODEL}", f"rl.steps={steps}", "eval.benchmarks=[]",
+            f"rl.c3po.enabled={str(enabled).lower()}", "run.output_dir=.cache/bench-runs"])
+        run_rl(loaded)
+        rows = [json.loads(line) for line in
+                (Path(".cache/bench-runs") / f"bench-rl-{mode}" / "metrics.jsonl").read_text().splitlines()]
+        rows = rows[1:]  # the first C3PO++ step fills an empty pool
+        per_token[mode] = sum(r["rollout_s"] + r["train_s"] for r in rows) / sum(r["tokens_trained"] for r in rows)
+    return {"sync_s_per_1k_trained_tokens": 1000 * per_token["sync"],
+            "c3po_s_per_1k_trained_tokens": 1000 * per_token["c3po"],
+            "end_to_end_speedup": per_token["sync"] / per_token["c3po"]}
+
+
 def _sft_samples(n: int = 256):
     tok = load_tokenizer(MODEL)
     samples, _ = build_sft_samples(load_rows(str(DATA / "sft.jsonl"), "sft")[:n], tok, "plain", 512)
@@ -203,7 +223,8 @@ def bench_engine(n: int = 256) -> dict:
 def main() -> None:
     ensure_inputs()
     results = {}
-    for name, fn in [("c3po_vs_sync", bench_c3po), ("packed_vs_padded", bench_packing),
+    for name, fn in [("c3po_vs_sync", bench_c3po), ("c3po_vs_sync_end_to_end", bench_c3po_end_to_end),
+                     ("packed_vs_padded", bench_packing),
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
                      ("engine_refill_vs_generate", bench_engine)]:
         console.print(f"[bold]bench[/] {name} ...")

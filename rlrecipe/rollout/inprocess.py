@@ -125,11 +125,12 @@ class InProcessEngine(RolloutEngine):
                     logits, mask, last_pos = logits[keep], mask[keep], last_pos[keep]
                     rows = [rows[i] for i in keep.tolist()]
             tok, lp = self._sample(logits, params, gen)
+            tokens, logps = tok.tolist(), lp.tolist()  # one conversion per step, not one per row
             for i, t in enumerate(rows):
                 if t.status != Status.RUNNING:
                     continue
-                t.append(int(tok[i]), float(lp[i]), self.version)
-                if int(tok[i]) == self.eos:
+                t.append(tokens[i], logps[i], self.version)
+                if tokens[i] == self.eos:
                     t.status = Status.FINISHED
                 elif len(t.response_ids) >= params.max_new_tokens:
                     t.status = Status.TRUNCATED

@@ -102,6 +102,7 @@ class Run:
                 "overrides": loaded.overrides, "seed": self.recipe.run.seed, "started": time.time(),
                 **environment()}
         atomic_write_text(self.dir / "env.json", json.dumps(meta, indent=2))
+        self._num_gpus = len(meta["gpus"])
         self.metrics_path = self.dir / "metrics.jsonl"
         self._started = time.time()
         self._wandb = None
@@ -144,10 +145,9 @@ class Run:
                 row = json.loads(line)
                 for c in token_columns:
                     totals[f"{c}_total"] += row.get(c, 0)
-        gpus = len(environment()["gpus"])
         wall = time.time() - self._started
-        summary = {"stage": self.stage, "wall_time_s_this_session": round(wall, 1), "gpus": gpus,
-                   "gpu_hours_this_session": round(gpus * wall / 3600, 3), **totals}
+        summary = {"stage": self.stage, "wall_time_s_this_session": round(wall, 1), "gpus": self._num_gpus,
+                   "gpu_hours_this_session": round(self._num_gpus * wall / 3600, 3), **totals}
         atomic_write_text(self.dir / "run_summary.json", json.dumps(summary, indent=2))
         if self._wandb is not None:
             self._wandb.finish()

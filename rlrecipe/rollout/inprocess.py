@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from rlrecipe.modeling import DTYPES, load_model
+from rlrecipe.modeling import load_model
 from rlrecipe.rollout.base import RolloutEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
@@ -37,7 +37,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 class InProcessEngine(RolloutEngine):
     def __init__(self, model_dir: str | Path, eos_token_id: int, pad_token_id: int, dtype: str = "float32",
                  max_batch: int = 512, refill_fraction: float = 0.25, version: int = 0):
-        self.dtype = DTYPES[dtype]
+        self.dtype = dtype
         self.model = load_model(model_dir, dtype).eval()
         self.eos = eos_token_id
         self.pad = pad_token_id
@@ -50,7 +50,7 @@ class InProcessEngine(RolloutEngine):
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
-        self.model = load_model(model_dir, str(self.dtype).removeprefix("torch.")).eval()
+        self.model = load_model(model_dir, self.dtype).eval()
         self.version = version
 
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:

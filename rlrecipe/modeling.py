@@ -95,6 +95,36 @@ def load_model(path: str | Path, dtype: str = "float32", attn_implementation: st
     return model
 
 
+def load_weights_into(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy an HF safetensors export (one file or shards) into an existing model, shard by shard.
+
+    No second model is built, so peak memory is the model plus one shard. A tensor the export
+    leaves out is accepted only when it is tied to one it holds (lm_head tied to embeddings)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from rlrecipe.errors import UserError
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    own = model.state_dict()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name in files:
+            for key, tensor in load_file(path / name).items():
+                if key not in own or own[key].shape != tensor.shape:
+                    raise UserError(f"{path / name}: tensor {key} {tuple(tensor.shape)} does not fit the model "
+                                    f"({tuple(own[key].shape) if key in own else 'no such parameter'})")
+                own[key].copy_(tensor)
+                loaded.add(key)
+    held = {own[k].data_ptr() for k in loaded}
+    missing = [k for k in own if k not in loaded and own[k].data_ptr() not in held]
+    if missing:
+        raise UserError(f"{path}: the export lacks {len(missing)} tensors of the model, e.g. {missing[:3]}")
+
+
 def resolve_model_dir(section: ModelSection, init_from: str | None, work_dir: Path, seed: int) -> Path:
     """Where this stage's starting weights are: `init_from`, `model.path`, or a fresh tiny model."""
     if init_from:

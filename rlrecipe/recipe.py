@@ -128,6 +128,14 @@ class SGLangServer(Section):
     # Placeholders: {model} {host} {port} {index} {dtype} {seed}. E.g. the CPU stand-in that
     # speaks the same API: ["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"].
     launch_cmd: list[str] = []
+    # After each step: "disk" = HF export + /update_weights_from_disk (always works); "distributed"
+    # = the trainer broadcasts the tensors into the servers (/update_weights_from_distributed),
+    # nothing written to disk. weight_sync_address must be the trainer's address as the servers see it.
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    weight_sync_backend: Literal["nccl", "gloo"] = "nccl"
+    weight_sync_address: str = "127.0.0.1"
+    weight_sync_port: int = Field(29650, gt=0, lt=65536)
+    weight_sync_bucket_mb: int = Field(512, ge=1, description="tensors per update request, at most this size")
 
 
 class RolloutSection(Section):

@@ -143,7 +143,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
             run.truncate_metrics(start)
             console.print(f"resumed from {ckpt} at step {start}")
     engine = make_rollout_engine(recipe, model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
-    via_disk = recipe.rollout.engine != "inprocess"
+    via_disk = recipe.rollout.engine != "inprocess" and recipe.rollout.sglang.weight_sync == "disk"
     if ckpt is not None:
         push_weights(trainer, engine, run, tokenizer, start, via_disk)
     ro = recipe.rollout
@@ -201,7 +201,8 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
 
 
 def push_weights(trainer, engine, run: Run, tokenizer, version: int, via_disk: bool) -> None:
-    """In memory for the in-process engine; through an HF export on disk for server engines.
+    """In memory for the in-process engine, by broadcast for SGLang with weight_sync distributed,
+    else through an HF export on disk.
 
     Gathering a sharded trainer's weights is collective: every rank calls this; rank 0 (the one
     holding the engine) pushes."""

@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
         # 3. weight reload (same weights, new version) and resume
         engine.update_weights_from_disk(args.model, 1)
         engine.generate(pool, long)
+        summary["server_weight_version"] = engine.model_info(0).get("weight_version")
+        if summary["server_weight_version"] != "1":  # the engine also checks every response against it
+            failures.append(f"server reports weight_version {summary['server_weight_version']!r} after the update")
         summary["resumed_all_done"] = all(t.done for t in pool)
         summary["versions_ok"] = all(set(t.versions[:cut[t.uid]]) == {0} and set(t.versions[cut[t.uid]:]) <= {1}
                                      for t in partial)

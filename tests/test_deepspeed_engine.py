@@ -65,7 +65,7 @@ def worker(spec: dict) -> None:
 
     cfg = TrainerSection(engine="deepspeed", zero_stage=spec["stage"], **TRAINER)
     eng = DeepSpeedTrainEngine(spec["model"], cfg, TOTAL_STEPS, ds_config_overrides=PARTITION_ALL)
-    out: dict = {"world": eng.world, "steps": []}
+    out: dict = {"world": eng.world, "steps": [], "partitioned_load": eng.partitioned_load}
     if spec.get("resume"):
         eng.load(spec["resume"])
     else:
@@ -146,6 +146,8 @@ def test_two_ranks_match_torch_engine_and_resume(stage, tiny_model_dir, referenc
             "export": str(tmp_path / "export"), "out": str(tmp_path / "full.json")}
     full = torchrun(spec)
     assert full["world"] == 2
+    # ZeRO-3 loads the weights already partitioned (no rank builds the whole model first)
+    assert full["partitioned_load"] == (stage == 3)
 
     # uneven shards: different micro-batch counts at step 2, one rank with no samples at step 3
     counts = [s["microbatches_per_rank"] for s in full["steps"]]

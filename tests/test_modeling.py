@@ -1,9 +1,11 @@
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlrecipe.modeling import build_char_tokenizer, create_tiny
+from rlrecipe.errors import UserError
+from rlrecipe.modeling import build_char_tokenizer, create_tiny, load_weights_into
 from rlrecipe.recipe import LoadedRecipe, TinyModel, TrainerSection, recipe_from_dict
 from rlrecipe.runs import Run
 from rlrecipe.train.torch_engine import TorchTrainEngine, TrainSample
@@ -24,6 +26,22 @@ def test_tiny_model_is_a_normal_hf_directory_and_seeded(tmp_path):
                                    tokenize=False)
     assert chat == "<|user|>hi<|assistant|>"
     assert len(tok) == len(build_char_tokenizer()) == ma.config.vocab_size
+
+
+def test_weights_load_in_place_from_sharded_export_and_bad_exports_are_named(tmp_path):
+    cfg = TinyModel(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    source = AutoModelForCausalLM.from_pretrained(create_tiny(cfg, tmp_path / "a", 1))
+    source.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    target = AutoModelForCausalLM.from_pretrained(create_tiny(cfg, tmp_path / "b", 2))
+    load_weights_into(target, tmp_path / "sharded")
+    for (name, x), y in zip(source.state_dict().items(), target.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+    assert target.lm_head.weight is target.model.embed_tokens.weight  # still tied, not overwritten apart
+    wider = AutoModelForCausalLM.from_pretrained(create_tiny(cfg.model_copy(update={"intermediate_size": 96}),
+                                                             tmp_path / "c", 1))
+    with pytest.raises(UserError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp"):
+        load_weights_into(wider, tmp_path / "a")
 
 
 def test_nan_loss_skips_the_update(tiny_model_dir):

@@ -38,3 +38,35 @@ def test_rl_runs_logs_everything_and_resumes_after_a_kill_identically(tmp_path, 
     kill_once_checkpointed(_rl(rec), env, run / "checkpoints" / "step_0000002")
     subprocess.run(_rl(rec, "--resume"), check=True, env=env, timeout=600, capture_output=True)
     assert _metrics(run) == ref_metrics
+
+
+def test_rl_through_the_sglang_api_with_broadcast_weight_sync(tmp_path, tiny_model_dir):
+    """rollout.engine sglang, servers launched as `rlrecipe serve`, weights broadcast over gloo each step."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    data = write_tiny_data(tmp_path / "data")
+    recipe = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=3, c3po={"enabled": False})
+    recipe["eval"]["benchmarks"] = []
+    recipe["rollout"] = {"engine": "sglang", "dtype": "float32", "max_new_tokens": 40, "sglang": {
+        "base_port": ports[0], "weight_sync": "distributed", "weight_sync_backend": "gloo",
+        "weight_sync_port": ports[1], "startup_timeout_s": 120,
+        "launch_cmd": [sys.executable, "-m", "rlrecipe.cli.app", "serve", "{model}", "--host", "{host}",
+                       "--port", "{port}", "--dtype", "{dtype}"]}}
+    path = write_recipe(tmp_path / "rl.yaml", recipe)
+    subprocess.run(_rl(path), check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+                   capture_output=True)
+    run = tmp_path / "runs" / "rl"
+    rows = _metrics(run)
+    assert len(rows) == 3
+    # every step's rollouts come from the weights the trainer had when it started the step: the
+    # server received each update (fp32 on both sides, so only float noise is left)
+    assert all(r["mismatch_abs_logp"] < 1e-4 for r in rows), [r["mismatch_abs_logp"] for r in rows]
+    log = (run / "sglang_server_0.log").read_text()
+    assert "joined weight update group" in log
+    assert [f"weight_version={v}" in log for v in (1, 2)] == [True, True]
+    assert "broadcast tensors" in log and not (run / "weights_for_rollout").exists()  # nothing went via disk

@@ -1,6 +1,7 @@
 import torch
 
 from rlrecipe.modeling import load_model, load_tokenizer
+from rlrecipe.rollout import inprocess
 from rlrecipe.rollout.inprocess import InProcessEngine, filter_logits
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
@@ -31,6 +32,27 @@ def test_fp32_logprobs_match_full_recompute(tiny_model_dir):
     assert gaps.max() < 1e-5
     assert all(t.status in (Status.FINISHED, Status.TRUNCATED) for t in trajs)
     assert all(len(t.versions) == len(t.response_ids) == len(t.logp_infer) for t in trajs)
+
+
+def test_refill_joins_cache_rows_of_any_width_exactly(tiny_model_dir, monkeypatch):
+    # partial responses of staggered lengths make rows end at different steps, so newcomers are
+    # prefilled alone and joined to rows in flight, each side sometimes the wider one
+    widths = []
+    join = inprocess._Batch.join
+    monkeypatch.setattr(inprocess._Batch, "join", lambda a, b: widths.append(
+        (a.mask.shape[1], b.mask.shape[1])) or join(a, b))
+    eng, tok = _engine(tiny_model_dir, max_batch=4)
+    trajs = _trajs(tok, n=14)
+    for i, t in enumerate(trajs):
+        for j in range((i * 7) % 19):
+            t.append(tok.encode("0123456789")[j % 10], 0.0, -1)
+    eng.generate(trajs, SamplingParams(max_new_tokens=30), seed=1)
+    assert any(a > b for a, b in widths) and any(a < b for a, b in widths)
+    model = load_model(tiny_model_dir)
+    for t in trajs:
+        fresh = [i for i, v in enumerate(t.versions) if v == 0]
+        gap = (_recompute(model, t)[fresh] - torch.tensor(t.logp_infer)[fresh]).abs()
+        assert fresh and gap.max() < 1e-5
 
 
 def test_bf16_engine_has_a_real_but_small_gap(tiny_model_dir):

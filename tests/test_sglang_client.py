@@ -125,18 +125,18 @@ def test_sampling_params_and_response_mapping():
         t = Trajectory(uid="a", prompt_ids=[5])
         eng._apply(t, {"output_ids": [7, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1},
                                                            "output_token_logprobs": [[-0.5, 7, None], [None, 1, None]]}},
-                   params, 3)
+                   params, 3, 0)
         assert t.status == Status.FINISHED and t.response_ids == [7, 1] and t.versions == [3, 3]
         assert t.logp_infer[0] == -0.5 and t.logp_infer[1] < -1e6
         t = Trajectory(uid="b", prompt_ids=[5])
         eng._apply(t, {"meta_info": {"finish_reason": {"type": "abort", "message": "x"},
-                                     "output_token_logprobs": [[-1.0, 9, None]]}}, params, 0)
+                                     "output_token_logprobs": [[-1.0, 9, None]]}}, params, 0, 0)
         assert t.status == Status.RUNNING and t.response_ids == [9]
         eng._apply(t, {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}},
-                       "output_ids": []}, params, 1)  # aborted while waiting: nothing new
+                       "output_ids": []}, params, 1, 0)  # aborted while waiting: nothing new
         assert t.status == Status.RUNNING and t.response_ids == [9]
         eng._apply(t, {"meta_info": {"finish_reason": {"type": "length", "length": 3},
-                                     "output_token_logprobs": [[-1.0, 9, None]] * 3}}, params, 1)
+                                     "output_token_logprobs": [[-1.0, 9, None]] * 3}}, params, 1, 0)
         assert t.status == Status.TRUNCATED and t.versions == [0, 1, 1, 1]
     finally:
         eng.close()
@@ -145,8 +145,10 @@ def test_sampling_params_and_response_mapping():
 # -- against `rlrecipe serve` ---------------------------------------------------------------------
 def test_server_speaks_the_sglang_api(server, tok):
     url = server["url"]
-    info = requests.get(url + "/get_model_info", timeout=10).json()
+    info = requests.get(url + "/model_info", timeout=10).json()
     assert info["is_generation"] is True and "model_path" in info
+    assert requests.get(url + "/get_model_info", timeout=10).json() == info  # the pre-0.5 name
+    assert requests.get(url + "/server_info", timeout=10).json()["context_length"] == 256
     ids = [tok.encode("Add 1 and 2."), tok.encode("Add 30 and 4.")]
     r = requests.post(url + "/generate", json={"input_ids": ids, "return_logprob": True, "rid": ["x1", "x2"],
                                               "sampling_params": {"max_new_tokens": 5, "temperature": 0}}, timeout=60)
@@ -240,6 +242,73 @@ def test_weight_update_mid_run(engine, tok, tiny_model_dir, other_model_dir, ser
         assert engine.version == 1
     finally:
         engine.update_weights_from_disk(tiny_model_dir, 0)  # the module's server serves the base model again
+
+
+def test_requests_fit_the_context_and_a_full_context_truncates(engine, tok, server):
+    ctx = engine.context_len(0)
+    assert ctx == 256  # the tiny model's max_position_embeddings, from /server_info
+    params = SamplingParams(max_new_tokens=300)
+    near, full = prompts(tok, 2)
+    for t, total in ((near, ctx - 5), (full, ctx)):
+        filler = tok.encode("0123456789" * 30)[:total - len(t.prompt_ids)]
+        t.response_ids, t.logp_infer, t.versions = list(filler), [0.0] * len(filler), [0] * len(filler)
+    # the server refuses what cannot fit, as SGLang does ...
+    r = requests.post(server["url"] + "/generate", json={"input_ids": near.prompt_ids + near.response_ids,
+                                                        "sampling_params": {"max_new_tokens": 6}}, timeout=30)
+    assert r.status_code == 400 and "context length" in r.json()["message"]
+    # ... so the engine asks only for the room left, and does not send a trajectory with none
+    before = len(full.response_ids)
+    engine.generate([near, full], params, seed=5)
+    assert near.num_tokens <= ctx and near.done
+    assert full.status == Status.TRUNCATED and len(full.response_ids) == before
+    assert full.meta["truncated_by_server"]
+
+
+def test_weights_changed_behind_the_engine_are_detected(engine, tok, tiny_model_dir, server):
+    try:
+        engine.update_weights_from_disk(tiny_model_dir, 5)
+        engine.generate(prompts(tok, 2), SamplingParams(max_new_tokens=4), seed=1)  # version "5": fine
+        r = requests.post(server["url"] + "/update_weights_from_disk",
+                          json={"model_path": str(tiny_model_dir), "weight_version": "7"}, timeout=60)
+        assert r.json()["success"]
+        with pytest.raises(UserError, match="weight_version '7'.*last set '5'"):
+            engine.generate(prompts(tok, 2), SamplingParams(max_new_tokens=4), seed=1)
+    finally:
+        engine.update_weights_from_disk(tiny_model_dir, 0)
+
+
+def test_distributed_weight_sync_broadcasts_into_the_server(server, tok, tiny_model_dir, other_model_dir):
+    """weight_sync: distributed, over gloo: the engine is rank 0 of a group with the server."""
+    cfg = SGLangServer(weight_sync="distributed", weight_sync_backend="gloo", weight_sync_port=free_port())
+    eng = SGLangEngine([server["url"]], eos_token_id=tok.eos_token_id, max_concurrency=16, cfg=cfg)
+    base, other = load_model(tiny_model_dir), load_model(other_model_dir)
+    try:
+        for model, version in ((other, 2), (base, 3)):  # the second update reuses the group
+            eng.update_weights_from_state(model.state_dict(), version)
+            assert eng.model_info(0)["weight_version"] == str(version)
+            trajs = eng.generate(prompts(tok, 4), SamplingParams(max_new_tokens=16), seed=1)
+            lp = torch.cat([torch.tensor(t.logp_infer) for t in trajs])
+            assert all(set(t.versions) == {version} for t in trajs)
+            assert (torch.cat([recompute(model, t) for t in trajs]) - lp).abs().max() < 1e-4
+            wrong = base if model is other else other
+            assert (torch.cat([recompute(wrong, t) for t in trajs]) - lp).abs().max() > 1e-3
+        # the server refuses a tensor it has no place for, at once and by name; the group is dropped
+        with pytest.raises(UserError, match="not_a_weight"):
+            eng.update_weights_from_state({"not_a_weight": torch.zeros(3)}, 9)
+        assert eng._group is None and eng.version == 3
+    finally:
+        eng.close()
+
+
+def test_weight_buckets_and_tied_tensors():
+    from rlrecipe.rollout.weight_sync import buckets, distinct_tensors
+
+    emb = torch.zeros(4, 8)
+    state = {"embed": emb, "a": torch.zeros(10), "lm_head": emb, "b": torch.zeros(31), "c": torch.zeros(2)}
+    named = distinct_tensors(state)
+    assert [n for n, _ in named] == ["embed", "a", "b", "c"]  # the tied lm_head is sent once
+    # 4-byte floats, at most 160 bytes a bucket: embed (128) | a (40) | b (124) + c (8)
+    assert [[n for n, _ in b] for b in buckets(named, 160)] == [["embed"], ["a"], ["b", "c"]]
 
 
 def test_factory_attaches_to_urls(server, tiny_model_dir, tok):

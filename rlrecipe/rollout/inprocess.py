@@ -1,20 +1,21 @@
 """In-process rollout engine on transformers/torch: the CPU path and the reference for SGLang.
 
 Batched decoding with a KV cache over a fixed number of slots. When a share of the slots has
-finished, the batch is rebuilt: finished rows leave, queued trajectories come in, and the rows
-that keep going are re-prefilled from prompt + partial response (the same operation that
-resumes a C3PO++ rollout under new weights). With nothing left in the queue, finished rows
-are simply dropped from the cache.
+finished, queued trajectories are prefilled on their own and their cache rows joined to those
+in flight (left-padded to a common width); finished rows leave the cache. A trajectory that
+comes back with a partial response (a C3PO++ resume under new weights) is prefilled from
+prompt + partial response, since its old cache belongs to old weights.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from rlrecipe.modeling import load_model
+from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.rollout.base import RolloutEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
@@ -34,6 +35,46 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    if t.shape[dim] == width:
+        return t
+    shape = list(t.shape)
+    shape[dim] = width - t.shape[dim]
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+@dataclass
+class _Batch:
+    """The decoding state of the rows in flight: next-token logits, KV cache, mask, positions."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    mask: torch.Tensor
+    last_pos: torch.Tensor
+
+    def select(self, keep: list[int]) -> _Batch:
+        """Keep these rows, then drop the left columns that only padding still uses."""
+        idx = torch.tensor(keep)
+        self.cache.batch_select_indices(idx)
+        mask = self.mask[idx]
+        first = int(mask.any(0).nonzero()[0])
+        if first:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            mask = mask[:, first:]
+        return _Batch(self.logits[idx], self.cache, mask, self.last_pos[idx])
+
+    def join(self, other: _Batch) -> _Batch:
+        """Append other's rows; the narrower side is left-padded with masked zeros."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+        mask = torch.cat([_left_pad(self.mask, width, 1), _left_pad(other.mask, width, 1)])
+        return _Batch(torch.cat([self.logits, other.logits]), self.cache, mask,
+                      torch.cat([self.last_pos, other.last_pos]))
+
+
 class InProcessEngine(RolloutEngine):
     def __init__(self, model_dir: str | Path, eos_token_id: int, pad_token_id: int, dtype: str = "float32",
                  max_batch: int = 512, refill_fraction: float = 0.25, version: int = 0):
@@ -50,7 +91,7 @@ class InProcessEngine(RolloutEngine):
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
-        self.model = load_model(model_dir, self.dtype).eval()
+        load_weights_into(self.model, model_dir)  # in place: same architecture, as SGLang requires
         self.version = version
 
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:
@@ -63,7 +104,7 @@ class InProcessEngine(RolloutEngine):
 
     # -- decoding ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _prefill(self, rows: list[Trajectory]):
+    def _prefill(self, rows: list[Trajectory]) -> _Batch:
         seqs = [t.prompt_ids + t.response_ids for t in rows]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
@@ -72,19 +113,19 @@ class InProcessEngine(RolloutEngine):
             ids[i, width - len(s):] = torch.tensor(s)
             mask[i, width - len(s):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
         self.forward_passes += 1
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-        return out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(),
+                         use_cache=True)
+        return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1])
 
     @torch.no_grad()
-    def _step(self, tokens: torch.Tensor, cache, mask: torch.Tensor, last_pos: torch.Tensor):
-        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype)], dim=1)
-        pos = last_pos + 1
+    def _step(self, tokens: torch.Tensor, b: _Batch) -> _Batch:
+        mask = torch.cat([b.mask, torch.ones((b.mask.shape[0], 1), dtype=b.mask.dtype)], dim=1)
+        pos = b.last_pos + 1
         self.forward_passes += 1
         out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None],
-                         past_key_values=cache, use_cache=True)
-        return out.logits[:, -1, :].float(), out.past_key_values, mask, pos
+                         past_key_values=b.cache, use_cache=True)
+        return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
         if params.greedy or params.temperature == 0:
@@ -108,23 +149,24 @@ class InProcessEngine(RolloutEngine):
         queue = [t for t in queue if t.status == Status.RUNNING]
         finished_tokens = 0
         rows: list[Trajectory] = []
-        cache = mask = last_pos = logits = None
+        batch: _Batch | None = None
         while queue or rows:
-            live = [r for r in rows if r.status == Status.RUNNING]
+            live = [i for i, r in enumerate(rows) if r.status == Status.RUNNING]
             free = self.max_batch - len(live)
             if queue and (not live or free >= max(1, int(self.refill_fraction * self.max_batch))):
-                rows = live + [queue.pop() for _ in range(min(free, len(queue)))]
-                logits, cache, mask, last_pos = self._prefill(rows)
+                # only the newcomers are prefilled; the rows in flight keep their cache
+                new = [queue.pop() for _ in range(min(free, len(queue)))]
+                fresh = self._prefill(new)
+                batch = batch.select(live).join(fresh) if live else fresh
+                rows = [rows[i] for i in live] + new
             elif len(live) < len(rows):
                 if not live:
                     rows = []
                     continue
-                keep = torch.tensor([i for i, r in enumerate(rows) if r.status == Status.RUNNING])
-                if len(keep) <= len(rows) // 2:  # compact only when it halves the work
-                    cache.batch_select_indices(keep)
-                    logits, mask, last_pos = logits[keep], mask[keep], last_pos[keep]
-                    rows = [rows[i] for i in keep.tolist()]
-            tok, lp = self._sample(logits, params, gen)
+                if len(live) <= len(rows) // 2:  # compact only when it halves the work
+                    batch = batch.select(live)
+                    rows = [rows[i] for i in live]
+            tok, lp = self._sample(batch.logits, params, gen)
             tokens, logps = tok.tolist(), lp.tolist()  # one conversion per step, not one per row
             for i, t in enumerate(rows):
                 if t.status != Status.RUNNING:
@@ -139,7 +181,7 @@ class InProcessEngine(RolloutEngine):
             if token_budget is not None and finished_tokens >= token_budget:
                 break
             if any(r.status == Status.RUNNING for r in rows):
-                logits, cache, mask, last_pos = self._step(tok, cache, mask, last_pos)
+                batch = self._step(tok, batch)
             else:
                 rows = []
         return trajs

@@ -7,8 +7,12 @@ by hand and attached with `rollout.urls`.
 
 Endpoints (request and response shapes as SGLang's): POST /generate (input_ids or text, single
 or batch; sampling_params; return_logprob; rid), POST /abort_request, POST
-/update_weights_from_disk, POST|GET /flush_cache, GET /health, GET /health_generate,
-GET /get_model_info.
+/update_weights_from_disk (flushes the cache, as SGLang's does), POST|GET /flush_cache,
+POST /init_weights_update_group + /update_weights_from_distributed + /destroy_weights_update_group
+(the trainer broadcasts tensors into this process, see rollout/weight_sync.py), GET /health,
+GET /health_generate, GET /model_info (and its old name /get_model_info), GET
+/server_info (context_length). As in SGLang (without --allow-auto-truncate), a request whose
+input + max_new_tokens exceeds the context length is refused with HTTP 400.
 
 One scheduler thread owns the `InProcessEngine`. It gathers the requests that arrive within a
 few milliseconds of each other and decodes them together, in chunks of `chunk_tokens` new
@@ -35,7 +39,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import torch.distributed as dist
+
 from rlrecipe.errors import UserError
+from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
 from rlrecipe.trajectory import SamplingParams, Trajectory
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos",
@@ -107,9 +114,14 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     max_new = int(sp.get("max_new_tokens", 128))
     if max_new < 0:
         raise BadRequest("sampling_params.max_new_tokens must be >= 0")
+    # as SGLang without --allow-auto-truncate: a request that cannot fit is refused, not shortened
     if n_input >= context_len:
-        raise BadRequest(f"input is {n_input} tokens, the model's context length is {context_len}")
-    return {"max_new_tokens": min(max_new, context_len - n_input), "temperature": temperature, "top_p": top_p,
+        raise BadRequest(f"The input ({n_input} tokens) is longer than the model's context length "
+                         f"({context_len} tokens).")
+    if n_input + max_new > context_len:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} "
+                         f"tokens: {n_input} input + {max_new} new.")
+    return {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p,
             "top_k": 0 if top_k == -1 else top_k, "stop_ids": frozenset(int(t) for t in sp.get("stop_token_ids") or []),
             "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
             "no_stop_trim": bool(sp.get("no_stop_trim", False))}
@@ -131,6 +143,7 @@ class Scheduler:
         self.pending: list[GenRequest] = []
         self.active: list[GenRequest] = []
         self.updates: list[dict] = []
+        self.groups: dict[str, object] = {}  # weight update groups joined, by name
         self.stopped = False
         self._turn = 0
         self._tokens = 0
@@ -168,7 +181,47 @@ class Scheduler:
         return n
 
     def update_weights(self, model_path: str, weight_version: str | None, timeout: float = 3600.0) -> dict:
-        job = {"model_path": model_path, "weight_version": weight_version, "done": threading.Event(), "result": None}
+        return self._run_update({"model_path": model_path, "weight_version": weight_version}, timeout)
+
+    def update_weights_from_distributed(self, body: dict, timeout: float = 3600.0) -> dict:
+        group = self.groups.get(body.get("group_name", DEFAULT_GROUP))
+        if group is None:
+            raise BadRequest(f"no weight update group {body.get('group_name', DEFAULT_GROUP)!r}: "
+                             "call /init_weights_update_group first")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            raise BadRequest("names, dtypes and shapes must be lists of one length")
+        own = self.engine.model.state_dict()
+        for name, shape in zip(names, shapes, strict=True):
+            if name not in own or list(own[name].shape) != list(shape):
+                raise BadRequest(f"tensor {name} {shape} does not fit the served model")
+        return self._run_update({"group": group, "names": names, "dtypes": dtypes, "shapes": shapes,
+                                 "weight_version": body.get("weight_version")}, timeout)
+
+    def init_group(self, body: dict) -> dict:
+        """Join the trainer's weight update group (blocks until every member has joined)."""
+        try:
+            name = str(body.get("group_name", DEFAULT_GROUP))
+            if name in self.groups:  # a trainer that starts over replaces its group
+                dist.destroy_process_group(self.groups.pop(name))
+            self.groups[name] = init_custom_group(str(body.get("backend", "nccl")), str(body["master_address"]),
+                                                  int(body["master_port"]), int(body["rank_offset"]),
+                                                  int(body["world_size"]), name)
+            log(f"joined weight update group {name} as rank {body['rank_offset']} of {body['world_size']}")
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
+        except Exception as err:  # noqa: BLE001 - reported to the client
+            return {"success": False, "message": f"Failed to initialize custom process group: {err}."}
+
+    def destroy_group(self, body: dict) -> dict:
+        group = self.groups.pop(str(body.get("group_name", DEFAULT_GROUP)), None)
+        if group is None:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        dist.destroy_process_group(group)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def _run_update(self, job: dict, timeout: float) -> dict:
+        job.update(done=threading.Event(), result=None)
         with self.cond:
             self.updates.append(job)
             self.cond.notify_all()
@@ -209,16 +262,21 @@ class Scheduler:
                     self.active = []
 
     def _do_update(self, job: dict) -> None:
-        path = job["model_path"]
         t0 = time.time()
         try:
-            if not (Path(path) / "config.json").exists():
-                raise FileNotFoundError(f"no model at {path}")
-            self.engine.update_weights_from_disk(path, self.engine.version + 1)
-            self.model_path = path
+            if "group" in job:  # the trainer broadcasts the tensors as soon as it has sent the request
+                tensors = receive(job["group"], job["names"], job["dtypes"], job["shapes"])
+                self.engine.update_weights_from_state(dict(tensors), self.engine.version + 1)
+                source = f"{len(tensors)} broadcast tensors"
+            else:
+                path = job["model_path"]
+                if not (Path(path) / "config.json").exists():
+                    raise FileNotFoundError(f"no model at {path}")
+                self.engine.update_weights_from_disk(path, self.engine.version + 1)
+                self.model_path = source = path
             if job["weight_version"] is not None:
                 self.weight_version = str(job["weight_version"])
-            msg = f"Succeeded to update model weights from {path} in {time.time() - t0:.2f}s."
+            msg = f"Succeeded to update model weights from {source} in {time.time() - t0:.2f}s."
             job["result"] = {"success": True, "message": msg, "num_paused_requests": 0}
             log(msg + f" weight_version={self.weight_version}")
         except Exception as err:  # noqa: BLE001 - reported to the client
@@ -366,10 +424,14 @@ def make_handler(sched: Scheduler):
                                    return_text_in_logprobs=False, skip_special_tokens=True, no_stop_trim=False)
                 sched.submit([probe])
                 self._send(200 if probe.done.wait(20) and probe.finish.get("type") != "abort" else 503)
-            elif path == "/get_model_info":
+            elif path in ("/model_info", "/get_model_info"):
                 self._send(200, {"model_path": sched.model_path, "tokenizer_path": sched.model_path,
-                                 "is_generation": True, "preferred_sampling_params": None,
-                                 "weight_version": sched.weight_version})
+                                 "served_model_name": sched.model_path, "is_generation": True,
+                                 "preferred_sampling_params": None, "weight_version": sched.weight_version})
+            elif path in ("/server_info", "/get_server_info"):
+                self._send(200, {"model_path": sched.model_path, "context_length": sched.context_len,
+                                 "max_req_input_len": sched.context_len - 1, "tp_size": 1, "dp_size": 1,
+                                 "version": "rlrecipe-serve"})
             elif path == "/get_weight_version":
                 self._send(200, {"weight_version": sched.weight_version})
             elif path == "/flush_cache":
@@ -402,6 +464,15 @@ def make_handler(sched: Scheduler):
                         raise BadRequest("model_path is required")
                     log(f"update_weights_from_disk {body['model_path']}")
                     res = sched.update_weights(str(body["model_path"]), body.get("weight_version"))
+                    self._send(200 if res["success"] else 400, res)
+                elif path == "/init_weights_update_group":
+                    res = sched.init_group(body)
+                    self._send(200 if res["success"] else 400, res)
+                elif path == "/update_weights_from_distributed":
+                    res = sched.update_weights_from_distributed(body)
+                    self._send(200 if res["success"] else 400, res)
+                elif path == "/destroy_weights_update_group":
+                    res = sched.destroy_group(body)
                     self._send(200 if res["success"] else 400, res)
                 elif path == "/flush_cache":
                     self._flush()

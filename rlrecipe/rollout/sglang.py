@@ -13,12 +13,19 @@ The API subset used (SGLang 0.4/0.5 `sglang/srt/entrypoints/http_server.py`,
   log-probs are read from `output_token_logprobs` (one entry per sampled token); SGLang's
   log-prob is that of the temperature-scaled distribution before top-p/top-k, as in
   `InProcessEngine` (greedy: the raw distribution).
-- `POST /abort_request` {rid}: a running request returns at once with what it has, with
-  finish_reason abort. SGLang ignores an abort for a rid it has not registered yet and matches
-  rids by prefix, so rids are fixed-length uuids and aborts are re-sent until the request returns.
-- `POST /update_weights_from_disk` {model_path, weight_version} -> {success, message}; then
-  `POST /flush_cache` (400 while requests run: only a warning).
-- `GET /health_generate` (start-up), `GET /get_model_info` (which model an attached server has).
+- `POST /abort_request` {rid} or {abort_all}: a running request returns at once with what it
+  has, with finish_reason abort. SGLang matches rids by prefix (so rids are fixed-length uuids)
+  and, in recent versions, acts on the first abort of a rid only; an abort that lands before the
+  scheduler holds the request is lost. So the first round aborts by rid and later rounds, on
+  servers this engine launched (nobody else's requests are there), abort all.
+- `POST /update_weights_from_disk` {model_path, weight_version} -> {success, message}; the
+  server flushes its prefix cache itself. Responses then carry `meta_info.weight_version`, which
+  is checked against the version this engine set, so a token is never labelled with a policy
+  version that did not produce it.
+- `GET /health_generate` (start-up), `GET /model_info` (old name `/get_model_info`: which model an
+  attached server has), `GET /server_info` (`context_length`). SGLang refuses (HTTP 400) a
+  request whose input + max_new_tokens exceeds the context, so `max_new_tokens` is capped to the
+  room left, and a trajectory with no room left is truncated without a request.
 
 C3PO++: with `token_budget`, once the trajectories finished during the call hold that many
 response tokens, the requests in flight are aborted and come back partial (status RUNNING);
@@ -54,7 +61,7 @@ from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 LOG_NAME = "sglang_server_{i}.log"
 ABORT_RESEND_S = 1.0
-# What SGLang itself writes for a -inf log-prob (orjson turns -inf into null).
+# Our stand-in for a -inf log-prob, which SGLang's JSON carries as null.
 NEG_INF_LOGP = -999999999.0
 
 
@@ -250,7 +257,8 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(self, urls: Sequence[str], *, eos_token_id: int | None = None, version: int = 0,
                  max_concurrency: int = 512, servers: Sequence[ServerProcess] | None = None,
-                 stop_token_ids: Sequence[int] | None = None, request_timeout_s: float | None = None):
+                 stop_token_ids: Sequence[int] | None = None, request_timeout_s: float | None = None,
+                 cfg: SGLangServer | None = None):
         if not urls:
             raise UserError("rollout.urls: no SGLang server to talk to")
         self.urls = [u.rstrip("/") for u in urls]
@@ -266,6 +274,10 @@ class SGLangEngine(RolloutEngine):
         self._sessions_lock = threading.Lock()
         self._pools = [ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"sglang{i}")
                        for i in range(len(self.urls))]
+        self.cfg = cfg or SGLangServer()
+        self._group = None  # the weight update group (weight_sync: distributed), made on first use
+        self._context_len: dict[int, int | None] = {}
+        self._weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
         self._closed = False
 
     # -- construction ----------------------------------------------------------------------------
@@ -275,7 +287,8 @@ class SGLangEngine(RolloutEngine):
         ro = recipe.rollout
         eos = tokenizer.eos_token_id
         if ro.urls:
-            engine = cls(ro.urls, eos_token_id=eos, version=version, max_concurrency=ro.sglang.max_concurrency)
+            engine = cls(ro.urls, eos_token_id=eos, version=version, max_concurrency=ro.sglang.max_concurrency,
+                         cfg=ro.sglang)
             try:
                 engine.wait_healthy(timeout=30.0)
                 engine.ensure_model(model_dir, version)
@@ -325,7 +338,7 @@ class SGLangEngine(RolloutEngine):
                 servers.append(server)
                 server.start()
             engine = cls([s.url for s in servers], eos_token_id=eos_token_id, version=version,
-                         max_concurrency=cfg.max_concurrency, servers=servers)
+                         max_concurrency=cfg.max_concurrency, servers=servers, cfg=cfg)
         except BaseException:
             for s in servers:
                 s.stop()
@@ -400,10 +413,29 @@ class SGLangEngine(RolloutEngine):
                                 f"(last: {last_err.get(i, '?')}; raise rollout.sglang.startup_timeout_s?){where}")
             time.sleep(0.25)
 
-    def model_info(self, i: int = 0) -> dict:
-        r = self._session().get(self.urls[i] + "/get_model_info", timeout=30)
+    def _get_info(self, i: int, path: str) -> dict:
+        """GET /<path>, or its pre-0.5 name /get_<path> where the server does not know the new one."""
+        r = self._session().get(self.urls[i] + "/" + path, timeout=30)
+        if r.status_code == 404:
+            r = self._session().get(self.urls[i] + "/get_" + path, timeout=30)
         r.raise_for_status()
         return r.json()
+
+    def model_info(self, i: int = 0) -> dict:
+        return self._get_info(i, "model_info")
+
+    def context_len(self, i: int) -> int | None:
+        """Server i's context length (from /server_info, asked once); None where it does not say."""
+        if i not in self._context_len:
+            try:
+                info = self._get_info(i, "server_info")
+            except (requests.RequestException, ValueError):
+                info = {}
+            ctx = info.get("context_length")
+            if not isinstance(ctx, int) and isinstance(info.get("max_req_input_len"), int):
+                ctx = info["max_req_input_len"] + 1
+            self._context_len[i] = ctx if isinstance(ctx, int) and ctx > 0 else None
+        return self._context_len[i]
 
     def ensure_model(self, model_dir: str | Path, version: int) -> None:
         """Attached servers must serve `model_dir`: reload it where /get_model_info says otherwise."""
@@ -411,7 +443,7 @@ class SGLangEngine(RolloutEngine):
             try:
                 current = self.model_info(i).get("model_path")
             except (requests.RequestException, ValueError) as err:
-                raise self._down_error(i, err, "did not answer /get_model_info") from None
+                raise self._down_error(i, err, "did not answer /model_info") from None
             if current is None or not _same_model(current, model_dir):
                 self._update_one(i, _model_arg(model_dir), version)
 
@@ -427,15 +459,28 @@ class SGLangEngine(RolloutEngine):
             raise UserError(f"SGLang server {self.urls[req.server]} /generate: HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
 
-    def _abort(self, reqs: Sequence[_Request]) -> None:
-        for req in reqs:
+    def _abort(self, reqs: Sequence[_Request], all_on_own_servers: bool = False) -> None:
+        """Abort these requests by rid; with `all_on_own_servers`, servers this engine launched
+        abort everything instead (SGLang acts on a rid's first abort only, and may miss it)."""
+        bodies: list[tuple[int, dict]] = []
+        for server in sorted({r.server for r in reqs}):
+            if all_on_own_servers and self._server(server) is not None:
+                bodies.append((server, {"abort_all": True}))
+            else:
+                bodies += [(server, {"rid": r.rid}) for r in reqs if r.server == server]
+        for server, body in bodies:
             try:
-                self._session().post(self.urls[req.server] + "/abort_request", json={"rid": req.rid}, timeout=10)
+                self._session().post(self.urls[server] + "/abort_request", json=body, timeout=10)
             except requests.RequestException:
                 pass  # the /generate call reports a dead server
 
-    def _apply(self, t: Trajectory, out: dict, params: SamplingParams, version: int) -> None:
+    def _apply(self, t: Trajectory, out: dict, params: SamplingParams, version: int, server: int) -> None:
         meta = out.get("meta_info") or {}
+        expected, got = self._weight_version[server], meta.get("weight_version")
+        if expected is not None and got is not None and str(got) != expected:
+            raise UserError(f"SGLang server {self.urls[server]} answered with weight_version {got!r}, but this "
+                            f"engine last set {expected!r}: someone else updated its weights (rollout.urls "
+                            "servers must serve this run only)")
         fr = meta.get("finish_reason")
         kind = fr.get("type") if isinstance(fr, dict) else fr
         lps = meta.get("output_token_logprobs")
@@ -478,17 +523,25 @@ class SGLangEngine(RolloutEngine):
         reqs: list[_Request] = []
         for t in todo:
             server = groups.setdefault(t.group_id or t.uid, len(groups)) % len(self.urls)
+            input_ids = list(t.prompt_ids) + list(t.response_ids)
+            max_new = params.max_new_tokens - len(t.response_ids)
+            ctx = self.context_len(server)
+            if ctx is not None:
+                max_new = min(max_new, ctx - len(input_ids))
+                if max_new <= 0:  # the context is full: it can never finish
+                    t.status = Status.TRUNCATED
+                    t.meta["truncated_by_server"] = True
+                    continue
             rid = uuid.uuid4().hex  # fixed length: SGLang matches abort rids by prefix
-            payload = {"input_ids": list(t.prompt_ids) + list(t.response_ids),
-                       "sampling_params": sglang_sampling_params(params, params.max_new_tokens - len(t.response_ids),
-                                                                 self.stop_token_ids),
+            payload = {"input_ids": input_ids,
+                       "sampling_params": sglang_sampling_params(params, max_new, self.stop_token_ids),
                        "return_logprob": True, "logprob_start_len": -1, "rid": rid, "stream": False}
             reqs.append(_Request(t, server, payload, rid))
         futures: dict[Future, _Request] = {self._pools[r.server].submit(self._request, r): r for r in reqs}
         pending = set(futures)
         finished_tokens = 0
         stopping = False
-        last_abort = 0.0
+        last_abort, abort_rounds = 0.0, 0
         try:
             while pending:
                 done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
@@ -500,7 +553,7 @@ class SGLangEngine(RolloutEngine):
                         out = fut.result()
                     except _ServerDown as err:
                         raise self._down_error(err.server, err.err, "failed during /generate") from None
-                    self._apply(req.traj, out, params, version)
+                    self._apply(req.traj, out, params, version, req.server)
                     if req.traj.done:
                         finished_tokens += len(req.traj.response_ids)
                 if not stopping and token_budget is not None and finished_tokens >= token_budget:
@@ -509,8 +562,9 @@ class SGLangEngine(RolloutEngine):
                         fut.cancel()  # not sent yet: stays as it is
                     pending = {f for f in pending if not f.cancelled()}
                 if stopping and pending and time.monotonic() - last_abort > ABORT_RESEND_S:
-                    self._abort([futures[f] for f in pending if futures[f].started.is_set()])
-                    last_abort = time.monotonic()
+                    self._abort([futures[f] for f in pending if futures[f].started.is_set()],
+                                all_on_own_servers=abort_rounds > 0)
+                    last_abort, abort_rounds = time.monotonic(), abort_rounds + 1
                 self._check_alive()
         except BaseException:
             for fut in pending:
@@ -521,19 +575,8 @@ class SGLangEngine(RolloutEngine):
 
     # -- weights ---------------------------------------------------------------------------------
     def _update_one(self, i: int, model_path: str, version: int) -> None:
-        r = self._post(i, "/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)},
-                       timeout=(30.0, 3600.0))
-        try:
-            body = r.json()
-        except ValueError:
-            body = {"success": False, "message": r.text[:500]}
-        if r.status_code != 200 or not body.get("success", False):
-            raise UserError(f"SGLang server {self.urls[i]}: update_weights_from_disk({model_path}) failed: "
-                            f"{body.get('message', f'HTTP {r.status_code}')}")
-        f = self._post(i, "/flush_cache", {}, timeout=60.0)
-        if f.status_code != 200:
-            print(f"warning: {self.urls[i]}/flush_cache: HTTP {f.status_code} (requests still running?)",
-                  file=sys.stderr)
+        self._call(i, "/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)}, 3600.0)
+        self._weight_version[i] = str(version)  # the update flushed the server's prefix cache too
 
     def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
         self._check_alive()
@@ -546,16 +589,94 @@ class SGLangEngine(RolloutEngine):
                     fut.result()
         self.version = version
 
+    def _call(self, i: int, path: str, body: dict, read_timeout: float) -> None:
+        """POST a control request that answers {success, message}; raise unless it succeeded."""
+        r = self._post(i, path, body, timeout=(30.0, read_timeout))
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"success": False, "message": r.text[:500]}
+        if r.status_code != 200 or not body.get("success", False):
+            raise UserError(f"SGLang server {self.urls[i]} {path} failed: {body.get('message', f'HTTP {r.status_code}')}")
+
+    def _init_group(self) -> None:
+        """Make the weight update group: this process is rank 0, then each server's tp ranks."""
+        from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, run_beside
+
+        cfg = self.cfg
+        sizes = []
+        for i in range(len(self.urls)):
+            info = self._get_info(i, "server_info")
+            if int(info.get("dp_size", 1) or 1) != 1:
+                raise UserError(f"rollout.sglang.weight_sync: distributed needs dp_size 1 per server "
+                                f"({self.urls[i]} has {info['dp_size']}); run more servers instead")
+            sizes.append(int(info.get("tp_size", cfg.tp_size) or cfg.tp_size))
+        world = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        bodies = [{"master_address": cfg.weight_sync_address, "master_port": cfg.weight_sync_port,
+                   "rank_offset": offsets[i], "world_size": world, "group_name": DEFAULT_GROUP,
+                   "backend": cfg.weight_sync_backend} for i in range(len(self.urls))]
+        group = []
+        run_beside([lambda i=i: self._call(i, "/init_weights_update_group", bodies[i], 900.0)
+                    for i in range(len(self.urls))],
+                   lambda: group.append(init_custom_group(cfg.weight_sync_backend, cfg.weight_sync_address,
+                                                          cfg.weight_sync_port, 0, world, DEFAULT_GROUP)))
+        self._group = group[0]
+
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:
-        # Future option: SGLang's /init_weights_update_group + /update_weights_from_distributed
-        # (NCCL broadcast from the trainer), or /update_weights_from_tensor when colocated.
-        raise NotImplementedError("SGLangEngine takes weights from disk (update_weights_from_disk)")
+        """Broadcast the weights into the servers (weight_sync: distributed); nothing touches disk."""
+        from rlrecipe.rollout.weight_sync import buckets, distinct_tensors
+
+        if self.cfg.weight_sync != "distributed":
+            raise NotImplementedError("SGLangEngine takes weights from disk unless rollout.sglang.weight_sync "
+                                      "is distributed")
+        self._check_alive()
+        if self._group is None:
+            self._init_group()
+        device = "cuda" if self.cfg.weight_sync_backend == "nccl" else "cpu"
+        chunks = list(buckets(distinct_tensors(state_dict), self.cfg.weight_sync_bucket_mb << 20))
+        try:
+            self._broadcast_chunks(chunks, version, device)
+        except BaseException:
+            self._drop_group()  # a broadcast nobody received would desynchronise every later one
+            raise
+        self._weight_version = [str(version)] * len(self.urls)
+        self.version = version
+
+    def _broadcast_chunks(self, chunks: list, version: int, device: str) -> None:
+        from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, broadcast, dtype_name, run_beside
+
+        for k, chunk in enumerate(chunks):
+            last = k == len(chunks) - 1
+            tensors = [t.detach().to(device).contiguous() for _, t in chunk]
+            body = {"names": [n for n, _ in chunk], "dtypes": [dtype_name(t.dtype) for t in tensors],
+                    "shapes": [list(t.shape) for t in tensors], "group_name": DEFAULT_GROUP, "flush_cache": last}
+            if last:
+                body["weight_version"] = str(version)
+            run_beside([lambda i=i, body=body: self._call(i, "/update_weights_from_distributed", body, 3600.0)
+                        for i in range(len(self.urls))],
+                       lambda tensors=tensors: broadcast(self._group, tensors))
+
+    def _drop_group(self) -> None:
+        """Leave the weight update group on both sides (servers that are gone left it already)."""
+        if self._group is None:
+            return
+        import torch.distributed as dist
+
+        for i in range(len(self.urls)):
+            try:
+                self._post(i, "/destroy_weights_update_group", {"group_name": "weight_update_group"}, timeout=10)
+            except UserError:
+                pass
+        dist.destroy_process_group(self._group)
+        self._group = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._drop_group()
         for pool in self._pools:
             pool.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:

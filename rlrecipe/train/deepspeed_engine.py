@@ -37,8 +37,9 @@ module, scheduler and `steps_done` from rank 0), each rank's RNG state, and a fu
 number of ranks. `export_hf` gathers ZeRO-3 parameters layer by layer onto rank 0, which alone
 writes; `rollout_state()` returns that gathered state dict on rank 0 (an empty dict elsewhere).
 
-Known limit: every rank loads the full model into host memory before DeepSpeed partitions it
-(no `zero.Init` loading yet), so host RAM must hold nproc copies of the weights.
+Loading: under ZeRO-3 the weights are partitioned as they load (`zero.Init`), so no rank ever
+holds the whole model; under ZeRO-1/2 every rank holds a full copy anyway (only optimizer state
+and gradients are sharded).
 """
 
 from __future__ import annotations
@@ -132,13 +133,16 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
 
         init_distributed()
         _skip_cpu_shm_comm_build()
+        deepspeed.init_distributed()  # wraps the group just started; zero.Init needs it before initialize()
         # DeepSpeed calls torch.distributed functions that torch has deprecated; not ours to fix.
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         self.cfg = cfg
         self.temperature = temperature
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ds_config = build_ds_config(cfg, dtype, self.world, ds_config_overrides)
-        model = load_model(model_dir, dtype, attn_implementation)
+        self.zero3 = cfg.zero_stage == 3
+        self.partitioned_load = False
+        model = self._load_model(model_dir, dtype, attn_implementation)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
@@ -148,9 +152,25 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             lr_scheduler=lambda opt: make_scheduler(opt, cfg, total_steps))
         self.model = self.engine  # TorchTrainEngine._forward calls self.model(...)
         self.device = torch.device(get_accelerator().current_device_name())
-        self.zero3 = cfg.zero_stage == 3
         self.steps_done = 0
         self._pad_token = 0
+
+    def _load_model(self, model_dir: str | Path, dtype: str, attn_implementation: str) -> torch.nn.Module:
+        """ZeRO-3: each rank materialises only its partition while loading (zero.Init through
+        transformers' DeepSpeed integration), so host memory holds one copy of the weights across
+        ranks instead of one per rank. The integration is switched on for this load only: while it
+        is on, every from_pretrained in the process (e.g. the rollout engine's) would be partitioned."""
+        if not self.zero3:
+            return load_model(model_dir, dtype, attn_implementation)
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+        switch = HfDeepSpeedConfig(self.ds_config)  # transformers holds only a weak reference to it
+        try:
+            model = load_model(model_dir, dtype, attn_implementation)
+        finally:
+            del switch
+        self.partitioned_load = all(hasattr(p, "ds_id") for p in model.parameters())
+        return model
 
     # -- data parallel helpers -----------------------------------------------------------------
     def shard(self, samples: list[TrainSample]) -> list[int]:

@@ -19,7 +19,7 @@ from transformers.optimization import (
 )
 
 from rlrecipe.algo.packing import allocate_microbatches, pack
-from rlrecipe.modeling import load_model
+from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
 
 # loss_fn(logp, fields, entropy) -> (loss already scaled to its share of the global batch, stats sums)
@@ -163,8 +163,7 @@ class TorchTrainEngine:
 
     def load(self, ckpt_dir: str | Path) -> None:
         ckpt_dir = Path(ckpt_dir)
-        fresh = load_model(ckpt_dir / "model", str(next(self.model.parameters()).dtype).removeprefix("torch."))
-        self.model.load_state_dict(fresh.state_dict())
+        load_weights_into(self.model, ckpt_dir / "model")
         state = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -11,7 +11,10 @@ The model comes from --model, else $RLRECIPE_SGLANG_SMOKE_MODEL, else Qwen/Qwen2
    IcePop acts on; bf16 SGLang vs fp32 recompute is typically ~1e-2 mean),
 3. runs a token-budgeted call (in-flight requests aborted, partial trajectories RUNNING) and
    resumes it,
-4. reloads the weights with update_weights_from_disk and checks the new version on new tokens.
+4. reloads the weights with update_weights_from_disk and checks the new version on new tokens,
+5. broadcasts changed weights into the server (weight_sync: distributed; --sync-backend gloo by
+   default: NCCL refuses two ranks on one GPU, so a one-GPU machine cannot test NCCL) and checks
+   that new samples follow them.
 
 Prints one JSON summary line and exits non-zero when a check fails.
 """
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mem-fraction", type=float, default=0.5, help="leaves room for the transformers recompute")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--max-mean-gap", type=float, default=0.05, help="fail above this mean |dlogp|")
+    ap.add_argument("--sync-backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args(argv)
 
     import torch
@@ -130,6 +134,26 @@ def main(argv: list[str] | None = None) -> dict:
             failures.append("the budgeted call left no partial trajectory")
         if not summary["resumed_all_done"] or not summary["versions_ok"]:
             failures.append("resume after the weight update went wrong")
+
+        # 5. broadcast weight sync: halve every MLP output projection, send, sample, recompute
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if "mlp.down_proj" in name:
+                    p.mul_(0.5)
+        engine.cfg = cfg.model_copy(update={"weight_sync": "distributed", "weight_sync_backend": args.sync_backend,
+                                            "weight_sync_port": args.port + 50})
+        dtype = getattr(torch, args.dtype)
+        state = {k: v.to("cpu" if args.sync_backend == "gloo" else "cuda", dtype) for k, v in hf.state_dict().items()}
+        t2 = time.time()
+        engine.update_weights_from_state(state, 2)
+        summary["broadcast_update_s"] = round(time.time() - t2, 2)
+        after = engine.generate(fresh(1, "c"), params)
+        ref = recompute_logprobs(hf, after, args.temperature, "cuda")
+        gaps = torch.cat([(r - torch.tensor(t.logp_infer)).abs() for r, t in zip(ref, after, strict=True)])
+        summary["broadcast_mean_abs_dlogp"] = float(gaps.mean())
+        if summary["broadcast_mean_abs_dlogp"] > args.max_mean_gap or any(set(t.versions) != {2} for t in after):
+            failures.append(f"after the broadcast update, samples do not follow the new weights "
+                            f"(mean |dlogp| {summary['broadcast_mean_abs_dlogp']:.3e})")
     finally:
         engine.close()
     summary["failures"] = failures

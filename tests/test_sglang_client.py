@@ -164,6 +164,21 @@ def test_server_speaks_the_sglang_api(server, tok):
     assert isinstance(one["text"], str) and "output_token_logprobs" not in one["meta_info"]
     bad = requests.post(url + "/generate", json={"input_ids": ids[0], "sampling_params": {"top_k": 0}}, timeout=10)
     assert bad.status_code == 400
+    # n parallel samples: a list, prompt by prompt, rids suffixed
+    par = requests.post(url + "/generate", json={"input_ids": ids, "rid": "par", "sampling_params": {
+        "max_new_tokens": 4, "n": 3}}, timeout=60).json()
+    assert [o["meta_info"]["id"] for o in par] == [f"par_{i}_{j}" for i in range(2) for j in range(3)]
+    # a stop string ends the output where it first appears, and the text stops before it
+    greedy = requests.post(url + "/generate", json={"input_ids": ids[1], "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0}}, timeout=60).json()
+    text = greedy["text"]
+    assert len(text) >= 6, text
+    stop = text[3:5]
+    cut = requests.post(url + "/generate", json={"input_ids": ids[1], "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "stop": [stop, "never-there"]}}, timeout=60).json()
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == text[:text.find(stop)]
+    assert cut["output_ids"] == greedy["output_ids"][:len(cut["output_ids"])] and len(cut["output_ids"]) < 24
     assert requests.post(url + "/abort_request", json={"rid": "nobody"}, timeout=10).status_code == 200
     assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
 

@@ -22,8 +22,10 @@ so far, the same operation as resuming a partial rollout; for the small CPU mode
 that costs little next to the chunk's decoding steps. A weight update waits until no request
 runs and holds new ones back meanwhile (as SGLang's model-update lock does).
 
-Not supported (HTTP 400): stream, logprob_start_len >= 0 (prompt log-probs), stop strings,
-ignore_eos, min_new_tokens, n > 1.
+Also: stop strings (`sampling_params.stop`: the text is cut before the match unless
+no_stop_trim; finish_reason matched is the string) and `n` parallel samples (results prompt by
+prompt, rids suffixed _0.._n-1, a list even for one prompt). Not supported (HTTP 400): stream,
+logprob_start_len >= 0 (prompt log-probs), ignore_eos, min_new_tokens.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class GenRequest:
     return_text_in_logprobs: bool
     skip_special_tokens: bool
     no_stop_trim: bool
+    stop_strs: tuple[str, ...] = ()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
@@ -93,14 +96,17 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     unknown = set(sp) - SAMPLING_KEYS
     if unknown:
         raise BadRequest(f"unknown sampling_params: {sorted(unknown)}")
-    if sp.get("stop"):
-        raise BadRequest("sampling_params.stop (stop strings) is not supported by rlrecipe serve; use stop_token_ids")
+    stop = sp.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+        raise BadRequest("sampling_params.stop must be a string or a list of non-empty strings")
     if sp.get("ignore_eos"):
         raise BadRequest("sampling_params.ignore_eos is not supported by rlrecipe serve")
     if sp.get("min_new_tokens"):
         raise BadRequest("sampling_params.min_new_tokens is not supported by rlrecipe serve")
-    if sp.get("n", 1) != 1:
-        raise BadRequest("sampling_params.n > 1 is not supported by rlrecipe serve; send the request n times")
+    n = sp.get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise BadRequest("sampling_params.n must be an integer >= 1")
     for k, neutral in (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
                        ("repetition_penalty", 1.0)):
         if sp.get(k, neutral) != neutral:
@@ -124,7 +130,7 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     return {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p,
             "top_k": 0 if top_k == -1 else top_k, "stop_ids": frozenset(int(t) for t in sp.get("stop_token_ids") or []),
             "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
-            "no_stop_trim": bool(sp.get("no_stop_trim", False))}
+            "no_stop_trim": bool(sp.get("no_stop_trim", False)), "stop_strs": tuple(stop), "n": n}
 
 
 class Scheduler:
@@ -304,6 +310,10 @@ class Scheduler:
                 if tok == self.engine.eos or tok in r.stop_ids:
                     r.finish_with({"type": "stop", "matched": tok})
                     break
+                matched = self._stop_string(r)
+                if matched is not None:
+                    r.finish_with({"type": "stop", "matched": matched})
+                    break
             else:
                 if len(r.output_ids) >= r.max_new_tokens:
                     r.finish_with({"type": "length", "length": r.max_new_tokens})
@@ -313,11 +323,19 @@ class Scheduler:
                 f"{self._tokens / (now - self._last_report):.0f} tok/s")
             self._tokens, self._last_report = 0, now
 
+    def _stop_string(self, r: GenRequest) -> str | None:
+        """The stop string the output now ends in, if any (only the tail can hold a new match)."""
+        if not r.stop_strs:
+            return None
+        tail = self.tokenizer.decode(r.output_ids[-max(len(x) for x in r.stop_strs) - 8:])
+        return next((x for x in r.stop_strs if x in tail), None)
+
     # -- responses --------------------------------------------------------------------------------
     def response(self, r: GenRequest) -> dict:
         ids = r.output_ids
         shown = ids
-        if r.finish and r.finish.get("type") == "stop" and not r.no_stop_trim and ids:
+        matched = (r.finish or {}).get("matched") if (r.finish or {}).get("type") == "stop" else None
+        if isinstance(matched, int) and not r.no_stop_trim and ids:
             shown = ids[:-1]
         meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.input_ids),
                 "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.weight_version,
@@ -326,8 +344,10 @@ class Scheduler:
             texts = ([self.tokenizer.decode([t]) for t in ids] if r.return_text_in_logprobs else [None] * len(ids))
             meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(r.logprobs, ids, texts, strict=True)]
             meta["input_token_logprobs"] = []
-        return {"text": self.tokenizer.decode(shown, skip_special_tokens=r.skip_special_tokens),
-                "output_ids": list(ids), "meta_info": meta}
+        text = self.tokenizer.decode(shown, skip_special_tokens=r.skip_special_tokens)
+        if isinstance(matched, str) and not r.no_stop_trim:
+            text = text[:text.find(matched)] if matched in text else text
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
 def _as_list(value, n: int, name: str) -> list:
@@ -371,12 +391,15 @@ def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool
         if starts[i] is not None and starts[i] >= 0 and want_lp[i]:
             raise BadRequest("logprob_start_len >= 0 (prompt log-probs) is not supported by rlrecipe serve; use -1")
         sp = parse_sampling(sps[i], sched.context_len, len(seq))
-        out.append(GenRequest(rid=str(rids[i]), input_ids=list(seq), max_new_tokens=sp["max_new_tokens"],
-                              temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
-                              stop_ids=sp["stop_ids"], return_logprob=bool(want_lp[i]),
-                              return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-                              skip_special_tokens=sp["skip_special_tokens"], no_stop_trim=sp["no_stop_trim"]))
-    return out, batch
+        for j in range(sp["n"]):  # parallel samples come back prompt by prompt, as in SGLang
+            rid_j = str(rids[i]) if sp["n"] == 1 else f"{rids[i]}_{j}"
+            out.append(GenRequest(rid=rid_j, input_ids=list(seq), max_new_tokens=sp["max_new_tokens"],
+                                  temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
+                                  stop_ids=sp["stop_ids"], return_logprob=bool(want_lp[i]),
+                                  return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                                  skip_special_tokens=sp["skip_special_tokens"], no_stop_trim=sp["no_stop_trim"],
+                                  stop_strs=sp["stop_strs"]))
+    return out, batch or len(out) > 1
 
 
 def make_handler(sched: Scheduler):

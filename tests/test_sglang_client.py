@@ -403,6 +403,27 @@ def test_launch_rlrecipe_serve_logs_and_close(tiny_model_dir, tok, tmp_path):
     assert _free(base)
 
 
+def test_broadcast_sync_reaches_two_servers(tiny_model_dir, other_model_dir, tok, tmp_path):
+    """Two servers in one weight update group (ranks 1 and 2 after the trainer's 0)."""
+    base = free_ports(2)
+    cfg = SGLangServer(base_port=base, num_servers=2, startup_timeout_s=BOOT_TIMEOUT_S, weight_sync="distributed",
+                       weight_sync_backend="gloo", weight_sync_port=free_port(),
+                       launch_cmd=[*rlrecipe_cmd(), "serve", "{model}", "--host", "{host}", "--port", "{port}",
+                                   "--dtype", "{dtype}"])
+    eng = SGLangEngine.launch(tiny_model_dir, cfg=cfg, dtype="float32", run_dir=tmp_path,
+                              eos_token_id=tok.eos_token_id)
+    try:
+        other = load_model(other_model_dir)
+        eng.update_weights_from_state(other.state_dict(), 1)
+        trajs = eng.generate(prompts(tok, 8), SamplingParams(max_new_tokens=12), seed=1)  # 4 groups, 2 servers
+        assert (torch.cat([recompute(other, t) - torch.tensor(t.logp_infer) for t in trajs])).abs().max() < 1e-4
+        for i in range(2):
+            assert f"as rank {i + 1} of 3" in (tmp_path / f"sglang_server_{i}.log").read_text()
+            assert eng.model_info(i)["weight_version"] == "1"
+    finally:
+        eng.close()
+
+
 # A stand-in server with no model: token = port % 1000; max_new_tokens 999 hangs (to be killed).
 FAKE_SERVER = r"""
 import json, sys, time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -179,6 +180,20 @@ def test_server_speaks_the_sglang_api(server, tok):
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert cut["text"] == text[:text.find(stop)]
     assert cut["output_ids"] == greedy["output_ids"][:len(cut["output_ids"])] and len(cut["output_ids"]) < 24
+    # streaming: server-sent events, each with the whole output so far; the last is the final answer
+    long = {"max_new_tokens": 40, "temperature": 0}
+    with requests.post(url + "/generate", json={"input_ids": ids[1], "sampling_params": long, "stream": True},
+                       stream=True, timeout=60) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        events = [line[len("data: "):] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    outs = [json.loads(e) for e in events[:-1]]
+    assert len(outs) >= 2  # the scheduler decodes 16 tokens at a time
+    for a, b in zip(outs, outs[1:]):
+        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"] and a["meta_info"]["finish_reason"] is None
+    whole = requests.post(url + "/generate", json={"input_ids": ids[1], "sampling_params": long}, timeout=60).json()
+    assert outs[-1]["output_ids"] == whole["output_ids"] and outs[-1]["text"] == whole["text"]
+    assert outs[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
     assert requests.post(url + "/abort_request", json={"rid": "nobody"}, timeout=10).status_code == 200
     assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
 

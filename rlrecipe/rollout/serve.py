@@ -24,8 +24,9 @@ runs and holds new ones back meanwhile (as SGLang's model-update lock does).
 
 Also: stop strings (`sampling_params.stop`: the text is cut before the match unless
 no_stop_trim; finish_reason matched is the string) and `n` parallel samples (results prompt by
-prompt, rids suffixed _0.._n-1, a list even for one prompt). Not supported (HTTP 400): stream,
-logprob_start_len >= 0 (prompt log-probs), ignore_eos, min_new_tokens.
+prompt, rids suffixed _0.._n-1, a list even for one prompt), and `stream` for one prompt (server-
+sent events, each with the output so far, as SGLang streams by default). Not supported (HTTP
+400): batch streams, logprob_start_len >= 0 (prompt log-probs), ignore_eos, min_new_tokens.
 """
 
 from __future__ import annotations
@@ -332,17 +333,20 @@ class Scheduler:
 
     # -- responses --------------------------------------------------------------------------------
     def response(self, r: GenRequest) -> dict:
-        ids = r.output_ids
+        """The response so far: final once `r.done` is set, else a streaming snapshot (no finish reason)."""
+        finish = r.finish if r.done.is_set() else None
+        n = min(len(r.output_ids), len(r.logprobs))  # the scheduler appends ids first, log-probs second
+        ids, logprobs = r.output_ids[:n], r.logprobs[:n]
         shown = ids
-        matched = (r.finish or {}).get("matched") if (r.finish or {}).get("type") == "stop" else None
+        matched = (finish or {}).get("matched") if (finish or {}).get("type") == "stop" else None
         if isinstance(matched, int) and not r.no_stop_trim and ids:
             shown = ids[:-1]
-        meta = {"id": r.rid, "finish_reason": r.finish, "prompt_tokens": len(r.input_ids),
+        meta = {"id": r.rid, "finish_reason": finish, "prompt_tokens": len(r.input_ids),
                 "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.weight_version,
                 "e2e_latency": time.time() - r.arrived}
         if r.return_logprob:
             texts = ([self.tokenizer.decode([t]) for t in ids] if r.return_text_in_logprobs else [None] * len(ids))
-            meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(r.logprobs, ids, texts, strict=True)]
+            meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(logprobs, ids, texts, strict=True)]
             meta["input_token_logprobs"] = []
         text = self.tokenizer.decode(shown, skip_special_tokens=r.skip_special_tokens)
         if isinstance(matched, str) and not r.no_stop_trim:
@@ -360,8 +364,6 @@ def _as_list(value, n: int, name: str) -> list:
 
 def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool]:
     """A /generate body as requests, and whether it was a batch (list in, list out)."""
-    if body.get("stream"):
-        raise BadRequest("stream=true is not supported by rlrecipe serve")
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise BadRequest("give exactly one of input_ids or text")
@@ -462,6 +464,33 @@ def make_handler(sched: Scheduler):
             else:
                 self._error(404, f"no route GET {path}")
 
+        def _stream(self, r: GenRequest) -> None:
+            """Server-sent events as SGLang sends them by default: each event holds the whole output
+            so far; the last one is the final response; then `data: [DONE]`. A client that hangs
+            up aborts its request."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def event(data: bytes) -> None:
+                self.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            sent = 0
+            try:
+                while True:
+                    finished = r.done.wait(0.02)
+                    if finished or len(r.logprobs) > sent:
+                        sent = len(r.logprobs)
+                        event(b"data: " + json.dumps(sched.response(r)).encode() + b"\n\n")
+                    if finished:
+                        break
+                event(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                sched.abort(r.rid)
+
         def _flush(self):
             self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
                             "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -472,7 +501,12 @@ def make_handler(sched: Scheduler):
                 body = self._body()
                 if path in ("/generate", "/generate/"):
                     reqs, batch = build_requests(body, sched)
+                    if body.get("stream") and (batch or len(reqs) != 1):
+                        raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
                     sched.submit(reqs)
+                    if body.get("stream"):
+                        self._stream(reqs[0])
+                        return
                     for r in reqs:
                         r.done.wait()
                     outs = [sched.response(r) for r in reqs]

@@ -189,7 +189,7 @@ def test_server_speaks_the_sglang_api(server, tok):
     assert events[-1] == "[DONE]"
     outs = [json.loads(e) for e in events[:-1]]
     assert len(outs) >= 2  # the scheduler decodes 16 tokens at a time
-    for a, b in zip(outs, outs[1:]):
+    for a, b in zip(outs, outs[1:], strict=False):
         assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"] and a["meta_info"]["finish_reason"] is None
     whole = requests.post(url + "/generate", json={"input_ids": ids[1], "sampling_params": long}, timeout=60).json()
     assert outs[-1]["output_ids"] == whole["output_ids"] and outs[-1]["text"] == whole["text"]

@@ -180,6 +180,36 @@ def _settings_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
              num(r.get("tokens_generated"), ",d"), *training(r), r.get("summary_path", "-")] for r in results]
 
 
+def seed_groups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One experiment (recipe, experiment_sha256, benchmark) evaluated under two or more seeds:
+    the newest result per seed, their mean, sample standard deviation, min and max (percent)."""
+    groups: dict[tuple[str, str, str], dict[int, tuple[float, float]]] = {}
+    for r in results:
+        if not r.get("experiment_sha256") or not isinstance(r.get("seed"), int):
+            continue  # recorded before seeds were (older summaries)
+        per_seed = groups.setdefault((r["recipe"], r["experiment_sha256"], r["benchmark"]), {})
+        ts = _timestamp(r, Path(r["summary_path"])) if "summary_path" in r else 0.0
+        if r["seed"] not in per_seed or ts >= per_seed[r["seed"]][0]:
+            per_seed[r["seed"]] = (ts, 100 * float(r["avg"]))
+    out = []
+    for (recipe, exp, bench), per_seed in sorted(groups.items()):
+        if len(per_seed) < 2:
+            continue
+        values = [v for _, v in per_seed.values()]
+        mean = sum(values) / len(values)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        out.append({"recipe": recipe, "experiment_sha256": exp, "benchmark": bench, "seeds": sorted(per_seed),
+                    "mean": mean, "sd": sd, "min": min(values), "max": max(values)})
+    return out
+
+
+def seeds_table(groups: list[dict[str, Any]]) -> str:
+    rows = [[g["recipe"], g["benchmark"], " ".join(map(str, g["seeds"])), f"{g['mean']:.1f}", f"{g['sd']:.1f}",
+             f"{g['min']:.1f}", f"{g['max']:.1f}", g["experiment_sha256"][:12]] for g in groups]
+    return _table(["Recipe", "Benchmark", "seeds", "mean avg@n", "sd across seeds", "min", "max",
+                   "experiment sha256"], rows)
+
+
 def published_table() -> str:
     rows = [[p["model"], p["how"], f"{p['aime24']:.1f}", f"{p['aime25']:.1f}", p["recipe"] or "-"]
             for p in PUBLISHED]
@@ -202,6 +232,12 @@ def render_results_md(results: list[dict[str, Any]]) -> str:
         parts.append(_table(["Run", "Benchmark", "temperature", "top_p", "max new tokens", "wall time (s)",
                              "tokens generated", "train GPU-h", "train tokens trained", "train tokens generated",
                              "summary"], _settings_rows(results)))
+    groups = seed_groups(results)
+    if groups:
+        parts.append("## Across seeds\n")
+        parts.append("Runs of one recipe that differ only in `run.seed` (and run name or output folder),\n"
+                     "e.g. `--set run.seed=2 --set run.name=NAME-seed2`: the spread a single number carries.\n")
+        parts.append(seeds_table(groups))
     parts.append("## Published reference numbers\n")
     parts.append("AIME accuracy (percent) reported by AReaL-boba (inclusionAI/AReaL) for the released\n"
                  "models that the recipes reproduce.\n")

@@ -231,6 +231,14 @@ class Recipe(Section):
     def sha256(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
+    def experiment_sha256(self) -> str:
+        """The sha256 without run.seed, run.name and run.output_dir: runs that differ only there
+        are one experiment under several seeds (RESULTS.md shows their spread)."""
+        d = self.model_dump(mode="json")
+        for key in ("seed", "name", "output_dir"):
+            d["run"].pop(key, None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 

@@ -74,6 +74,14 @@ def test_overrides_are_typed_and_change_the_hash(tmp_path):
         load_recipe(p, ["rl.steps"])
 
 
+def test_experiment_hash_ignores_only_seed_name_and_output_dir(tmp_path):
+    base = load_recipe(write(tmp_path, BASE)).recipe
+    reseeded = load_recipe(write(tmp_path, BASE), ["run.seed=9", "run.name=other", "run.output_dir=elsewhere"]).recipe
+    changed = load_recipe(write(tmp_path, BASE), ["run.seed=9", "trainer.lr=0.5"]).recipe
+    assert reseeded.sha256() != base.sha256() and reseeded.experiment_sha256() == base.experiment_sha256()
+    assert changed.experiment_sha256() != base.experiment_sha256()
+
+
 def test_hash_ignores_yaml_formatting(tmp_path):
     a = write(tmp_path, BASE + "rl: {steps: 5}\n")
     b = tmp_path / "b.yaml"

@@ -86,6 +86,20 @@ def test_render_rows(runs):
     assert _rows(md, "R1-Distill-Qwen-7B")[0][2:4] == ["55.0", "39.7"]
 
 
+def test_across_seeds_mean_and_spread(tmp_path):
+    runs, exp = tmp_path / "runs", "e" * 64
+    for run, seed, avg, date in [("s1-old", 1, 0.10, "2025-05-01T00:00:00+00:00"),  # superseded by s1
+                                 ("s1", 1, 0.80, "2025-06-01T00:00:00+00:00"), ("s2", 2, 0.90, "2025-06-02T00:00:00+00:00"),
+                                 ("s3", 3, 0.85, "2025-06-03T00:00:00+00:00")]:
+        _summary(runs, run, "tiny", recipe="recipes/tiny_rl.yaml", model=f"runs/{run}/final", avg=avg, seed=seed,
+                 experiment_sha256=exp, date=date)
+    _summary(runs, "alone", "tiny", model="runs/alone/final", seed=1, experiment_sha256="f" * 64)  # one seed only
+    md = render_results_md(collect_results(runs))
+    # 80, 90, 85: mean 85, sample sd sqrt((25 + 25 + 0) / 2) = 5
+    assert "| recipes/tiny_rl.yaml | tiny | 1 2 3 | 85.0 | 5.0 | 80.0 | 90.0 | eeeeeeeeeeee |" in md
+    assert "ffffffffffff" not in md
+
+
 def test_render_empty():
     md = render_results_md([])
     assert "No results are recorded yet" in md and "| Recipe | Model |" not in md

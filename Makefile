@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-all demo bench reproduce-aime gpu-smoke lint clean
+.PHONY: install install-gpu test test-all demo bench bench-sglang reproduce-aime gpu-smoke lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# C3PO++ vs synchronous rollout on a real SGLang server (GPU machine): where the speed-up shows
+BENCH_MODEL ?= Qwen/Qwen2.5-1.5B-Instruct
+bench-sglang: $(STAMP)
+	$(BIN)/python -m bench.c3po_compare --model $(BENCH_MODEL)
 
 reproduce-aime: $(STAMP)
 	$(BIN)/python -m rlrecipe.reproduce

@@ -15,11 +15,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.c3po_compare import compare
 from rlrecipe.algo.packing import allocate_microbatches
-from rlrecipe.c3po import PromptStream, RolloutPool
 from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import load_model, load_tokenizer
-from rlrecipe.recipe import RLSection, TrainerSection
+from rlrecipe.recipe import TrainerSection
 from rlrecipe.reward import Grader
 from rlrecipe.rollout.inprocess import InProcessEngine
 from rlrecipe.sft import build_sft_samples, sft_loss
@@ -55,40 +55,10 @@ def ensure_inputs() -> None:
 def bench_c3po(steps: int = 6) -> dict:
     """Synchronous batches vs C3PO++ with the same tokens trained per step (same weights, no update)."""
     tok = load_tokenizer(MODEL)
-    rows = load_rows(str(DATA / "rl.jsonl"), "rl")
-    params = SamplingParams(temperature=1.0, max_new_tokens=160)
     engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="bfloat16", max_batch=1024)
-    sync_cfg = RLSection(prompts_per_step=64, samples_per_prompt=8, c3po={"enabled": False})
-    pool = RolloutPool(sync_cfg, PromptStream(rows, tok, "plain", seed=0))
-    sync_times, tokens = [], []
-    passes0 = engine.forward_passes
-    for s in range(steps):
-        t0 = time.perf_counter()
-        batch, _ = pool.collect(engine, params, seed=s)
-        sync_times.append(time.perf_counter() - t0)
-        tokens.append(sum(len(t.response_ids) for t in batch))
-    sync_passes = engine.forward_passes - passes0
-    budget = int(sum(tokens) / len(tokens))
-    c3_cfg = RLSection(prompts_per_step=64, samples_per_prompt=8,
-                       c3po={"enabled": True, "token_budget": budget, "pool_capacity": 1024, "max_staleness": 2})
-    pool = RolloutPool(c3_cfg, PromptStream(rows, tok, "plain", seed=0))
-    c3_times, c3_tokens, c3_passes = [], [], 0
-    for s in range(steps + 1):
-        t0, p0 = time.perf_counter(), engine.forward_passes
-        batch, _ = pool.collect(engine, params, seed=s)
-        if s > 0:  # the first phase fills an empty pool; steady state starts after it
-            c3_times.append(time.perf_counter() - t0)
-            c3_tokens.append(sum(len(t.response_ids) for t in batch))
-            c3_passes += engine.forward_passes - p0
-    sync_rate = sum(tokens) / sum(sync_times)
-    c3_rate = sum(c3_tokens) / sum(c3_times)
-    return {"sync_rollout_s_per_step": sum(sync_times) / steps, "c3po_rollout_s_per_step": sum(c3_times) / steps,
-            "tokens_per_step_sync": budget, "tokens_per_step_c3po": sum(c3_tokens) / steps,
-            "rollout_speedup_per_trained_token": c3_rate / sync_rate,
-            # forward passes per trained token: the cost on a GPU, where a decode step costs about
-            # the same at any batch size; on these CPUs decoding is compute-bound instead
-            "sync_forward_passes_per_step": sync_passes / steps, "c3po_forward_passes_per_step": c3_passes / steps,
-            "forward_pass_ratio_per_trained_token": (sync_passes / sum(tokens)) / (c3_passes / sum(c3_tokens))}
+    return compare(engine, load_rows(str(DATA / "rl.jsonl"), "rl"), tok, "plain",
+                   SamplingParams(temperature=1.0, max_new_tokens=160), steps=steps, prompts_per_step=64,
+                   samples_per_prompt=8, pool_capacity=1024)
 
 
 def bench_c3po_end_to_end(steps: int = 5) -> dict:

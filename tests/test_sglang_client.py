@@ -180,6 +180,11 @@ def test_server_speaks_the_sglang_api(server, tok):
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert cut["text"] == text[:text.find(stop)]
     assert cut["output_ids"] == greedy["output_ids"][:len(cut["output_ids"])] and len(cut["output_ids"]) < 24
+    # ignore_eos: every sample runs to max_new_tokens, eos tokens included
+    many = requests.post(url + "/generate", json={"input_ids": ids[0], "sampling_params": {
+        "max_new_tokens": 60, "n": 64, "ignore_eos": True}}, timeout=120).json()
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == 60 for o in many)
+    assert any(tok.eos_token_id in o["output_ids"] for o in many)  # the untrained model does emit eos
     # streaming: server-sent events, each with the whole output so far; the last is the final answer
     long = {"max_new_tokens": 40, "temperature": 0}
     with requests.post(url + "/generate", json={"input_ids": ids[1], "sampling_params": long, "stream": True},

@@ -26,7 +26,8 @@ Also: stop strings (`sampling_params.stop`: the text is cut before the match unl
 no_stop_trim; finish_reason matched is the string) and `n` parallel samples (results prompt by
 prompt, rids suffixed _0.._n-1, a list even for one prompt), and `stream` for one prompt (server-
 sent events, each with the output so far, as SGLang streams by default). Not supported (HTTP
-400): batch streams, logprob_start_len >= 0 (prompt log-probs), ignore_eos, min_new_tokens.
+400): batch streams, logprob_start_len >= 0 (prompt log-probs), min_new_tokens. `ignore_eos`
+runs to max_new_tokens.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class GenRequest:
     skip_special_tokens: bool
     no_stop_trim: bool
     stop_strs: tuple[str, ...] = ()
+    ignore_eos: bool = False  # throughput tests: run to max_new_tokens (the engine stops at eos; the next chunk goes on)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
@@ -101,8 +103,6 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
         raise BadRequest("sampling_params.stop must be a string or a list of non-empty strings")
-    if sp.get("ignore_eos"):
-        raise BadRequest("sampling_params.ignore_eos is not supported by rlrecipe serve")
     if sp.get("min_new_tokens"):
         raise BadRequest("sampling_params.min_new_tokens is not supported by rlrecipe serve")
     n = sp.get("n", 1)
@@ -131,7 +131,8 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     return {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p,
             "top_k": 0 if top_k == -1 else top_k, "stop_ids": frozenset(int(t) for t in sp.get("stop_token_ids") or []),
             "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
-            "no_stop_trim": bool(sp.get("no_stop_trim", False)), "stop_strs": tuple(stop), "n": n}
+            "no_stop_trim": bool(sp.get("no_stop_trim", False)), "stop_strs": tuple(stop), "n": n,
+            "ignore_eos": bool(sp.get("ignore_eos", False))}
 
 
 class Scheduler:
@@ -308,7 +309,7 @@ class Scheduler:
                 r.output_ids.append(tok)
                 r.logprobs.append(lp)
                 self._tokens += 1
-                if tok == self.engine.eos or tok in r.stop_ids:
+                if (tok == self.engine.eos and not r.ignore_eos) or tok in r.stop_ids:
                     r.finish_with({"type": "stop", "matched": tok})
                     break
                 matched = self._stop_string(r)
@@ -400,7 +401,7 @@ def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool
                                   stop_ids=sp["stop_ids"], return_logprob=bool(want_lp[i]),
                                   return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                                   skip_special_tokens=sp["skip_special_tokens"], no_stop_trim=sp["no_stop_trim"],
-                                  stop_strs=sp["stop_strs"]))
+                                  stop_strs=sp["stop_strs"], ignore_eos=sp["ignore_eos"]))
     return out, batch or len(out) > 1
 
 

@@ -599,6 +599,8 @@ class SGLangEngine(RolloutEngine):
         if r.status_code != 200 or not body.get("success", False):
             raise UserError(f"SGLang server {self.urls[i]} {path} failed: {body.get('message', f'HTTP {r.status_code}')}")
 
+    # weight_sync (and torch) are imported where the broadcast path needs them: the HTTP client
+    # itself stays free of torch.
     def _init_group(self) -> None:
         """Make the weight update group: this process is rank 0, then each server's tp ranks."""
         from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, run_beside
@@ -663,9 +665,11 @@ class SGLangEngine(RolloutEngine):
             return
         import torch.distributed as dist
 
+        from rlrecipe.rollout.weight_sync import DEFAULT_GROUP
+
         for i in range(len(self.urls)):
             try:
-                self._post(i, "/destroy_weights_update_group", {"group_name": "weight_update_group"}, timeout=10)
+                self._post(i, "/destroy_weights_update_group", {"group_name": DEFAULT_GROUP}, timeout=10)
             except UserError:
                 pass
         dist.destroy_process_group(self._group)

@@ -37,7 +37,7 @@ def _sample_benchmark(engine: RolloutEngine, tokenizer, recipe: Recipe, rows: li
 
 def _training_cost(recipe: Recipe) -> dict | None:
     """The run_summary.json of the training run this recipe names, if it has finished one."""
-    path = Path(recipe.run.output_dir) / recipe.run.name / "run_summary.json"
+    path = recipe.run.dir / "run_summary.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 

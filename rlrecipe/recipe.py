@@ -207,6 +207,16 @@ class RunSection(Section):
     keep_checkpoints: int = Field(2, ge=1)
     tracking: Tracking = Tracking()
 
+    @property
+    def dir(self) -> Path:
+        """This run's directory: records, checkpoints, `final/`, `eval/`."""
+        return Path(self.output_dir) / self.name
+
+
+def _digest(data: dict) -> str:
+    """sha256 of the canonical JSON form (sorted keys, no whitespace)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
 
 class Recipe(Section):
     run: RunSection
@@ -225,11 +235,8 @@ class Recipe(Section):
                              "or run.init_from (another run's output)")
         return self
 
-    def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-
     def sha256(self) -> str:
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+        return _digest(self.model_dump(mode="json"))
 
     def experiment_sha256(self) -> str:
         """The sha256 without run.seed, run.name and run.output_dir: runs that differ only there
@@ -237,7 +244,7 @@ class Recipe(Section):
         d = self.model_dump(mode="json")
         for key in ("seed", "name", "output_dir"):
             d["run"].pop(key, None)
-        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return _digest(d)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

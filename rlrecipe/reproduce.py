@@ -38,7 +38,7 @@ def stage_done(step: list[str]) -> bool:
     if step[0] not in ("rl", "sft", "eval"):
         return False
     loaded = load_recipe(step[1])
-    run_dir = Path(loaded.recipe.run.output_dir) / loaded.recipe.run.name
+    run_dir = loaded.recipe.run.dir
     if step[0] == "eval":
         benches = loaded.recipe.eval.benchmarks
         return bool(benches) and all(_sha_of(run_dir / "eval" / b.name / "summary.json") == loaded.sha256

@@ -79,7 +79,7 @@ class Run:
         self.loaded = loaded
         self.recipe = loaded.recipe
         self.stage = stage
-        self.run_dir = Path(self.recipe.run.output_dir) / self.recipe.run.name
+        self.run_dir = self.recipe.run.dir
         self.dir = self.run_dir / subdir if subdir else self.run_dir
         self.ckpt_dir = self.dir / "checkpoints"
         if not resume:

@@ -426,6 +426,10 @@ def make_handler(sched: Scheduler):
             self.end_headers()
             self.wfile.write(data)
 
+        def _reply(self, result: dict) -> None:
+            """A control endpoint's {success, message, ...}: HTTP 400 when it did not succeed, as SGLang."""
+            self._send(200 if result["success"] else 400, result)
+
         def _error(self, code: int, msg: str) -> None:
             self._send(code, {"object": "error", "message": msg, "type": "BadRequest" if code == 400 else "Error",
                               "code": code})
@@ -521,17 +525,13 @@ def make_handler(sched: Scheduler):
                     if not body.get("model_path"):
                         raise BadRequest("model_path is required")
                     log(f"update_weights_from_disk {body['model_path']}")
-                    res = sched.update_weights(str(body["model_path"]), body.get("weight_version"))
-                    self._send(200 if res["success"] else 400, res)
+                    self._reply(sched.update_weights(str(body["model_path"]), body.get("weight_version")))
                 elif path == "/init_weights_update_group":
-                    res = sched.init_group(body)
-                    self._send(200 if res["success"] else 400, res)
+                    self._reply(sched.init_group(body))
                 elif path == "/update_weights_from_distributed":
-                    res = sched.update_weights_from_distributed(body)
-                    self._send(200 if res["success"] else 400, res)
+                    self._reply(sched.update_weights_from_distributed(body))
                 elif path == "/destroy_weights_update_group":
-                    res = sched.destroy_group(body)
-                    self._send(200 if res["success"] else 400, res)
+                    self._reply(sched.destroy_group(body))
                 elif path == "/flush_cache":
                     self._flush()
                 else:

@@ -276,7 +276,7 @@ class SGLangEngine(RolloutEngine):
                        for i in range(len(self.urls))]
         self.cfg = cfg or SGLangServer()
         self._group = None  # the weight update group (weight_sync: distributed), made on first use
-        self._context_len: dict[int, int | None] = {}
+        self._server_infos: dict[int, dict] = {}
         self._weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
         self._closed = False
 
@@ -424,18 +424,22 @@ class SGLangEngine(RolloutEngine):
     def model_info(self, i: int = 0) -> dict:
         return self._get_info(i, "model_info")
 
-    def context_len(self, i: int) -> int | None:
-        """Server i's context length (from /server_info, asked once); None where it does not say."""
-        if i not in self._context_len:
+    def server_info(self, i: int) -> dict:
+        """Server i's /server_info, asked once ({} where it does not answer it)."""
+        if i not in self._server_infos:
             try:
-                info = self._get_info(i, "server_info")
+                self._server_infos[i] = self._get_info(i, "server_info")
             except (requests.RequestException, ValueError):
-                info = {}
-            ctx = info.get("context_length")
-            if not isinstance(ctx, int) and isinstance(info.get("max_req_input_len"), int):
-                ctx = info["max_req_input_len"] + 1
-            self._context_len[i] = ctx if isinstance(ctx, int) and ctx > 0 else None
-        return self._context_len[i]
+                self._server_infos[i] = {}
+        return self._server_infos[i]
+
+    def context_len(self, i: int) -> int | None:
+        """Server i's context length; None where /server_info does not say."""
+        info = self.server_info(i)
+        ctx = info.get("context_length")
+        if not isinstance(ctx, int) and isinstance(info.get("max_req_input_len"), int):
+            ctx = info["max_req_input_len"] + 1
+        return ctx if isinstance(ctx, int) and ctx > 0 else None
 
     def ensure_model(self, model_dir: str | Path, version: int) -> None:
         """Attached servers must serve `model_dir`: reload it where /get_model_info says otherwise."""
@@ -608,7 +612,7 @@ class SGLangEngine(RolloutEngine):
         cfg = self.cfg
         sizes = []
         for i in range(len(self.urls)):
-            info = self._get_info(i, "server_info")
+            info = self.server_info(i)
             if int(info.get("dp_size", 1) or 1) != 1:
                 raise UserError(f"rollout.sglang.weight_sync: distributed needs dp_size 1 per server "
                                 f"({self.urls[i]} has {info['dp_size']}); run more servers instead")

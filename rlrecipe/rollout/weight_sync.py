@@ -96,23 +96,22 @@ def broadcast(group, tensors: list[torch.Tensor]) -> list:
     return [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
 
 
-def run_beside(requests_to_send: list[Callable[[], object]], work: Callable[[], list | None]) -> list[object]:
+def run_beside(requests_to_send: list[Callable[[], None]], work: Callable[[], list | None]) -> None:
     """Send blocking HTTP requests in threads while this thread does its side of the collective.
 
     Each server answers only once the collective is done, so the requests must be in flight before
     `work` starts and are collected after it. `work` may return async handles: they are polled, so
     a server that refuses the request fails the call at once instead of leaving a broadcast to
     wait for it. Raises the first error of either side."""
-    results: list[object] = [None] * len(requests_to_send)
     errors: list[BaseException] = []
 
-    def call(i: int, fn: Callable[[], object]) -> None:
+    def call(fn: Callable[[], None]) -> None:
         try:
-            results[i] = fn()
+            fn()
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(err)
 
-    threads = [threading.Thread(target=call, args=(i, fn), daemon=True) for i, fn in enumerate(requests_to_send)]
+    threads = [threading.Thread(target=call, args=(fn,), daemon=True) for fn in requests_to_send]
     for t in threads:
         t.start()
     handles = work() or []
@@ -129,4 +128,3 @@ def run_beside(requests_to_send: list[Callable[[], object]], work: Callable[[], 
         t.join(timeout=TIMEOUT.total_seconds())
     if errors:
         raise errors[0]
-    return results

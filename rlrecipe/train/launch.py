@@ -41,7 +41,6 @@ import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TypeVar
 
 from rlrecipe.errors import UserError
@@ -228,7 +227,7 @@ def _rank_aware_run_class():
                 return
             broadcast_from_rank_zero(lambda: None)  # rank 0 made the directories (or failed)
             self.loaded, self.recipe, self.stage = loaded, loaded.recipe, stage
-            self.run_dir = Path(self.recipe.run.output_dir) / self.recipe.run.name
+            self.run_dir = self.recipe.run.dir
             self.dir = self.run_dir / subdir if subdir else self.run_dir
             self.ckpt_dir = self.dir / "checkpoints"
             self.metrics_path = self.dir / "metrics.jsonl"

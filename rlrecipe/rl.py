@@ -25,8 +25,8 @@ from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.runs import Run, atomic_write_text, console, resolve_init
 from rlrecipe.train import make_train_engine
+from rlrecipe.train.base import TrainSample
 from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero, make_run
-from rlrecipe.train.torch_engine import TrainSample
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 

@@ -15,8 +15,8 @@ from rlrecipe.modeling import load_tokenizer, resolve_model_dir
 from rlrecipe.recipe import LoadedRecipe
 from rlrecipe.runs import Run, console, resolve_init
 from rlrecipe.train import make_train_engine
+from rlrecipe.train.base import TrainSample
 from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero, make_run
-from rlrecipe.train.torch_engine import TrainSample
 
 
 def build_sft_samples(rows: list[dict], tokenizer, template: str, max_length: int) -> tuple[list[TrainSample], int]:

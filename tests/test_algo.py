@@ -141,7 +141,8 @@ def test_pack_restarts_positions():
 
 def test_packed_logprobs_equal_one_by_one(tiny_model_dir):
     from rlrecipe.recipe import TrainerSection
-    from rlrecipe.train.torch_engine import TorchTrainEngine, TrainSample
+    from rlrecipe.train.base import TrainSample
+    from rlrecipe.train.torch_engine import TorchTrainEngine
 
     eng = TorchTrainEngine(tiny_model_dir, TrainerSection(max_tokens_per_microbatch=120), total_steps=1)
     g = torch.Generator().manual_seed(0)

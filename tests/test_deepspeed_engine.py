@@ -37,7 +37,7 @@ TIMEOUT_S = 240
 
 def batch(step: int) -> list:
     """Deterministic uneven batches: (lengths, prompt length) per step."""
-    from rlrecipe.train.torch_engine import TrainSample
+    from rlrecipe.train.base import TrainSample
 
     lengths = [[30, 12, 25, 8, 17], [39, 38, 5], [21]][step]
     g = torch.Generator().manual_seed(100 + step)

@@ -8,7 +8,8 @@ from rlrecipe.errors import UserError
 from rlrecipe.modeling import build_char_tokenizer, create_tiny, load_weights_into
 from rlrecipe.recipe import LoadedRecipe, TinyModel, TrainerSection, recipe_from_dict
 from rlrecipe.runs import Run
-from rlrecipe.train.torch_engine import TorchTrainEngine, TrainSample
+from rlrecipe.train.base import TrainSample
+from rlrecipe.train.torch_engine import TorchTrainEngine
 
 
 def test_tiny_model_is_a_normal_hf_directory_and_seeded(tmp_path):

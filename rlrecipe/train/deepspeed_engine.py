@@ -57,15 +57,9 @@ from rlrecipe.algo.packing import allocate_microbatches, balanced_bins
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_model
 from rlrecipe.recipe import TrainerSection
+from rlrecipe.train.base import LossFn, TrainSample
 from rlrecipe.train.launch import barrier, init_distributed
-from rlrecipe.train.torch_engine import (
-    LossFn,
-    TorchTrainEngine,
-    TrainSample,
-    capture_rng,
-    make_scheduler,
-    restore_rng,
-)
+from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, make_scheduler, restore_rng
 
 CKPT_SUBDIR = "deepspeed"
 CKPT_TAG = "state"

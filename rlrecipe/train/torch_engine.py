@@ -7,8 +7,6 @@ import contextlib
 import math
 import random
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,22 +19,7 @@ from transformers.optimization import (
 from rlrecipe.algo.packing import allocate_microbatches, pack
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
-
-# loss_fn(logp, fields, entropy) -> (loss already scaled to its share of the global batch, stats sums)
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
-
-
-@dataclass
-class TrainSample:
-    """A prompt + response sequence; per-token fields cover the response tokens (input_ids[start:])."""
-
-    input_ids: list[int]
-    start: int
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def num_response(self) -> int:
-        return len(self.input_ids) - self.start
+from rlrecipe.train.base import LossFn, TrainSample
 
 
 def capture_rng() -> dict:

@@ -47,9 +47,14 @@ def build_char_tokenizer():
 
 
 def build_tiny_model(cfg: TinyModel, vocab_size: int, seed: int, pad_id: int, eos_id: int):
-    """Same config + seed -> bit-identical weights."""
+    """Same config + seed -> bit-identical weights. `cfg.vocab_size` pads the embedding beyond
+    the tokenizer's `vocab_size` rows."""
+    if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
+        from rlrecipe.recipe import RecipeError
+
+        raise RecipeError(f"model.tiny.vocab_size: {cfg.vocab_size} is smaller than the tokenizer ({vocab_size} tokens)")
     config = Qwen2Config(
-        vocab_size=vocab_size,
+        vocab_size=cfg.vocab_size or vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,

@@ -37,6 +37,9 @@ class TinyModel(Section):
     intermediate_size: int = 384
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    # Embedding rows beyond the tokenizer's (null: exactly the tokenizer's), as Qwen pads 151,665
+    # tokens to 152,064: lets the CPU path run at the real vocabulary's memory footprint.
+    vocab_size: int | None = Field(None, gt=0)
 
 
 class ModelSection(Section):
@@ -164,6 +167,11 @@ class TrainerSection(Section):
     adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, gt=0)
     max_tokens_per_microbatch: int = Field(30720, gt=0)
+    # Tokens whose logits exist at once when computing log-probs and entropies: memory is
+    # O(chunk x vocab), not O(micro-batch x vocab). Does not change the numbers.
+    logprob_chunk_tokens: int = Field(1024, gt=0)
+    # Memory of one GPU (training and rollout GPUs alike): `rlrecipe plan` checks the recipe against it.
+    gpu_memory_gib: float = Field(80.0, gt=0)
     bf16_autocast: bool = False
     zero_stage: Literal[0, 1, 2, 3] = 3
     offload_optimizer: bool = False

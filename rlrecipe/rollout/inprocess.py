@@ -114,8 +114,9 @@ class InProcessEngine(RolloutEngine):
             mask[i, width - len(s):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         self.forward_passes += 1
+        # only the last position's logits are needed: [rows, V], not [rows, width, V]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(),
-                         use_cache=True)
+                         use_cache=True, logits_to_keep=1)
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1])
 
     @torch.no_grad()
@@ -124,7 +125,7 @@ class InProcessEngine(RolloutEngine):
         pos = b.last_pos + 1
         self.forward_passes += 1
         out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None],
-                         past_key_values=b.cache, use_cache=True)
+                         past_key_values=b.cache, use_cache=True, logits_to_keep=1)
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):

@@ -20,6 +20,7 @@ from rlrecipe.algo.packing import allocate_microbatches, pack
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample
+from rlrecipe.train.logprobs import response_logprobs
 
 
 def capture_rng() -> dict:
@@ -61,26 +62,21 @@ class TorchTrainEngine:
         return contextlib.nullcontext()
 
     def _forward(self, samples: list[TrainSample], with_entropy: bool):
-        """Per-response-token log-probs (and entropies) of a packed micro-batch, concatenated."""
+        """Per-response-token log-probs (and entropies) of a packed micro-batch, concatenated.
+
+        Never materialises the micro-batch's full logits (see `train/logprobs.py`)."""
         ids, pos = pack([s.input_ids for s in samples])
-        with self._autocast():
-            logits = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                                use_cache=False).logits[0]  # no cache: lets transformers see the packing
-        logits = logits.float() / self.temperature
-        # the token at position t is predicted by the logits at t - 1
-        offsets, sel_pos, targets = 0, [], []
+        # the token at position t is predicted by the hidden state at t - 1
+        offsets, rows, targets = 0, [], []
         for s in samples:
             n = len(s.input_ids)
-            sel_pos.append(torch.arange(offsets + s.start - 1, offsets + n - 1))
+            rows.append(torch.arange(offsets + s.start - 1, offsets + n - 1))
             targets.append(torch.tensor(s.input_ids[s.start:]))
             offsets += n
-        rows = logits[torch.cat(sel_pos).to(self.device)]
-        logp_all = torch.log_softmax(rows, dim=-1)
-        logp = logp_all.gather(-1, torch.cat(targets).to(self.device)[:, None]).squeeze(-1)
-        entropy = None
-        if with_entropy:
-            entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
-        return logp, entropy
+        with self._autocast():
+            return response_logprobs(self.model, ids.to(self.device), pos.to(self.device),
+                                     torch.cat(rows).to(self.device), torch.cat(targets).to(self.device),
+                                     self.temperature, self.cfg.logprob_chunk_tokens, with_entropy)
 
     def microbatches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
         bins = allocate_microbatches([len(s.input_ids) for s in samples], self.cfg.max_tokens_per_microbatch)

@@ -6,6 +6,7 @@ import sys
 
 import typer
 from rlrecipe.cli import data as data_cmd
+from rlrecipe.cli import plan as plan_cmd
 from rlrecipe.cli import stages
 
 from rlrecipe.errors import UserError
@@ -15,6 +16,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   help="Reproducible RL-from-verifiable-rewards recipes: data -> sft -> rl -> eval.")
 app.add_typer(data_cmd.app, name="data")
 stages.register(app)
+app.command()(plan_cmd.plan)
 
 
 def main() -> None:

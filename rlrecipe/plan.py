@@ -1,0 +1,253 @@
+"""Will this recipe fit its GPUs? A per-GPU memory budget computed before launch.
+
+Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
+  parameters   model dtype x P; ZeRO-3 divides by N and adds the working set it gathers
+               (the larger of two decoder layers and the LM head)
+  gradients    model dtype x P; divided by N from ZeRO-2
+  optimizer    AdamW m and v (plus fp32 master weights when the model dtype is 16-bit under
+               DeepSpeed): 8 or 12 bytes x P, divided by N from ZeRO-1, 0 when offloaded.
+               The plain torch engine keeps m and v in the model dtype, no master copy.
+  activations  at trainer.max_tokens_per_microbatch = T tokens. With gradient checkpointing
+               each decoder layer keeps its input (T x hidden) and one layer at a time holds its
+               full activations during recompute; without it every layer holds them. Saved
+               elements per token and layer: 10 hidden + 4 intermediate + 4 kv (a SwiGLU
+               decoder with RMSNorm); attention itself keeps O(T) (flash / memory-efficient
+               kernels). The CPU's sdpa math kernel materialises T x T scores per head on top.
+  log-probs    the final hidden states (T x hidden) and one chunk's logits in fp32, about four
+               [chunk x V] copies at the peak of backward (`train/logprobs.py`).
+  reserve      CUDA context and allocator fragmentation: 1 GiB + 5%, an assumption.
+
+Rollout side, per GPU of a server (tp GPUs each; SGLang sizes its static pool as
+mem_fraction_static x GPU memory = weights + KV cache):
+  weights      rollout dtype x P / tp
+  KV cache     what is left of the pool; per token 2 (K, V) x layers x kv_heads x head_dim
+               x dtype / tp. Sequences at full length (max_prompt_tokens + max_new_tokens)
+               that fit at once, beside the concurrency the recipe asks of each server.
+
+The model's dimensions come from its config.json (a local model directory, the local hub
+cache, or the copy shipped in rlrecipe/model_configs/ for the recipes' hub models); tiny models
+from the recipe. These are estimates for planning: `make bench` prints them beside measured peaks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlrecipe.errors import UserError
+from rlrecipe.recipe import LoadedRecipe, ModelSection, Recipe, load_recipe
+
+GIB = 2**30
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
+TINY_TOKENIZER_SIZE = 261  # the character tokenizer: 4 specials + 256 bytes + `\boxed{`
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    tied: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """One Qwen2 decoder layer: q/k/v with bias, o without, SwiGLU MLP, two RMSNorms."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_dim
+        return (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * self.intermediate + 2 * h
+
+    def params(self) -> int:
+        head = 0 if self.tied else self.vocab * self.hidden
+        return self.vocab * self.hidden + self.layers * self.layer_params() + self.hidden + head
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> ModelDims:
+        return cls(vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
+                   layers=cfg["num_hidden_layers"], heads=cfg["num_attention_heads"],
+                   kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                   tied=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def _hub_config(model_id: str, revision: str | None) -> dict | None:
+    """config.json from the local hub cache, else the copy shipped for the recipes' models."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model_id, "config.json", revision=revision)
+        if isinstance(cached, str):
+            return json.loads(Path(cached).read_text())
+    except Exception:  # noqa: BLE001 - no cache, odd id: fall through to the shipped copy
+        pass
+    shipped = SHIPPED_CONFIGS / (model_id.replace("/", "__") + ".json")
+    return json.loads(shipped.read_text()) if shipped.exists() else None
+
+
+def model_dims(loaded: LoadedRecipe, seen: tuple[str, ...] = ()) -> ModelDims:
+    """The recipe's model dimensions (see the module docstring for where they come from)."""
+    recipe = loaded.recipe
+    init = recipe.run.init_from
+    if init:
+        if init.startswith("run:"):
+            name = init[4:]
+            final = Path(recipe.run.output_dir) / name / "final" / "config.json"
+            if final.exists():
+                return ModelDims.from_config(json.loads(final.read_text()))
+            return model_dims(_recipe_of_run(loaded, name, seen), (*seen, name))
+        cfg = Path(init) / "config.json"
+        if not cfg.exists():
+            raise UserError(f"{loaded.path}: run.init_from: no config.json at {cfg}")
+        return ModelDims.from_config(json.loads(cfg.read_text()))
+    return _section_dims(recipe.model, loaded.path)
+
+
+def _section_dims(m: ModelSection, where: str) -> ModelDims:
+    if m.tiny is not None:
+        t = m.tiny
+        return ModelDims(vocab=t.vocab_size or TINY_TOKENIZER_SIZE, hidden=t.hidden_size,
+                         intermediate=t.intermediate_size, layers=t.num_layers, heads=t.num_heads,
+                         kv_heads=t.num_kv_heads, tied=t.tie_word_embeddings)
+    assert m.path is not None
+    local = Path(m.path) / "config.json"
+    if local.exists():
+        return ModelDims.from_config(json.loads(local.read_text()))
+    cfg = _hub_config(m.path, getattr(m, "revision", None))
+    if cfg is None:
+        raise UserError(f"{where}: model.path: no config.json for {m.path!r} (not a local directory, not in the "
+                        "hub cache, not shipped); download the model first")
+    return ModelDims.from_config(cfg)
+
+
+def _recipe_of_run(loaded: LoadedRecipe, name: str, seen: tuple[str, ...]) -> LoadedRecipe:
+    """The recipe beside this one whose run.name is `name` (the stage that makes init_from)."""
+    if name in seen:
+        raise UserError(f"{loaded.path}: run.init_from: run:{name} starts from itself")
+    for path in sorted(Path(loaded.path).parent.glob("*.yaml")):
+        other = load_recipe(path, [])
+        if other.recipe.run.name == name:
+            return other
+    raise UserError(f"{loaded.path}: run.init_from: run:{name} has no final model yet and no recipe beside this "
+                    f"one is named {name}; run that stage first")
+
+
+@dataclass
+class Budget:
+    """Bytes per GPU by component, and what the GPU holds."""
+
+    side: str
+    parts: dict[str, float]
+    capacity: float  # what this side may use of one GPU
+    notes: list[str]
+    room_for_one_sequence: bool = True
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity and self.room_for_one_sequence
+
+
+def activation_elements_per_token_layer(d: ModelDims) -> int:
+    return 10 * d.hidden + 4 * d.intermediate + 4 * d.kv_dim
+
+
+def logprob_bytes(d: ModelDims, tokens: int, chunk: int, act_bytes: int) -> float:
+    return tokens * d.hidden * act_bytes + 4 * min(chunk, tokens) * d.vocab * 4
+
+
+def train_budget(recipe: Recipe, d: ModelDims) -> Budget:
+    tr, m = recipe.trainer, recipe.model
+    p, b = d.params(), BYTES[m.dtype]
+    act_b = 2 if (tr.bf16_autocast or b == 2) else 4
+    deepspeed = tr.engine == "deepspeed"
+    n = tr.nodes * tr.nproc if deepspeed else 1
+    stage = tr.zero_stage if deepspeed else 0
+    notes = []
+    if stage >= 3 and not tr.offload_params:
+        gathered = max(2 * d.layer_params(), d.vocab * d.hidden)
+        params = b * p / n + b * gathered
+    elif stage >= 3:
+        params = b * max(2 * d.layer_params(), d.vocab * d.hidden)
+        notes.append("parameters offloaded to CPU memory")
+    else:
+        params = b * p
+    grads = b * p / (n if stage >= 2 else 1)
+    opt_per_param = (12 if b == 2 else 8) if deepspeed else 2 * b
+    optimizer = 0.0 if (deepspeed and tr.offload_optimizer) else opt_per_param * p / (n if stage >= 1 else 1)
+    if deepspeed and tr.offload_optimizer:
+        notes.append(f"optimizer state ({opt_per_param * p / n / GIB:.1f} GiB per rank) offloaded to CPU memory")
+    t = tr.max_tokens_per_microbatch
+    per_layer = activation_elements_per_token_layer(d) * act_b * t
+    if m.gradient_checkpointing:
+        activations = d.layers * t * d.hidden * act_b + per_layer
+    else:
+        activations = d.layers * per_layer
+        notes.append("no gradient checkpointing: every layer keeps its activations")
+    parts = {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
+             "log-probs": logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b)}
+    gpu = tr.gpu_memory_gib * GIB
+    parts["reserve"] = GIB + 0.05 * gpu
+    return Budget("train", parts, gpu, notes)
+
+
+def stage_of(recipe: Recipe) -> str:
+    """The stage a recipe is for: the one whose section it sets (rl or sft), else evaluation."""
+    for stage in ("rl", "sft"):
+        if stage in recipe.model_fields_set and recipe.data.train:
+            return stage
+    return "eval"
+
+
+def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
+    """RL: the step's rollouts; SFT and evaluation: the benchmark samples (n per problem)."""
+    ro, rl, ev = recipe.rollout, recipe.rl, recipe.eval
+    gpu = recipe.trainer.gpu_memory_gib * GIB
+    b = BYTES[ro.dtype]
+    if stage == "rl":
+        seq = recipe.data.max_prompt_tokens + ro.max_new_tokens
+        wanted_total = rl.c3po.pool_capacity if rl.c3po.enabled else rl.prompts_per_step * rl.samples_per_prompt
+    else:  # AIME: 30 problems a benchmark
+        seq = recipe.data.max_prompt_tokens + ev.max_new_tokens
+        wanted_total = ev.n_samples * (ev.max_problems or 30)
+    notes = ["rollouts of an RL step" if stage == "rl" else "evaluation rollouts"]
+    if ro.engine == "sglang":
+        s = ro.sglang
+        tp, engines = s.tp_size, (len(ro.urls) or s.num_servers) * s.dp_size
+        pool = s.mem_fraction_static * gpu
+        weights = b * d.params() / tp
+        kv_token = 2 * d.layers * d.kv_dim * b / tp
+        kv = max(0.0, pool - weights)
+        wanted = math.ceil(wanted_total / engines)
+        notes.append(f"SGLang pool {s.mem_fraction_static:.2f} x GPU; {engines} engines of tp {tp}")
+    else:  # in-process engine: one process holds weights and the KV cache of its decoding slots
+        weights = b * d.params()
+        kv_token = 2 * d.layers * d.kv_dim * b
+        wanted = min(ro.max_batch, wanted_total)
+        kv = wanted * seq * kv_token
+        pool = weights + kv
+    fit = int(kv // (seq * kv_token)) if kv_token else 0
+    notes.append(f"{fit} sequences of {seq} tokens fit at once beside the {wanted} asked of each engine"
+                 + ("" if fit >= wanted else " (SGLang queues or retracts the rest: slower, not out of memory)"))
+    parts = {"weights": weights, "KV cache": kv}
+    return Budget("rollout", parts, pool if ro.engine == "sglang" else gpu, notes, room_for_one_sequence=fit >= 1)
+
+
+def plan(loaded: LoadedRecipe) -> tuple[ModelDims, str, list[Budget]]:
+    """The model's dimensions, the recipe's stage, and its budgets (no training side for evaluation)."""
+    d = model_dims(loaded)
+    stage = stage_of(loaded.recipe)
+    budgets = [train_budget(loaded.recipe, d)] if stage != "eval" else []
+    return d, stage, budgets + [rollout_budget(loaded.recipe, d, stage)]

@@ -1,0 +1,88 @@
+"""`rlrecipe plan`: parameter counts against transformers, budget arithmetic by hand, refusal."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from rlrecipe.modeling import build_char_tokenizer
+from rlrecipe.plan import GIB, TINY_TOKENIZER_SIZE, ModelDims, plan, rollout_budget, train_budget
+from rlrecipe.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_matches_transformers(tied):
+    d = ModelDims(vocab=300, hidden=48, intermediate=80, layers=3, heads=6, kv_heads=2, tied=tied)
+    cfg = Qwen2Config(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert d.params() == model.num_parameters()
+
+
+def test_shipped_model_dims_give_the_published_sizes():
+    from rlrecipe.plan import _hub_config
+
+    d32 = ModelDims.from_config(_hub_config("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", None))
+    assert d32.params() == 32_763_876_352  # Qwen2.5-32B's count, as published
+    d7 = ModelDims.from_config(_hub_config("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", None))
+    assert d7.params() == 7_615_616_512  # Qwen2.5-7B's count, as published
+
+
+def test_tiny_tokenizer_size():
+    assert len(build_char_tokenizer()) == TINY_TOKENIZER_SIZE
+
+
+def test_train_budget_by_hand(tmp_path):
+    recipe = load_recipe(REPO / "recipes/7b_boba.yaml", []).recipe
+    d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
+    p = d.params()
+    b = train_budget(recipe, d)  # DeepSpeed ZeRO-3, 64 ranks, bf16, checkpointing, T = 30,720
+    n, t = 64, 30720
+    layer = 64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert d.layer_params() == layer
+    assert b.parts["parameters"] == pytest.approx(2 * p / n + 2 * max(2 * layer, 1000 * 64))
+    assert b.parts["gradients"] == pytest.approx(2 * p / n)
+    assert b.parts["optimizer"] == pytest.approx(12 * p / n)
+    per_layer = (10 * 64 + 4 * 128 + 4 * 32) * 2 * t
+    assert b.parts["activations"] == pytest.approx(2 * t * 64 * 2 + per_layer)
+    assert b.parts["log-probs"] == pytest.approx(t * 64 * 2 + 4 * 1024 * 1000 * 4)
+    assert b.parts["reserve"] == pytest.approx(GIB + 0.05 * 80 * GIB)
+
+    no_ckpt = recipe.model_copy(deep=True)
+    no_ckpt.model.gradient_checkpointing = False
+    assert train_budget(no_ckpt, d).parts["activations"] == pytest.approx(2 * per_layer)
+
+
+def test_rollout_budget_by_hand():
+    recipe = load_recipe(REPO / "recipes/7b_boba.yaml", []).recipe
+    d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
+    r = rollout_budget(recipe, d, "rl")
+    pool = 0.8 * 80 * GIB
+    assert r.parts["weights"] == 2 * d.params()
+    assert r.parts["KV cache"] == pytest.approx(pool - 2 * d.params())
+    kv_token = 2 * 2 * 32 * 2  # K and V, 2 layers, 2 kv heads x 16 dims, bf16
+    fit = int((pool - 2 * d.params()) // ((1024 + 27648) * kv_token))
+    assert any(f"{fit} sequences of 28672 tokens" in n and "128 asked" in n for n in r.notes)  # 8192 / 64 servers
+
+
+def test_every_shipped_recipe_plans_and_fits():
+    for path in RECIPES:
+        dims, stage, budgets = plan(load_recipe(path, []))
+        assert dims.params() > 0
+        assert budgets and all(b.fits for b in budgets), path
+        assert (stage == "eval") == (len(budgets) == 1)
+
+
+def test_cli_refuses_a_recipe_that_cannot_fit():
+    out = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "plan", "recipes/7b_boba.yaml",
+                          "--set", "model.gradient_checkpointing=false"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "will not fit: recipes/7b_boba.yaml: train side needs" in " ".join((out.stdout + out.stderr).split())
+    ok = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "plan", "recipes/7b_boba.yaml"], cwd=REPO,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlrecipe.errors import UserError
 
@@ -105,15 +105,27 @@ class RLSection(Section):
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     reward_correct: float = 5.0
     reward_wrong: float = -5.0
+    # KL to a reference model is not implemented: a non-zero value is refused, never ignored.
     kl_coef: float = Field(0.0, ge=0)
     icepop: IcePop = IcePop()
     # DeepSeek-V3.2 off-policy sequence mask: drop negative-advantage sequences whose mean
-    # log(pi_old/pi_infer) exceeds delta. null = off.
+    # log(pi_infer / pi_theta) exceeds delta, pi_theta the policy being updated (each PPO
+    # minibatch decides again). null = off.
     offpolicy_seq_delta: float | None = None
+    # AReaL's early_stop_imp_ratio: a micro-batch whose mean importance ratio pi_theta/pi_old
+    # exceeds this contributes no gradient. null = off.
+    early_stop_imp_ratio: float | None = Field(None, gt=1)
     c3po: C3PO = C3PO()
     eval_every: int = Field(0, ge=0)
     save_every: int = Field(10, ge=1)
     max_bad_steps: int = Field(3, ge=1, description="consecutive NaN/inf steps before stopping")
+
+    @field_validator("kl_coef")
+    @classmethod
+    def _no_kl_yet(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("KL to a reference model is not implemented yet; set 0 (AReaL-boba uses none)")
+        return v
 
 
 class SGLangServer(Section):

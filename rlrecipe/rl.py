@@ -8,14 +8,13 @@ PPO minibatch updates -> push weights to the engine -> log -> checkpoint -> vali
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from rlrecipe.algo.advantages import sequence_advantages
-from rlrecipe.algo.ppo import aggregation_scale, mismatch_weights, offpolicy_sequence_keep, policy_loss
+from rlrecipe.algo.ppo import aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.c3po import PromptStream, RolloutPool
 from rlrecipe.data.io import load_rows
 from rlrecipe.errors import UserError
@@ -54,46 +53,63 @@ def recompute_old_logprobs(trainer, batch: list[Trajectory]) -> tuple[list[Train
 
 def attach_ppo_fields(samples: list[TrainSample], batch: list[Trajectory], logp_old: list[torch.Tensor],
                       cfg: RLSection) -> dict[str, float]:
-    """Advantages, IcePop/TIS weights and aggregation scales, as per-token fields of each sample."""
+    """Advantages, IcePop/TIS weights and what the V3.2 mask needs, as per-token fields of each sample."""
     lengths = [len(t.response_ids) for t in batch]
     adv = sequence_advantages([t.reward for t in batch], lengths, [t.group_id for t in batch], cfg.adv_norm)
-    logp_infer = [torch.tensor(t.logp_infer) for t in batch]
-    keep = offpolicy_sequence_keep(adv, logp_old, logp_infer, cfg.offpolicy_seq_delta)
     masked = total = 0
     abs_gap = kl = 0.0
-    for s, a, lo, li, k in zip(samples, adv, logp_old, logp_infer, keep, strict=True):
-        ice = cfg.icepop
+    ice = cfg.icepop
+    for i, (s, a, lo, t) in enumerate(zip(samples, adv, logp_old, batch, strict=True)):
+        li = torch.tensor(t.logp_infer)
         w, m = mismatch_weights(lo, li, ice.mode, ice.alpha, ice.beta, ice.tis_cap)
-        if not k:
-            w = torch.zeros_like(w)
-        s.fields = {"logp_old": lo, "adv": torch.full_like(lo, a), "weight": w}
+        s.fields = {"logp_old": lo, "adv": torch.full_like(lo, a), "weight": w, "logp_infer": li,
+                    "seq": torch.full(lo.shape, i, dtype=torch.long)}
         masked += int(m.sum())
         total += len(lo)
         d = lo - li
         abs_gap += float(d.abs().sum())
         kl += float((torch.exp(d) - 1 - d).sum())  # k3 estimate of KL(infer || train)
     return {"icepop_masked_frac": masked / max(1, total), "mismatch_abs_logp": abs_gap / max(1, total),
-            "mismatch_kl": kl / max(1, total), "offpolicy_dropped_seqs": float(len(keep) - sum(keep))}
+            "mismatch_kl": kl / max(1, total)}
+
+
+def minibatch_slices(n_samples: int, n_minibatches: int) -> list[slice]:
+    """Exactly min(n_minibatches, n_samples) consecutive slices whose sizes differ by at most one."""
+    n = min(n_minibatches, n_samples)
+    size, extra = divmod(n_samples, n) if n else (0, 0)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + size + (i < extra)
+        out.append(slice(start, stop))
+        start = stop
+    return out
 
 
 def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str, float]:
-    """`ppo_minibatches` optimizer steps over consecutive slices of the batch."""
-    n = cfg.ppo_minibatches
-    size = math.ceil(len(samples) / n)
+    """One optimizer step per PPO minibatch, over consecutive slices of the batch."""
     totals: dict[str, float] = {}
-    steps = 0
-    for i in range(0, len(samples), size):
-        mb = samples[i:i + size]
+    slices = minibatch_slices(len(samples), cfg.ppo_minibatches)
+
+    def loss_fn(lp, f):
+        return policy_loss(lp, f, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip, cfg.offpolicy_seq_delta,
+                           cfg.early_stop_imp_ratio)
+
+    for sl in slices:
+        mb = samples[sl]
         for s, scale in zip(mb, aggregation_scale([x.num_response for x in mb], cfg.loss_agg), strict=True):
             s.fields["scale"] = scale
-        stats = trainer.train_step(mb, lambda lp, f: policy_loss(lp, f, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip))
-        steps += 1
+        stats = trainer.train_step(mb, loss_fn)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
-    out = {"loss": totals["loss"] / steps, "grad_norm": totals["grad_norm"] / steps, "lr": totals["lr"] / steps,
-           "skipped_minibatches": totals["skipped"],
-           "clip_frac": totals.get("clipped_tokens", 0.0) / max(1.0, totals.get("tokens", 0.0))}
-    return out
+    steps = len(slices)
+    active = max(1.0, totals.get("active_tokens", 0.0))
+    return {"loss": totals["loss"] / steps, "grad_norm": totals["grad_norm"] / steps, "lr": totals["lr"] / steps,
+            "minibatches": float(steps), "skipped_minibatches": totals["skipped"],
+            "clip_frac": totals.get("clipped_tokens", 0.0) / active,
+            "dual_clip_frac": totals.get("dual_clipped_tokens", 0.0) / active,
+            "importance_ratio_mean": totals.get("ratio_sum", 0.0) / active,
+            "early_stopped_microbatches": totals.get("early_stopped_microbatches", 0.0),
+            "offpolicy_dropped_seqs": totals.get("offpolicy_dropped_seqs", 0.0)}
 
 
 def rollout_metrics(batch: list[Trajectory], entropy: list[torch.Tensor], version: int) -> dict[str, float]:
@@ -162,7 +178,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
                 samples, logp_old, entropy = recompute_old_logprobs(trainer, batch)
                 ice = attach_ppo_fields(samples, batch, logp_old, cfg)
                 upd = ppo_update(trainer, samples, cfg)
-                bad_in_a_row = bad_in_a_row + 1 if upd["skipped_minibatches"] == cfg.ppo_minibatches else 0
+                bad_in_a_row = bad_in_a_row + 1 if upd["skipped_minibatches"] == upd["minibatches"] else 0
                 if bad_in_a_row >= cfg.max_bad_steps:
                     raise UserError(f"step {step + 1}: loss or gradient was NaN/inf in {bad_in_a_row} steps in a row; "
                                     "lower trainer.lr or check the data")

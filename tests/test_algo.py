@@ -1,6 +1,7 @@
 """The algorithms against values derived by hand from their formulas."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from rlrecipe.algo.packing import allocate_microbatches, pack
 from rlrecipe.algo.ppo import (
     aggregation_scale,
     mismatch_weights,
-    offpolicy_sequence_keep,
+    offpolicy_token_drop,
     policy_loss,
     ppo_token_loss,
 )
@@ -39,17 +40,19 @@ def test_ppo_clip_cases():
     logp_old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.5, 1.5, 0.5, 1.0]))
     adv = torch.tensor([1.0, -1.0, -1.0, 2.0])
-    loss, clipped = ppo_token_loss(logp, logp_old, adv, 0.2, 0.2)
+    loss, clipped, dual = ppo_token_loss(logp, logp_old, adv, 0.2, 0.2)
     assert loss.tolist() == pytest.approx([-1.2, 1.5, 0.8, -2.0])
     assert clipped.tolist() == [True, False, True, False]
+    assert not dual.any()
 
 
 def test_asymmetric_and_dual_clip():
     logp_old = torch.zeros(2)
     logp = torch.log(torch.tensor([1.5, 5.0]))
     adv = torch.tensor([1.0, -1.0])
-    loss, _ = ppo_token_loss(logp, logp_old, adv, eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+    loss, clipped, dual = ppo_token_loss(logp, logp_old, adv, eps_low=0.2, eps_high=0.28, dual_clip=3.0)
     assert loss.tolist() == pytest.approx([-1.28, 3.0])
+    assert clipped.tolist() == [True, False] and dual.tolist() == [False, True]
 
 
 def test_icepop_band_and_tis():
@@ -105,13 +108,61 @@ def test_seq_mean_token_mean_scale():
     assert t[0].tolist() == [0.25]
 
 
-def test_offpolicy_sequence_mask():
-    adv = [-1.0, -1.0, 1.0]
-    old = [torch.tensor([-1.0, -1.0]), torch.tensor([-1.0]), torch.tensor([-3.0])]
-    infer = [torch.tensor([-0.2, -0.4]), torch.tensor([-0.95]), torch.tensor([-0.1])]
-    # mean log(pi_infer / pi_old): 0.7, 0.05, 2.9 -> only the negative-advantage one above 0.5 goes
-    assert offpolicy_sequence_keep(adv, old, infer, 0.5) == [False, True, True]
-    assert offpolicy_sequence_keep(adv, old, infer, None) == [True, True, True]
+def test_offpolicy_token_drop_uses_the_current_policy():
+    # three sequences (ids 7, 7 | 3 | 5), the current policy's log-probs per token
+    seq = torch.tensor([7, 7, 3, 5])
+    adv = torch.tensor([-1.0, -1.0, -1.0, 1.0])
+    infer = torch.tensor([-0.2, -0.4, -0.95, -0.1])
+    logp = torch.tensor([-1.0, -1.0, -1.0, -3.0], requires_grad=True)
+    # mean log(pi_infer / pi_theta): seq 7 -> 0.7, seq 3 -> 0.05, seq 5 -> 2.9 (positive advantage: kept)
+    assert offpolicy_token_drop(logp, infer, adv, seq, 0.5).tolist() == [True, True, False, False]
+    # after an update the same sequences are judged again: seq 7 now close to the sampler, seq 3 far
+    logp2 = torch.tensor([-0.3, -0.5, -2.0, -3.0])
+    assert offpolicy_token_drop(logp2, infer, adv, seq, 0.5).tolist() == [False, False, True, False]
+
+
+def test_policy_loss_stats_and_v32_mask_in_the_loss():
+    logp_old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 1.0, 1.0, 5.0]))
+    f = {"logp_old": logp_old, "adv": torch.tensor([1.0, -1.0, -1.0, -1.0]),
+         "weight": torch.tensor([1.0, 0.0, 1.0, 1.0]), "scale": torch.full((4,), 0.25),
+         "logp_infer": torch.tensor([0.0, 0.0, 2.0, 0.0]), "seq": torch.tensor([0, 1, 2, 3])}
+    loss, st = policy_loss(logp, f, 0.2, 0.2, dual_clip=3.0, offpolicy_delta=1.0)
+    # token 1 masked (IcePop weight 0); token 2: adv < 0 and log(pi_infer/pi_theta) = 2 > 1 -> dropped
+    # token 0 clipped at 1.2 -> -1.2; token 3 ratio 5, adv -1 -> dual clip bound 3
+    assert float(loss) == pytest.approx(0.25 * (-1.2 + 3.0))
+    assert st["offpolicy_dropped_seqs"] == 1.0 and st["active_tokens"] == 2.0
+    assert st["clipped_tokens"] == 1.0 and st["dual_clipped_tokens"] == 1.0
+    assert st["ratio_sum"] == pytest.approx(1.5 + 5.0)
+    stopped, st2 = policy_loss(logp, f, 0.2, 0.2, 3.0, 1.0, early_stop_ratio=3.0)  # mean ratio 3.25 > 3
+    assert float(stopped) == 0.0 and st2["early_stopped_microbatches"] == 1.0
+    kept, st3 = policy_loss(logp, f, 0.2, 0.2, 3.0, 1.0, early_stop_ratio=3.5)
+    assert float(kept) == pytest.approx(float(loss)) and st3["early_stopped_microbatches"] == 0.0
+
+
+def test_extreme_log_ratio_stays_finite():
+    loss, _, _ = ppo_token_loss(torch.tensor([200.0]), torch.tensor([0.0]), torch.tensor([-1.0]))
+    assert torch.isfinite(loss).all() and float(loss) == pytest.approx(torch.exp(torch.tensor(20.0)).item())
+    w, masked = mismatch_weights(torch.tensor([0.0]), torch.tensor([-500.0]), "tis", cap=2.0)
+    assert w.tolist() == [2.0]
+
+
+def test_minibatch_slices_are_exact():
+    from rlrecipe.rl import minibatch_slices
+
+    sizes = [s.stop - s.start for s in minibatch_slices(9, 4)]
+    assert sizes == [3, 2, 2, 2]
+    assert [s.stop - s.start for s in minibatch_slices(8, 4)] == [2, 2, 2, 2]
+    assert [s.stop - s.start for s in minibatch_slices(3, 4)] == [1, 1, 1]
+    assert minibatch_slices(9, 4)[-1].stop == 9
+
+
+def test_kl_coef_refused_until_implemented():
+    from rlrecipe.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="rl.kl_coef: .*not implemented"):
+        load_recipe(Path(__file__).resolve().parents[1] / "recipes/tiny_rl.yaml", ["rl.kl_coef=0.1"])
+
 
 
 def test_allocation_fewest_balanced_complete():

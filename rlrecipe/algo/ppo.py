@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import torch
 
+# Log-ratios are clamped before exp (as peers do, at +-20) so one extreme token cannot make an inf.
+LOG_RATIO_CLAMP = 20.0
+
+
+def safe_ratio(logp_num: torch.Tensor, logp_den: torch.Tensor) -> torch.Tensor:
+    """exp(logp_num - logp_den) with the log-ratio clamped to +-LOG_RATIO_CLAMP."""
+    return torch.exp(torch.clamp(logp_num - logp_den, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
 
 def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mode: str,
                      alpha: float = 0.5, beta: float = 5.0, cap: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,7 +26,7 @@ def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mode: str
     tis:    min(k, cap) (truncated importance sampling).
     off:    1.
     """
-    k = torch.exp(logp_old.detach() - logp_infer.detach())
+    k = safe_ratio(logp_old.detach(), logp_infer.detach())
     if mode == "icepop":
         inside = (k >= alpha) & (k <= beta)
         return torch.where(inside, k, torch.zeros_like(k)), ~inside
@@ -31,20 +39,23 @@ def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mode: str
 
 def ppo_token_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor,
                    eps_low: float = 0.2, eps_high: float = 0.2,
-                   dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), and clip flags.
+                   dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), with flags of
+    the tokens the clip bound and of those the dual clip bound.
 
     dual_clip c > 1 bounds the loss of negative-advantage tokens by -c A (Ye et al. 2020).
     """
-    ratio = torch.exp(logp - logp_old)
+    ratio = safe_ratio(logp, logp_old)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
     was_clipped = clipped > unclipped
+    dual_clipped = torch.zeros_like(was_clipped)
     if dual_clip is not None:
         bound = -adv * dual_clip
-        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
-    return loss, was_clipped
+        dual_clipped = (adv < 0) & (loss > bound)
+        loss = torch.where(dual_clipped, bound, loss)
+    return loss, was_clipped, dual_clipped
 
 
 def aggregation_scale(lengths: list[int], mode: str) -> list[torch.Tensor]:
@@ -62,19 +73,45 @@ def aggregation_scale(lengths: list[int], mode: str) -> list[torch.Tensor]:
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def offpolicy_sequence_keep(adv: list[float], logp_old: list[torch.Tensor], logp_infer: list[torch.Tensor],
-                            delta: float | None) -> list[bool]:
-    """DeepSeek-V3.2 off-policy sequence mask: drop a negative-advantage sequence whose mean
-    log(pi_infer / pi_old) exceeds delta (the sampler diverged too far from the trainer)."""
-    if delta is None:
-        return [True] * len(adv)
-    return [not (a < 0 and float((li - lo).mean()) > delta) for a, lo, li in zip(adv, logp_old, logp_infer, strict=True)]
+def offpolicy_token_drop(logp: torch.Tensor, logp_infer: torch.Tensor, adv: torch.Tensor, seq: torch.Tensor,
+                        delta: float) -> torch.Tensor:
+    """DeepSeek-V3.2 off-policy sequence mask, per token: True for every token of a sequence with
+    a negative advantage whose mean log(pi_infer / pi_theta) over its tokens exceeds delta.
+
+    pi_theta is the policy being updated, so each PPO minibatch decides again with its current
+    log-probs (detached: the decision carries no gradient). `seq` numbers the sequences."""
+    ids, inverse = torch.unique(seq, return_inverse=True)
+    gap = (logp_infer - logp.detach()).float()
+    sums = torch.zeros(len(ids), dtype=gap.dtype, device=gap.device).index_add_(0, inverse, gap)
+    counts = torch.zeros(len(ids), dtype=gap.dtype, device=gap.device).index_add_(0, inverse, torch.ones_like(gap))
+    return (adv < 0) & ((sums / counts)[inverse] > delta)
 
 
 def policy_loss(logp: torch.Tensor, f: dict[str, torch.Tensor], eps_low: float, eps_high: float,
-                dual_clip: float | None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sum over tokens of weight * PPO term * scale; `f` holds per-token logp_old, adv, weight, scale."""
-    tok_loss, was_clipped = ppo_token_loss(logp, f["logp_old"], f["adv"], eps_low, eps_high, dual_clip)
-    loss = (tok_loss * f["weight"] * f["scale"]).sum()
-    stats = {"clipped_tokens": float(was_clipped.sum()), "tokens": float(logp.numel())}
+                dual_clip: float | None = None, offpolicy_delta: float | None = None,
+                early_stop_ratio: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sum over tokens of weight * PPO term * scale; `f` holds per-token logp_old, adv, weight
+    (IcePop / TIS), scale, and for the V3.2 mask logp_infer and seq.
+
+    early_stop_ratio: a micro-batch whose mean importance ratio pi_theta/pi_old over its active
+    tokens exceeds it contributes no gradient (its loss is multiplied by 0), as AReaL does with
+    early_stop_imp_ratio. Stats count only active tokens (weight != 0) as clipped."""
+    tok_loss, was_clipped, dual_clipped = ppo_token_loss(logp, f["logp_old"], f["adv"], eps_low, eps_high, dual_clip)
+    weight = f["weight"]
+    stats: dict[str, float] = {}
+    if offpolicy_delta is not None:
+        drop = offpolicy_token_drop(logp, f["logp_infer"], f["adv"], f["seq"], offpolicy_delta)
+        weight = torch.where(drop, torch.zeros_like(weight), weight)
+        stats["offpolicy_dropped_seqs"] = float(torch.unique(f["seq"][drop]).numel())
+    active = weight != 0
+    loss = (tok_loss * weight * f["scale"]).sum()
+    ratio = safe_ratio(logp.detach(), f["logp_old"])
+    ratio_sum = float(ratio[active].sum())
+    stopped = early_stop_ratio is not None and bool(active.any()) and ratio_sum / float(active.sum()) > early_stop_ratio
+    if stopped:
+        loss = loss * 0.0
+    stats.update({"clipped_tokens": float((was_clipped & active).sum()),
+                  "dual_clipped_tokens": float((dual_clipped & active).sum()),
+                  "active_tokens": float(active.sum()), "tokens": float(logp.numel()),
+                  "ratio_sum": ratio_sum, "early_stopped_microbatches": float(stopped), "microbatches": 1.0})
     return loss, stats

@@ -195,13 +195,30 @@ def bench_engine(n: int = 256) -> dict:
             "speedup": (ours_tokens / ours_s) / (hf_tokens / hf_s)}
 
 
+def bench_logprob_memory() -> dict:
+    """Peak memory per token of one micro-batch at V = 152,064: full logits (before) vs chunked (the
+    trainer's path), measured beside the plan's estimate of the chunked log-prob term."""
+    from bench.logprob_memory import SHAPES, VOCAB, run
+    from rlrecipe.plan import ModelDims, logprob_bytes
+
+    tokens, chunk = [2048, 4096], 1024
+    res = run("tiny", tokens, "cpu", chunk)
+    h, inter, layers, heads, kv = SHAPES["tiny"]
+    dims = ModelDims(VOCAB, h, inter, layers, heads, kv, tied=False)
+    measured = {p["tokens"]: p["peak_mib"] for p in res["points"] if p["path"] == "chunked"}
+    return {"full_mib_per_token": res["full_mib_per_token"], "chunked_mib_per_token": res["chunked_mib_per_token"],
+            "fp32_logits_row_mib": VOCAB * 4 / 2**20,
+            "chunked_peak_mib_at_4096": measured[4096],
+            "plan_logprob_mib_at_4096": logprob_bytes(dims, 4096, chunk, 4) / 2**20}
+
+
 def main() -> None:
     ensure_inputs()
     results = {}
     for name, fn in [("c3po_vs_sync", bench_c3po), ("c3po_vs_sync_end_to_end", bench_c3po_end_to_end),
                      ("packed_vs_padded", bench_packing),
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
-                     ("engine_refill_vs_generate", bench_engine)]:
+                     ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory)]:
         console.print(f"[bold]bench[/] {name} ...")
         results[name] = fn()
     results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "time": time.time()}

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rlrecipe.data.templates import prompt_token_ids
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.base import RolloutEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory_store import load_trajectories, save_trajectories
 
 
 class PromptStream:
@@ -127,3 +129,14 @@ class RolloutPool:
         self.in_flight = [Trajectory.from_dict(d) for d in state["in_flight"]]
         self.total_dropped = state["total_dropped"]
         self.total_resumed = state["total_resumed"]
+
+    def save(self, path: str | Path) -> None:
+        """The in-flight rollouts as arrays (safetensors), the counters beside them."""
+        save_trajectories(path, self.in_flight, {"cursor": self.stream.cursor, "total_dropped": self.total_dropped,
+                                                 "total_resumed": self.total_resumed})
+
+    def load(self, path: str | Path) -> None:
+        self.in_flight, extra = load_trajectories(path)
+        self.stream.cursor = extra["cursor"]
+        self.total_dropped = extra["total_dropped"]
+        self.total_resumed = extra["total_resumed"]

@@ -28,6 +28,8 @@ from rlrecipe.train.base import TrainSample
 from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero, make_run
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
+POOL_FILE = "pool.safetensors"
+
 
 # -- the named steps ----------------------------------------------------------------------------
 def grade(batch: list[Trajectory], tokenizer, grader: Grader, cfg: RLSection) -> None:
@@ -155,7 +157,10 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
         trainer.load(ckpt / "trainer")
         start = json.loads((ckpt / "progress.json").read_text())["step"]
         if lead:
-            pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
+            if (ckpt / POOL_FILE).exists():
+                pool.load(ckpt / POOL_FILE)
+            else:  # checkpoints written before the pool was stored as arrays
+                pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
             run.truncate_metrics(start)
             console.print(f"resumed from {ckpt} at step {start}")
     engine = make_rollout_engine(recipe, model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
@@ -198,7 +203,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
                     with run.writing_checkpoint(step + 1) as d:
                         trainer.save(d / "trainer")
                         if lead:
-                            atomic_write_text(d / "pool.json", json.dumps(pool.state_dict()))
+                            pool.save(d / POOL_FILE)
                             atomic_write_text(d / "progress.json", json.dumps({"step": step + 1}))
     finally:
         if engine is not None:

@@ -73,3 +73,16 @@ def test_synchronous_mode_finishes_every_sample(tiny_model_dir):
     pool.in_flight = []  # the synchronous baseline keeps nothing between steps
     batch, stats = pool.collect(engine, SamplingParams(max_new_tokens=30), seed=1)
     assert len(batch) == 4 * 3 and all(t.done for t in batch) and not pool.in_flight
+
+
+def test_pool_round_trips_through_its_array_checkpoint(tiny_model_dir, tmp_path):
+    pool, engine = _setup(tiny_model_dir)
+    pool.collect(engine, SamplingParams(max_new_tokens=40), seed=1)
+    assert pool.in_flight  # unfinished rollouts to carry over
+    pool.save(tmp_path / "pool.safetensors")
+    other, _ = _setup(tiny_model_dir)
+    other.load(tmp_path / "pool.safetensors")
+    assert (other.stream.cursor, other.total_dropped, other.total_resumed) == \
+        (pool.stream.cursor, pool.total_dropped, pool.total_resumed)
+    # the engine's log-probs are float32 values, so the array form loses nothing
+    assert [t.to_dict() for t in other.in_flight] == [t.to_dict() for t in pool.in_flight]

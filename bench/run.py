@@ -71,7 +71,7 @@ def bench_c3po_end_to_end(steps: int = 5) -> dict:
         loaded = load_recipe("recipes/tiny_rl.yaml", [
             f"run.name=bench-rl-{mode}", f"run.init_from={MODEL}", f"rl.steps={steps}", "eval.benchmarks=[]",
             f"rl.c3po.enabled={str(enabled).lower()}", "run.output_dir=.cache/bench-runs"])
-        run_rl(loaded)
+        run_rl(loaded, overwrite=True)  # the bench's own scratch runs
         rows = [json.loads(line) for line in
                 (Path(".cache/bench-runs") / f"bench-rl-{mode}" / "metrics.jsonl").read_text().splitlines()]
         rows = rows[1:]  # the first C3PO++ step fills an empty pool

@@ -10,6 +10,9 @@ import typer
 from rlrecipe.errors import UserError
 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="dotted override, e.g. rl.steps=10")]
+ResumeOpt = Annotated[bool, typer.Option(help="continue from the newest complete checkpoint")]
+OverwriteOpt = Annotated[bool, typer.Option(help="start over, deleting this run's checkpoints, metrics and final "
+                                                 "model (or another stage's run of the same name)")]
 
 
 def _load(recipe: Path, overrides: list[str] | None):
@@ -36,26 +39,24 @@ def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML fil
         raise typer.Exit(2)
 
 
-def sft(recipe: Path, set_: SetOpt = None,
-        resume: Annotated[bool, typer.Option(help="continue from the last checkpoint")] = False) -> None:
+def sft(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False) -> None:
     """Supervised fine-tuning (distillation), loss on response tokens only."""
     from rlrecipe.sft import run_sft
     from rlrecipe.train.launch import maybe_relaunch
 
     loaded = _load(recipe, set_)
-    maybe_relaunch("sft", loaded, resume)  # several DeepSpeed processes: run under torchrun, exit
-    run_sft(loaded, resume=resume)
+    maybe_relaunch("sft", loaded, resume, overwrite)  # several DeepSpeed processes: run under torchrun, exit
+    run_sft(loaded, resume=resume, overwrite=overwrite)
 
 
-def rl(recipe: Path, set_: SetOpt = None,
-       resume: Annotated[bool, typer.Option(help="continue from the last checkpoint")] = False) -> None:
+def rl(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False) -> None:
     """Critic-free PPO with IcePop and C3PO++."""
     from rlrecipe.rl import run_rl
     from rlrecipe.train.launch import maybe_relaunch
 
     loaded = _load(recipe, set_)
-    maybe_relaunch("rl", loaded, resume)  # multi-process RL is refused with a clear message
-    run_rl(loaded, resume=resume)
+    maybe_relaunch("rl", loaded, resume, overwrite)  # multi-process RL is refused with a clear message
+    run_rl(loaded, resume=resume, overwrite=overwrite)
 
 
 def eval_(recipe: Annotated[Path | None, typer.Argument(help="recipe; default: the latest run's own")] = None,

@@ -42,8 +42,9 @@ def _rl_totals(run: str = "tiny-rl") -> dict:
 def main() -> None:
     t0 = time.time()
     rlrecipe("data", "make", "tiny-arith", "--out", "data/tiny-arith", "--seed", "0")
-    rlrecipe("sft", SFT_RECIPE)   # ends with the held-out evaluation of the SFT model
-    rlrecipe("rl", RL_RECIPE)     # ends with the held-out evaluation of the RL model
+    # --overwrite: running the demo again replaces its own earlier runs
+    rlrecipe("sft", SFT_RECIPE, "--overwrite")   # ends with the held-out evaluation of the SFT model
+    rlrecipe("rl", RL_RECIPE, "--overwrite")     # ends with the held-out evaluation of the RL model
     rlrecipe("results")
     sft, rl = _summary("tiny-sft"), _summary("tiny-rl")
     teacher = json.loads(Path("data/tiny-arith/meta.json").read_text())["teacher_expected_accuracy_eval"]

@@ -227,6 +227,15 @@ class RunSection(Section):
     keep_checkpoints: int = Field(2, ge=1)
     tracking: Tracking = Tracking()
 
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, name: str) -> str:
+        # The run directory is output_dir/name, cleared and overwritten: a name that climbs out of
+        # output_dir or nests into another run would reach someone else's files.
+        if not name.strip() or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ValueError("must be one non-empty directory name (no '/', '\\', '.' or '..')")
+        return name
+
     @property
     def dir(self) -> Path:
         """This run's directory: records, checkpoints, `final/`, `eval/`."""

@@ -131,14 +131,14 @@ def rollout_metrics(batch: list[Trajectory], entropy: list[torch.Tensor], versio
 
 
 # -- the loop -----------------------------------------------------------------------------------
-def run_rl(loaded: LoadedRecipe, resume: bool = False) -> dict:
+def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> dict:
     """With several DeepSpeed ranks, rank 0 owns the rollout engine, the pool and the grader and
     hands each graded batch to every rank; all ranks train on it together."""
     recipe = loaded.recipe
     cfg = recipe.rl
     if not recipe.data.train:
         raise UserError(f"{loaded.path}: data.train: an RL prompt set is required")
-    run = make_run(loaded, "rl", resume=resume)
+    run = make_run(loaded, "rl", resume=resume, overwrite=overwrite)
     lead = is_rank_zero()
     torch.manual_seed(recipe.run.seed)
     model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(

@@ -16,7 +16,10 @@ from typing import Any
 
 from rich.console import Console
 
-from rlrecipe.recipe import LoadedRecipe
+from rlrecipe.errors import UserError
+from rlrecipe.manifest import check_manifest, write_manifest
+from rlrecipe.recipe import LoadedRecipe, RecipeError
+from rlrecipe.runlock import RunLock
 
 console = Console(stderr=True)
 
@@ -72,42 +75,123 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 class Run:
-    """`runs/<name>/`: the resolved recipe, its sha256, environment, metrics, checkpoints."""
+    """`runs/<name>/`: the resolved recipe, its sha256, environment, metrics, checkpoints.
 
-    def __init__(self, loaded: LoadedRecipe, stage: str, resume: bool = False, subdir: str | None = None):
+    The directory is locked for the run's life. A fresh start clears only what a run killed
+    before its first checkpoint leaves (metrics); it refuses a directory holding another
+    stage's run, a checkpoint or a final model unless `overwrite`. A resume picks the newest
+    checkpoint whose manifest checks out and cuts the metrics back to it.
+    """
+
+    def __init__(self, loaded: LoadedRecipe, stage: str, resume: bool = False, subdir: str | None = None,
+                 overwrite: bool = False):
         """`subdir` keeps a later stage's records (eval) beside, not over, the training run's."""
+        if resume and overwrite:
+            raise UserError("--resume and --overwrite exclude each other: continue the run, or start it over")
         self.loaded = loaded
         self.recipe = loaded.recipe
         self.stage = stage
         self.run_dir = self.recipe.run.dir
         self.dir = self.run_dir / subdir if subdir else self.run_dir
         self.ckpt_dir = self.dir / "checkpoints"
-        if not resume:
-            # a fresh start must not mix with an earlier run of the same name
-            shutil.rmtree(self.ckpt_dir, ignore_errors=True)
-            (self.dir / "metrics.jsonl").unlink(missing_ok=True)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt_dir.mkdir(exist_ok=True)
-        recorded = self.dir / "recipe.sha256"
-        if resume and recorded.exists() and recorded.read_text().split()[0] != loaded.sha256:
-            from rlrecipe.recipe import RecipeError
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.resume_from: Path | None = None
+        _make_dir(self.dir, "run.output_dir")
+        self._lock = RunLock(self.dir)
+        note = self._lock.acquire()
+        if note:
+            console.print(f"[yellow]{note}[/]", highlight=False)
+        try:
+            self._start(resume, overwrite)
+        except BaseException:
+            self._lock.release()
+            raise
 
-            raise RecipeError(
-                f"{loaded.path}: recipe differs from the one {self.dir} was started with; "
-                "resume with the same recipe or choose another run.name"
-            )
+    def _start(self, resume: bool, overwrite: bool) -> None:
+        loaded = self.loaded
+        earlier = self._earlier_stage()
+        if earlier not in (None, self.stage) and not overwrite:
+            raise UserError(f"{self.dir}: holds a {earlier} run; --overwrite to replace it, or choose another "
+                            "run.name")
+        if resume:
+            recorded = self.dir / "recipe.sha256"
+            if recorded.exists() and recorded.read_text().split()[0] != loaded.sha256:
+                raise RecipeError(f"{loaded.path}: recipe differs from the one {self.dir} was started with; "
+                                  "resume with the same recipe or choose another run.name")
+            self.resume_from = self._pick_checkpoint()
+            self.truncate_metrics(_step_of(self.resume_from) if self.resume_from else 0)
+        else:
+            held = self._earlier_work()
+            if held and not overwrite:
+                raise UserError(f"{self.dir}: holds {held} of an earlier run; --resume to continue it, "
+                                "--overwrite to start over, or choose another run.name")
+            self._clear()
+        self.ckpt_dir.mkdir(exist_ok=True)
         atomic_write_text(self.dir / "recipe.yaml", self.recipe.to_yaml())
-        atomic_write_text(recorded, f"{loaded.sha256}  {loaded.path}\n")
-        meta = {"stage": stage, "recipe_path": loaded.path, "recipe_sha256": loaded.sha256,
+        atomic_write_text(self.dir / "recipe.sha256", f"{loaded.sha256}  {loaded.path}\n")
+        meta = {"stage": self.stage, "recipe_path": loaded.path, "recipe_sha256": loaded.sha256,
                 "overrides": loaded.overrides, "seed": self.recipe.run.seed, "started": time.time(),
                 **environment()}
         atomic_write_text(self.dir / "env.json", json.dumps(meta, indent=2))
         self._num_gpus = len(meta["gpus"])
-        self.metrics_path = self.dir / "metrics.jsonl"
         self._started = time.time()
         self._wandb = None
         if self.recipe.run.tracking.wandb:
             self._start_wandb()
+
+    # -- what an earlier run left ------------------------------------------------------------
+    def _earlier_stage(self) -> str | None:
+        try:
+            stage = json.loads((self.dir / "env.json").read_text()).get("stage")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return stage if isinstance(stage, str) else None
+
+    def _checkpoints(self) -> list[Path]:
+        """Checkpoint directories by step, newest first (unfinished `.partial` ones left out)."""
+        if not self.ckpt_dir.is_dir():
+            return []
+        found = [p for p in self.ckpt_dir.iterdir() if p.is_dir() and _step_of(p) is not None]
+        return sorted(found, key=_step_of, reverse=True)
+
+    def _earlier_work(self) -> str | None:
+        """What a fresh start would destroy: checkpoints or a final model."""
+        ckpts = self._checkpoints()
+        if ckpts:
+            return f"checkpoints (up to {ckpts[0].name})"
+        if (self.final_model_dir / "config.json").exists() and self.dir == self.run_dir:
+            return f"a final model ({self.final_model_dir})"
+        return None
+
+    def _clear(self) -> None:
+        """A fresh start must not mix with an earlier run of the same name."""
+        shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+        self.metrics_path.unlink(missing_ok=True)
+        (self.dir / "run_summary.json").unlink(missing_ok=True)
+        if self.dir == self.run_dir:
+            shutil.rmtree(self.final_model_dir, ignore_errors=True)
+
+    def _pick_checkpoint(self) -> Path | None:
+        """The newest checkpoint that is complete; says which, and why newer ones were passed over."""
+        ckpts = self._checkpoints()
+        marker = self.ckpt_dir / "latest"
+        named = marker.read_text().strip() if marker.is_file() else None
+        if named and not (self.ckpt_dir / named).is_dir():
+            console.print(f"[yellow]{marker} names {named}, which is missing[/]", highlight=False)
+        if not ckpts:
+            console.print(f"no checkpoint in {self.ckpt_dir}: starting from step 0", highlight=False)
+            return None
+        for path in ckpts:
+            problem = check_manifest(path)
+            if problem is None:
+                if path.name != named or path != ckpts[0]:
+                    console.print(f"[yellow]resuming from {path.name}, the newest complete checkpoint[/]",
+                                  highlight=False)
+                return path
+            console.print(f"[yellow]{path}: damaged or incomplete ({problem}); not resuming from it[/]",
+                          highlight=False)
+        raise UserError(f"{self.ckpt_dir}: none of the {len(ckpts)} checkpoints is complete; --overwrite to "
+                        "start over")
 
     def _start_wandb(self) -> None:
         tr = self.recipe.run.tracking
@@ -120,12 +204,11 @@ class Run:
                                  resume="allow", id=f"{self.recipe.run.name}-{self.stage}")
 
     def truncate_metrics(self, after_step: int) -> None:
-        """On resume, drop metric lines written after the checkpoint we resume from."""
-        if not self.metrics_path.exists():
-            return
-        kept = [ln for ln in self.metrics_path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= after_step]
-        atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
+        """On resume, drop metric lines written after the checkpoint we resume from, and a line
+        a kill cut short."""
+        if self.metrics_path.exists():
+            kept = [ln for ln, row in _metric_lines(self.metrics_path) if row.get("step", 0) <= after_step]
+            atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
 
     def log(self, step: int, metrics: dict[str, Any], echo: bool = True) -> None:
         row = {"step": step, "stage": self.stage, **metrics}
@@ -140,17 +223,20 @@ class Run:
     def finish(self, token_columns: tuple[str, ...] = ()) -> None:
         """Write run_summary.json: the cost of the run (GPU-hours, tokens) for RESULTS.md and notes."""
         totals = {f"{c}_total": 0 for c in token_columns}
-        if self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
-                row = json.loads(line)
-                for c in token_columns:
-                    totals[f"{c}_total"] += row.get(c, 0)
+        for row in read_metrics(self.metrics_path):
+            for c in token_columns:
+                totals[f"{c}_total"] += row.get(c, 0)
         wall = time.time() - self._started
         summary = {"stage": self.stage, "wall_time_s_this_session": round(wall, 1), "gpus": self._num_gpus,
                    "gpu_hours_this_session": round(self._num_gpus * wall / 3600, 3), **totals}
         atomic_write_text(self.dir / "run_summary.json", json.dumps(summary, indent=2))
         if self._wandb is not None:
             self._wandb.finish()
+        self.release()
+
+    def release(self) -> None:
+        """Let the next process in (the OS lets go by itself if this one dies)."""
+        self._lock.release()
 
     # -- checkpoints -------------------------------------------------------------------
     def checkpoint_path(self, step: int) -> Path:
@@ -164,6 +250,7 @@ class Run:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         yield tmp
+        write_manifest(tmp)  # last: a checkpoint without one never finished
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -171,21 +258,50 @@ class Run:
         self._prune()
 
     def _prune(self) -> None:
-        keep = self.recipe.run.keep_checkpoints
-        done = sorted(p for p in self.ckpt_dir.glob("step_*") if not p.name.endswith(".partial"))
-        for old in done[:-keep]:
+        for old in self._checkpoints()[self.recipe.run.keep_checkpoints:]:
             shutil.rmtree(old, ignore_errors=True)
 
     def latest_checkpoint(self) -> Path | None:
-        marker = self.ckpt_dir / "latest"
-        if not marker.exists():
-            return None
-        path = self.ckpt_dir / marker.read_text().strip()
-        return path if path.exists() else None
+        """The checkpoint this run resumes from (chosen and verified when it started), or None."""
+        return self.resume_from
 
     @property
     def final_model_dir(self) -> Path:
         return self.run_dir / "final"
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def _make_dir(path: Path, field: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"{field}: cannot write run records in {path}: {err.strerror or err}") from None
+
+
+def _metric_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) of a metrics.jsonl; a line that is not a JSON object (cut short by a kill) is skipped."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            out.append((line, row))
+    return out
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [row for _, row in _metric_lines(path)] if path.exists() else []
 
 
 def _fmt(v: Any) -> str:

@@ -47,11 +47,11 @@ def sft_loss(logp: torch.Tensor, f: dict[str, torch.Tensor]):
     return -(logp * f["scale"]).sum(), {"nll_sum": float(-logp.detach().sum())}
 
 
-def run_sft(loaded: LoadedRecipe, resume: bool = False) -> dict:
+def run_sft(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> dict:
     recipe = loaded.recipe
     if not recipe.data.train:
         raise UserError(f"{loaded.path}: data.train: an SFT dataset is required")
-    run = make_run(loaded, "sft", resume=resume)  # under torchrun: rank 0 alone writes records
+    run = make_run(loaded, "sft", resume=resume, overwrite=overwrite)  # under torchrun: rank 0 alone writes records
     torch.manual_seed(recipe.run.seed)
     model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
         recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))

@@ -59,7 +59,7 @@ from rlrecipe.modeling import load_model
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample
 from rlrecipe.train.launch import barrier, init_distributed
-from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, make_scheduler, restore_rng
+from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, load_state, make_scheduler, restore_rng
 
 CKPT_SUBDIR = "deepspeed"
 CKPT_TAG = "state"
@@ -337,4 +337,4 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         if path is None:
             raise UserError(f"{ds_dir}: DeepSpeed could not load the checkpoint")
         self.steps_done = int(client["steps_done"])
-        restore_rng(torch.load(rng_file, weights_only=False))
+        restore_rng(load_state(rng_file))

@@ -173,14 +173,14 @@ def torchrun_command(tr: TrainerSection, cli_args: list[str]) -> list[str]:
     return cmd + ["-m", "rlrecipe.cli.app", *cli_args]
 
 
-def cli_args_for(stage: str, loaded: LoadedRecipe, resume: bool) -> list[str]:
+def cli_args_for(stage: str, loaded: LoadedRecipe, resume: bool, overwrite: bool = False) -> list[str]:
     args = [stage, str(loaded.path)]
     for item in loaded.overrides:
         args += ["--set", item]
-    return args + (["--resume"] if resume else [])
+    return args + (["--resume"] if resume else []) + (["--overwrite"] if overwrite else [])
 
 
-def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False) -> None:
+def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> None:
     """Start torchrun and exit when this recipe wants several DeepSpeed processes; else return.
 
     Inside a launched process: start the process group and silence ranks other than 0.
@@ -197,7 +197,7 @@ def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False) -> No
         return
     if tr.engine != "deepspeed" or world == 1:
         return
-    cmd = torchrun_command(tr, cli_args_for(stage, loaded, resume))
+    cmd = torchrun_command(tr, cli_args_for(stage, loaded, resume, overwrite))
     env = {**os.environ, LAUNCHED_ENV: "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tr.nproc)))
     rc = subprocess.call(cmd, env=env)
@@ -205,13 +205,20 @@ def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False) -> No
 
 
 # -- run records written by rank 0 only ----------------------------------------------------------
-def make_run(loaded: LoadedRecipe, stage: str, resume: bool = False, subdir: str | None = None):
-    """A `Run` for this process: the plain one in a single process; rank-aware under torchrun."""
+def make_run(loaded: LoadedRecipe, stage: str, resume: bool = False, subdir: str | None = None,
+             overwrite: bool = False):
+    """A `Run` for this process: the plain one in a single process; rank-aware under torchrun.
+
+    A training stage's model and data are checked first, so a stage that cannot start fails
+    before its run directory is touched."""
+    from rlrecipe.preflight import check_stage_inputs
     from rlrecipe.runs import Run
 
+    if stage in ("sft", "rl"):
+        broadcast_from_rank_zero(lambda: check_stage_inputs(loaded, stage))
     if world_size() == 1:
-        return Run(loaded, stage, resume=resume, subdir=subdir)
-    return _rank_aware_run_class()(loaded, stage, resume=resume, subdir=subdir)
+        return Run(loaded, stage, resume=resume, subdir=subdir, overwrite=overwrite)
+    return _rank_aware_run_class()(loaded, stage, resume=resume, subdir=subdir, overwrite=overwrite)
 
 
 def _rank_aware_run_class():
@@ -220,12 +227,17 @@ def _rank_aware_run_class():
     class RankAwareRun(Run):
         """Rank 0 is a normal Run; the others know the paths, write nothing, and join checkpoints."""
 
-        def __init__(self, loaded, stage, resume=False, subdir=None):
+        def __init__(self, loaded, stage, resume=False, subdir=None, overwrite=False):
             if is_rank_zero():
-                broadcast_from_rank_zero(lambda: super(RankAwareRun, self).__init__(loaded, stage, resume=resume,
-                                                                                    subdir=subdir))
+                def start():
+                    super(RankAwareRun, self).__init__(loaded, stage, resume=resume, subdir=subdir,
+                                                       overwrite=overwrite)
+                    return self.resume_from
+
+                broadcast_from_rank_zero(start)
                 return
-            broadcast_from_rank_zero(lambda: None)  # rank 0 made the directories (or failed)
+            # rank 0 made the directories and chose the checkpoint to resume from (or failed)
+            self.resume_from = broadcast_from_rank_zero(lambda: None)
             self.loaded, self.recipe, self.stage = loaded, loaded.recipe, stage
             self.run_dir = self.recipe.run.dir
             self.dir = self.run_dir / subdir if subdir else self.run_dir

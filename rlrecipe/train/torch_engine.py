@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pickle
 import random
 import warnings
 from pathlib import Path
@@ -17,6 +18,7 @@ from transformers.optimization import (
 )
 
 from rlrecipe.algo.packing import allocate_microbatches, pack
+from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample
@@ -24,13 +26,30 @@ from rlrecipe.train.logprobs import response_logprobs
 
 
 def capture_rng() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """RNG states in types `torch.load(weights_only=True)` accepts: tuples of ints, tensors, floats."""
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": (version, tuple(words), gauss),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+            "torch": torch.get_rng_state()}
 
 
 def restore_rng(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
+
+
+def load_state(path: Path) -> dict:
+    """A trainer state file; `weights_only` so a tampered checkpoint cannot run code while loading."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{path}: holds objects other than tensors and plain values; refusing to load it") from None
+    except (RuntimeError, EOFError, OSError) as err:
+        raise UserError(f"{path}: damaged ({str(err).splitlines()[0]})") from None
 
 
 def make_scheduler(optimizer, cfg: TrainerSection, total_steps: int):
@@ -143,7 +162,7 @@ class TorchTrainEngine:
     def load(self, ckpt_dir: str | Path) -> None:
         ckpt_dir = Path(ckpt_dir)
         load_weights_into(self.model, ckpt_dir / "model")
-        state = torch.load(ckpt_dir / "trainer_state.pt", weights_only=False)
+        state = load_state(ckpt_dir / "trainer_state.pt")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = state["steps_done"]

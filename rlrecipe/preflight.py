@@ -1,0 +1,97 @@
+"""Checks a training stage makes before it touches its run directory.
+
+A stage that would fail on its model or data must fail before it clears an earlier run's
+records, and with one line naming the field and file, not a traceback from deep inside.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlrecipe.errors import UserError
+from rlrecipe.recipe import LoadedRecipe, RecipeError
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    """`org/name`: a hub repository, resolved (and checked) by transformers when it loads."""
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "~"))
+
+
+def _model_source(loaded: LoadedRecipe) -> tuple[str, Path] | None:
+    from rlrecipe.runs import resolve_init
+
+    run = loaded.recipe.run
+    init = resolve_init(run.init_from, run.output_dir)
+    if init:
+        return "run.init_from", Path(init)
+    if loaded.recipe.model.path:
+        return "model.path", Path(loaded.recipe.model.path)
+    return None
+
+
+def read_model_config(field: str, path: Path) -> dict:
+    """The model's config.json as transformers reads it; a RecipeError naming the field otherwise."""
+    if not path.is_dir():
+        raise RecipeError(f"{field}: no model directory at {path}")
+    config = path / "config.json"
+    if not config.is_file():
+        raise RecipeError(f"{field}: {path} has no config.json (not a Hugging Face model directory)")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise RecipeError(f"{config}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{config}: expected a JSON object")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path)).to_dict()
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RecipeError(f"{config}: transformers cannot read it: {err}") from None
+
+
+def check_model(loaded: LoadedRecipe) -> dict | None:
+    """The starting model's config: what it says of itself (None for a hub id, checked when loaded)."""
+    recipe = loaded.recipe
+    source = _model_source(loaded)
+    if source is None:  # built from model.tiny
+        return recipe.model.tiny.model_dump() if recipe.model.tiny else None
+    field, path = source
+    own = recipe.run.dir.resolve()
+    if path.resolve() == own or own in path.resolve().parents:
+        raise RecipeError(f"{loaded.path}: {field}: {path} lies inside this run's own directory, which the run "
+                          "replaces; choose another run.name")
+    if field == "model.path" and not path.exists() and _looks_like_hub_id(str(recipe.model.path)):
+        return None
+    return read_model_config(field, path)
+
+
+def check_context(loaded: LoadedRecipe, config: dict | None, stage: str) -> None:
+    """Generation must fit in the model's context: positions past it are garbage, not an error."""
+    recipe = loaded.recipe
+    context = (config or {}).get("max_position_embeddings")
+    if not isinstance(context, int) or stage != "rl":
+        return
+    if recipe.rollout.max_new_tokens >= context:
+        raise RecipeError(f"{loaded.path}: rollout.max_new_tokens: {recipe.rollout.max_new_tokens} leaves no room "
+                          f"for a prompt in the model's context of {context} tokens")
+
+
+def check_data(loaded: LoadedRecipe, stage: str) -> None:
+    from rlrecipe.data.io import load_rows
+
+    train = loaded.recipe.data.train
+    if not train:
+        raise UserError(f"{loaded.path}: data.train: the {stage} stage needs a dataset")
+    rows = load_rows(train, stage)  # names the file and line of the first bad row
+    if not rows:
+        raise UserError(f"{train}: no rows; the {stage} stage needs at least one")
+
+
+def check_stage_inputs(loaded: LoadedRecipe, stage: str) -> None:
+    """Model and data of a training stage (`sft` or `rl`), before its run directory is touched."""
+    config = check_model(loaded)
+    check_context(loaded, config, stage)
+    check_data(loaded, stage)

@@ -100,7 +100,7 @@ class Run:
         self._lock = RunLock(self.dir)
         note = self._lock.acquire()
         if note:
-            console.print(f"[yellow]{note}[/]", highlight=False)
+            console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
         try:
             self._start(resume, overwrite)
         except BaseException:
@@ -111,8 +111,8 @@ class Run:
         loaded = self.loaded
         earlier = self._earlier_stage()
         if earlier not in (None, self.stage) and not overwrite:
-            raise UserError(f"{self.dir}: holds a {earlier} run; --overwrite to replace it, or choose another "
-                            "run.name")
+            raise UserError(f"{self.dir}: holds an earlier {earlier!r} run; --overwrite to replace it, or "
+                            "choose another run.name")
         if resume:
             recorded = self.dir / "recipe.sha256"
             if recorded.exists() and recorded.read_text().split()[0] != loaded.sha256:
@@ -177,19 +177,19 @@ class Run:
         marker = self.ckpt_dir / "latest"
         named = marker.read_text().strip() if marker.is_file() else None
         if named and not (self.ckpt_dir / named).is_dir():
-            console.print(f"[yellow]{marker} names {named}, which is missing[/]", highlight=False)
+            console.print(f"[yellow]{marker} names {named}, which is missing[/]", highlight=False, soft_wrap=True)
         if not ckpts:
-            console.print(f"no checkpoint in {self.ckpt_dir}: starting from step 0", highlight=False)
+            console.print(f"no checkpoint in {self.ckpt_dir}: starting from step 0", highlight=False, soft_wrap=True)
             return None
         for path in ckpts:
             problem = check_manifest(path)
             if problem is None:
                 if path.name != named or path != ckpts[0]:
                     console.print(f"[yellow]resuming from {path.name}, the newest complete checkpoint[/]",
-                                  highlight=False)
+                                  highlight=False, soft_wrap=True)
                 return path
             console.print(f"[yellow]{path}: damaged or incomplete ({problem}); not resuming from it[/]",
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
         raise UserError(f"{self.ckpt_dir}: none of the {len(ckpts)} checkpoints is complete; --overwrite to "
                         "start over")
 

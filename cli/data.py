@@ -17,10 +17,11 @@ app = typer.Typer(no_args_is_help=True, help="Datasets: pinned downloads, import
 def make(name: Annotated[str, typer.Argument(help="synthetic task: tiny-arith")],
          out: Annotated[Path, typer.Option(help="output directory")] = Path("data/tiny-arith"),
          seed: Annotated[int, typer.Option()] = 0,
-         n_sft: Annotated[int, typer.Option(help="SFT examples")] = 20000,
-         n_rl: Annotated[int, typer.Option(help="RL prompts")] = 4000,
-         n_eval: Annotated[int, typer.Option(help="held-out problems")] = 200,
-         forget_prob: Annotated[float, typer.Option(help="teacher's chance to forget a carry when units sum to 10 or 11")] = 0.8,
+         n_sft: Annotated[int, typer.Option(help="SFT examples", min=1)] = 20000,
+         n_rl: Annotated[int, typer.Option(help="RL prompts", min=1)] = 4000,
+         n_eval: Annotated[int, typer.Option(help="held-out problems", min=1)] = 200,
+         forget_prob: Annotated[float, typer.Option(help="teacher's chance to forget a carry when units sum to 10 or 11",
+                                                    min=0.0, max=1.0)] = 0.8,
          ) -> None:
     """Write a deterministic synthetic task (sft.jsonl, rl.jsonl, eval.jsonl)."""
     from rlrecipe.data.tiny_arith import TinyArithConfig, write_tiny_arith

@@ -11,10 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rlrecipe.errors import UserError
 
@@ -23,8 +31,21 @@ class RecipeError(UserError):
     """A user mistake in a recipe: printed as one line, exit code 2."""
 
 
+def _is_number_field(annotation: Any) -> bool:
+    args = set(get_args(annotation)) or {annotation}
+    return bool(args & {int, float}) and bool not in args
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads `true` as 1 for an int field; `rl.steps: true` is a typo, not one step
+        if isinstance(value, bool) and _is_number_field(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number, not true/false")
+        return value
 
 
 class TinyModel(Section):
@@ -175,7 +196,7 @@ class TrainerSection(Section):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, gt=0)
     max_tokens_per_microbatch: int = Field(30720, gt=0)
@@ -207,7 +228,7 @@ class EvalSection(Section):
     temperature: float = Field(0.6, ge=0)
     top_p: float = Field(0.95, gt=0, le=1)
     max_new_tokens: int = Field(32768, gt=0)
-    pass_k: list[int] = [1, 8, 16]
+    pass_k: list[Annotated[int, Field(ge=1)]] = [1, 8, 16]
     greedy: bool = False
     max_problems: int | None = Field(None, ge=1)
 
@@ -347,7 +368,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedR
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not valid UTF-8 (byte {err.start})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

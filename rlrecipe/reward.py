@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import re
 import selectors
@@ -632,6 +633,8 @@ def read_grading_rows(file: Path) -> list[tuple[int, dict[str, Any], list[str]]]
 
 
 def _is_answer(a: Any) -> bool:
+    if isinstance(a, float) and not math.isfinite(a):  # JSON's NaN/Infinity
+        return False
     return isinstance(a, (str, int, float)) and not isinstance(a, bool)
 
 
@@ -642,10 +645,12 @@ def grade_file(file: Path | str, out: Path | str | None = None, timeout: float =
     from rlrecipe.errors import UserError
     from rlrecipe.runs import atomic_write_text
 
-    if timeout <= 0:
-        raise UserError(f"--timeout must be > 0 seconds, got {timeout}")
+    if not (0 < timeout < math.inf):  # NaN fails this too
+        raise UserError(f"--timeout must be a positive number of seconds, got {timeout}")
     file = Path(file)
     rows = read_grading_rows(file)
+    if not rows:
+        raise UserError(f"{file}: no rows to grade")
     out = Path(out) if out is not None else file.with_name(file.stem + ".graded.jsonl")
     with Grader(timeout=timeout) as grader:
         results = grader.grade([r["response"] for _, r, _ in rows], [a for _, _, a in rows],

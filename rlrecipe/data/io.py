@@ -12,6 +12,7 @@ bad one; numeric answers are normalised to strings.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable
@@ -52,6 +53,8 @@ def answer_text(value) -> str | None:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
+        if not math.isfinite(value):  # JSON's NaN/Infinity: no answer can equal it
+            return None
         return str(int(value)) if value.is_integer() else repr(value)
     if isinstance(value, str) and value.strip():
         return value.strip()

@@ -32,7 +32,9 @@ runs to max_new_tokens.
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import random
 import signal
 import sys
@@ -49,6 +51,9 @@ from rlrecipe.errors import UserError
 from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
 from rlrecipe.trajectory import SamplingParams, Trajectory
 
+# /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
+# weight broadcast may take: an unreachable address must not hold the request that long.
+JOIN_TIMEOUT_S = 120.0
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos",
                  "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens", "stop", "min_new_tokens",
                  "n", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "sampling_seed"}
@@ -115,7 +120,7 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     temperature = float(sp.get("temperature", 1.0))
     top_p = float(sp.get("top_p", 1.0))
     top_k = int(sp.get("top_k", -1))
-    if temperature < 0 or not 0 < top_p <= 1 or (top_k < 1 and top_k != -1):
+    if not 0 <= temperature < math.inf or not 0 < top_p <= 1 or (top_k < 1 and top_k != -1):  # NaN fails too
         raise BadRequest(f"bad sampling_params: temperature={temperature} top_p={top_p} top_k={top_k} "
                          "(top_k must be -1 (off) or >= 1)")
     max_new = int(sp.get("max_new_tokens", 128))
@@ -139,12 +144,15 @@ class Scheduler:
     """Owns the engine: batches requests, decodes them in chunks, applies aborts and weight updates."""
 
     def __init__(self, engine, tokenizer, model_path: str, context_len: int, chunk_tokens: int = 16,
-                 seed: int = 0):
+                 seed: int = 0, join_timeout_s: float = JOIN_TIMEOUT_S):
         self.engine = engine
+        self.join_timeout_s = join_timeout_s
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.weight_version = "default"
         self.context_len = context_len
+        # ids at or past it would index out of the embedding and fail the whole batch they join
+        self.vocab_size = int(engine.model.get_input_embeddings().num_embeddings)
         self.chunk = max(1, chunk_tokens)
         self.rng = random.Random(seed)
         self.cond = threading.Condition()
@@ -215,7 +223,8 @@ class Scheduler:
                 dist.destroy_process_group(self.groups.pop(name))
             self.groups[name] = init_custom_group(str(body.get("backend", "nccl")), str(body["master_address"]),
                                                   int(body["master_port"]), int(body["rank_offset"]),
-                                                  int(body["world_size"]), name)
+                                                  int(body["world_size"]), name,
+                                                  join_timeout=datetime.timedelta(seconds=self.join_timeout_s))
             log(f"joined weight update group {name} as rank {body['rank_offset']} of {body['world_size']}")
             return {"success": True, "message": "Succeeded to initialize custom process group."}
         except Exception as err:  # noqa: BLE001 - reported to the client
@@ -369,10 +378,14 @@ def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool
     if (ids is None) == (text is None):
         raise BadRequest("give exactly one of input_ids or text")
     if ids is not None:
+        if not isinstance(ids, list):
+            raise BadRequest("input_ids must be a list of integers or a list of such lists")
         batch = bool(ids) and isinstance(ids[0], list)
         inputs = ids if batch else [ids]
     else:
         batch = isinstance(text, list)
+        if not all(isinstance(s, str) for s in (text if batch else [text])):
+            raise BadRequest("text must be a string or a list of strings")
         inputs = [sched.tokenizer.encode(s) for s in (text if batch else [text])]
     n = len(inputs)
     if n == 0:
@@ -389,8 +402,12 @@ def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool
     starts = _as_list(body.get("logprob_start_len", -1), n, "logprob_start_len")
     out = []
     for i, seq in enumerate(inputs):
-        if not seq or not all(isinstance(t, int) for t in seq):
+        if not isinstance(seq, list) or not seq or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in seq):
             raise BadRequest("input_ids must be non-empty lists of integers")
+        if not all(0 <= t < sched.vocab_size for t in seq):
+            bad = next(t for t in seq if not 0 <= t < sched.vocab_size)
+            raise BadRequest(f"input_ids: token id {bad} is outside the vocabulary (0..{sched.vocab_size - 1})")
         if starts[i] is not None and starts[i] >= 0 and want_lp[i]:
             raise BadRequest("logprob_start_len >= 0 (prompt log-probs) is not supported by rlrecipe serve; use -1")
         sp = parse_sampling(sps[i], sched.context_len, len(seq))
@@ -435,7 +452,12 @@ def make_handler(sched: Scheduler):
                               "code": code})
 
         def _body(self) -> dict:
-            n = int(self.headers.get("Content-Length") or 0)
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                raise BadRequest("Content-Length must be an integer") from None
+            if n < 0:  # read(-1) would wait for the client to close the connection
+                raise BadRequest("Content-Length must not be negative")
             raw = self.rfile.read(n) if n else b""
             if not raw:
                 return {}
@@ -538,8 +560,8 @@ def make_handler(sched: Scheduler):
                     self._error(404, f"no route POST {path}")
             except BadRequest as err:
                 self._error(400, str(err))
-            except (json.JSONDecodeError, TypeError, ValueError) as err:
-                self._error(400, f"bad request: {err}")
+            except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+                self._error(400, f"bad request: {err!r}")
 
         def do_PUT(self):  # noqa: N802 - SGLang accepts PUT on /generate
             self.do_POST()
@@ -554,7 +576,8 @@ class Server(ThreadingHTTPServer):
 
 
 def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
-                chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0) -> tuple[Server, Scheduler]:
+                chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0,
+                join_timeout_s: float = JOIN_TIMEOUT_S) -> tuple[Server, Scheduler]:
     from rlrecipe.modeling import DTYPES, load_tokenizer
     from rlrecipe.rollout.inprocess import InProcessEngine
 
@@ -567,7 +590,8 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
     engine = InProcessEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                              dtype=dtype, max_batch=max_batch)
     context_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 1 << 30)
-    sched = Scheduler(engine, tokenizer, str(model), context_len, chunk_tokens=chunk_tokens, seed=seed)
+    sched = Scheduler(engine, tokenizer, str(model), context_len, chunk_tokens=chunk_tokens, seed=seed,
+                      join_timeout_s=join_timeout_s)
     try:
         server = Server((host, port), make_handler(sched))
     except OSError as err:

@@ -26,8 +26,12 @@ TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def init_custom_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, timeout: datetime.timedelta = TIMEOUT):
-    """A process group next to (not replacing) any default group; collective over its members."""
+                      group_name: str, timeout: datetime.timedelta = TIMEOUT,
+                      join_timeout: datetime.timedelta | None = None):
+    """A process group next to (not replacing) any default group; collective over its members.
+
+    `join_timeout` bounds only the wait for the rendezvous (an unreachable trainer); `timeout`
+    bounds every later collective (a broadcast of large weights)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -37,7 +41,8 @@ def init_custom_group(backend: str, master_address: str, master_port: int, rank:
     )
 
     host = f"[{master_address}]" if ":" in master_address else master_address
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size,
+                                              timeout=join_timeout or timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,

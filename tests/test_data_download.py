@@ -157,8 +157,10 @@ def test_download_converts_areal_rl_and_records_lock(hub, tmp_path):
     out = tmp_path / "boba-106k" / "rl.jsonl"
     assert result.out_path == out
     rows = read_jsonl(out, "rl")
-    assert rows == [{"id": "q1", "prompt": "What is $2+3$?", "answers": ["5"]},
-                    {"id": "q2", "prompt": "Compute $\\frac{1}{2}+\\frac{1}{2}$.", "answers": ["1"]}]
+    assert rows == [{"id": "q1", "prompt": "What is $2+3$?", "answers": ["5"],
+                     "raw_prompt": R1.format(q="What is $2+3$?")},
+                    {"id": "q2", "prompt": "Compute $\\frac{1}{2}+\\frac{1}{2}$.", "answers": ["1"],
+                     "raw_prompt": R1.format(q="Compute $\\frac{1}{2}+\\frac{1}{2}$.")}]
     report = result.report
     assert (report.total, report.kept, report.rejected) == (4, 2, 2)
     assert report.converted == 2
@@ -310,7 +312,9 @@ def test_import_new_name_needs_kind_and_converts_sft(tmp_path):
         import_file(raw, "my-sft", dest=tmp_path / "data")
     result = import_file(raw, "my-sft", kind="sft", dest=tmp_path / "data")
     rows = read_jsonl(tmp_path / "data" / "my-sft" / "sft.jsonl", "sft")
-    assert rows == [{"id": "my-sft-1", "prompt": "Add 1 and 2.", "response": "Adding gives 3.</think>\n\\boxed{3}"}]
+    assert rows == [{"id": "my-sft-1", "prompt": "Add 1 and 2.", "response": "Adding gives 3.</think>\n\\boxed{3}",
+                     "raw_prompt": R1.format(q="Add 1 and 2."),
+                     "raw_response": "Adding gives 3.</think>\n\\boxed{3}<｜end▁of▁sentence｜>"}]
     assert (result.report.kept, result.report.rejected) == (1, 1)
 
 

@@ -44,7 +44,9 @@ def test_rl_raw_prompts_are_the_source_tokens(r1_tok, tmp_path):
     bos = r1_tok.bos_token_id
     for src, row in zip(raw, rows, strict=True):
         areal = r1_tok(src["prompt"])["input_ids"]
-        trained = stream.next_group(1)[0].prompt_ids
+        group = stream.next_group(1)
+        assert group[0].group_id.startswith(f"{row['id']}@")  # unshuffled: source order
+        trained = group[0].prompt_ids
         assert trained == areal
         # one BOS, then the source text byte for byte (leading newline and <think> tail included)
         assert trained[0] == bos and bos not in trained[1:]

@@ -134,3 +134,4 @@ def test_release_numbers_match_areal_v02_configs():
     assert (rl.model.dtype, rl.rollout.dtype, rl.trainer.bf16_autocast) == ("float16", "float16", False)
     assert (rl.trainer.warmup_ratio, rl.rl.steps, rl.data.max_prompt_tokens) == (0.001, 400, 1024)
     assert (rl.eval.temperature, rl.eval.top_p, rl.eval.n_samples) == (1.0, 0.95, 32)
+    assert (rl.rl.early_stop_imp_ratio, rl.rl.kl_coef, rl.rl.ppo_minibatches) == (5.0, 0.0, 4)

@@ -14,7 +14,7 @@ from pathlib import Path
 from rlrecipe.eval.metrics import summarize
 
 from rlrecipe.data.io import load_rows
-from rlrecipe.data.templates import prompt_token_ids
+from rlrecipe.data.templates import row_prompt_ids
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe, load_recipe
 from rlrecipe.reward import Grader, grade_trajectories
@@ -27,7 +27,7 @@ def _sample_benchmark(engine: RolloutEngine, tokenizer, recipe: Recipe, rows: li
                       params: SamplingParams, seed: int) -> list[Trajectory]:
     trajs = []
     for row in rows:
-        prompt = prompt_token_ids(tokenizer, row["problem"], recipe.data.prompt_template)
+        prompt = row_prompt_ids(tokenizer, row, recipe.data.eval_prompt_template, key="problem")
         for j in range(n):
             trajs.append(Trajectory(uid=f"{row['id']}#{j}", prompt_ids=prompt, group_id=str(row["id"]),
                                     answers=[str(row["answer"])]))

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlrecipe.data.templates import prompt_token_ids
+from rlrecipe.data.templates import row_prompt_ids
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.base import RolloutEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
@@ -41,7 +41,7 @@ class PromptStream:
         epoch, i = divmod(self.cursor, len(self.rows))
         row = self.rows[self._epoch_order(epoch)[i]]
         self.cursor += 1
-        prompt = prompt_token_ids(self.tokenizer, row["prompt"], self.template)
+        prompt = row_prompt_ids(self.tokenizer, row, self.template)
         gid = f"{row['id']}@{self.cursor - 1}"
         return [Trajectory(uid=f"{gid}#{j}", prompt_ids=prompt, group_id=gid, answers=list(row["answers"]))
                 for j in range(n)]

@@ -131,15 +131,85 @@ def load_weights_into(model: torch.nn.Module, path: str | Path) -> None:
 
 
 def resolve_model_dir(section: ModelSection, init_from: str | None, work_dir: Path, seed: int) -> Path:
-    """Where this stage's starting weights are: `init_from`, `model.path`, or a fresh tiny model."""
+    """Where this stage's starting weights are: `init_from`, `model.path` (at `model.revision`), or
+    a fresh tiny model. What was resolved is recorded in `work_dir/env.json` when that exists."""
     if init_from:
         path = Path(init_from)
         if not (path / "config.json").exists():
             from rlrecipe.recipe import RecipeError
 
             raise RecipeError(f"run.init_from: no model at {path} (run the stage that makes it first)")
-        return path
-    if section.path:
-        return Path(section.path)
-    assert section.tiny is not None
-    return create_tiny(section.tiny, work_dir / "init_model", seed)
+    elif section.path:
+        path = hub_snapshot(section.path, section.revision)
+    else:
+        assert section.tiny is not None
+        path = create_tiny(section.tiny, work_dir / "init_model", seed)
+    from rlrecipe.runs import record_model
+
+    record_model(work_dir, model_record(path, None if init_from else section.revision))
+    return path
+
+
+# Files from_pretrained reads for a causal LM and its tokenizer (skips e.g. figures, .bin duplicates).
+SNAPSHOT_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def _snapshot_commit(path: Path) -> str | None:
+    """The commit of a huggingface_hub cache snapshot directory (`.../snapshots/<commit>`)."""
+    real = path.resolve()
+    return real.name if real.parent.name == "snapshots" and len(real.name) == 40 else None
+
+
+def hub_snapshot(path: str, revision: str | None, cache_dir: str | Path | None = None) -> Path:
+    """A local directory holding `path` at `revision`: the directory itself, or a hub snapshot.
+
+    Resolving the hub id once, here, means the trainer, the rollout engines and the tokenizer all
+    read one snapshot, and its directory name is the commit that env.json records.
+    """
+    from rlrecipe.recipe import RecipeError
+
+    local = Path(path)
+    if local.is_dir():
+        if revision is not None and _snapshot_commit(local) != revision:
+            raise RecipeError(f"model.path {path} is a local directory, so model.revision {revision} cannot be "
+                              "checked; give the hub id, or the hub cache directory .../snapshots/<revision>")
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        got = snapshot_download(path, revision=revision, cache_dir=cache_dir, allow_patterns=SNAPSHOT_FILES)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise RecipeError(f"model.path {path} at revision {revision or 'main'}: cannot get it from the hub "
+                          f"or its cache ({first})") from None
+    return Path(got)
+
+
+def chat_template_text(tokenizer) -> str | None:
+    """The tokenizer's default chat template (some configs hold several, by name)."""
+    tpl = tokenizer.chat_template
+    if isinstance(tpl, dict):
+        tpl = tpl.get("default")
+    return tpl if isinstance(tpl, str) else None
+
+
+def model_record(model_dir: Path, revision: str | None) -> dict:
+    """What a run started from: the snapshot commit and the chat template it carries.
+
+    DeepSeek changed the R1-Distill chat template after release (early snapshots end the
+    generation prompt at `<｜Assistant｜>`, later ones add `<think>\\n`), so the template's sha256
+    and how its generation prompt ends are recorded beside the commit."""
+    import hashlib
+
+    tok = load_tokenizer(model_dir)
+    template = chat_template_text(tok)
+    tail = None
+    if template is not None:
+        marker = "\u2063PROBLEM\u2063"  # invisible separators: cannot occur in a template
+        text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                       tokenize=False)
+        tail = text.split(marker, 1)[-1]
+    return {"dir": str(model_dir), "revision_requested": revision, "revision_resolved": _snapshot_commit(model_dir),
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+            "generation_prompt_suffix": tail}

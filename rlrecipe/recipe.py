@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -66,20 +67,55 @@ class TinyModel(Section):
 class ModelSection(Section):
     # An HF directory or hub id; or null with `tiny` set to build a model from scratch.
     path: str | None = None
+    # The hub commit of `path` (40 hex digits): weights, tokenizer and chat template are fetched
+    # at exactly this snapshot. null = whatever the hub serves today (recorded in env.json).
+    revision: str | None = None
     tiny: TinyModel | None = None
     # Compute dtype of the trainer's master weights.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
 
+    @field_validator("revision")
+    @classmethod
+    def _commit(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[0-9a-f]{40}", value):
+            raise ValueError("must be a full commit sha (40 lowercase hex digits); a branch or tag can move")
+        return value
+
+    @model_validator(mode="after")
+    def _revision_needs_path(self) -> ModelSection:
+        if self.revision is not None and self.path is None:
+            raise ValueError("revision pins a hub snapshot of model.path; set model.path too")
+        return self
+
+
+PromptTemplate = Literal["r1", "plain", "raw", "areal_boba"]
+
 
 class DataSection(Section):
     # Canonical JSONL files (see rlrecipe.data) or registry names (`boba-106k`).
     train: str | None = None
-    # How a prompt is presented to the model before the tokenizer's chat template.
-    prompt_template: Literal["r1", "plain"] = "r1"
+    # How a training prompt becomes token ids (rlrecipe/data/templates.py): r1 / plain through the
+    # tokenizer's chat template; raw = the source file's prompt verbatim (boba data carries the
+    # R1 template already); areal_boba = AReaL's evaluation prompt text.
+    prompt_template: PromptTemplate = "r1"
+    # The same for evaluation problems; null = prompt_template.
+    eval_template: PromptTemplate | None = None
     max_prompt_tokens: int = Field(2048, gt=0)
     shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _eval_template(self) -> DataSection:
+        if self.eval_prompt_template == "raw":
+            # eval sets hold bare problems: "raw" would feed them with no template at all
+            raise ValueError("eval_template: evaluation problems carry no chat template, so 'raw' cannot "
+                             "format them; set data.eval_template (areal_boba or r1)")
+        return self
+
+    @property
+    def eval_prompt_template(self) -> str:
+        return self.eval_template or self.prompt_template
 
 
 class SFTSection(Section):

@@ -68,6 +68,16 @@ def environment() -> dict[str, Any]:
     }
 
 
+def record_model(run_dir: Path, record: dict[str, Any]) -> None:
+    """Add the resolved starting model (snapshot commit, chat template sha256) to env.json."""
+    path = Path(run_dir) / "env.json"
+    if not path.exists():
+        return
+    env = json.loads(path.read_text())
+    env["model"] = record
+    atomic_write_text(path, json.dumps(env, indent=2))
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

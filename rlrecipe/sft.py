@@ -9,7 +9,7 @@ import time
 import torch
 
 from rlrecipe.data.io import load_rows
-from rlrecipe.data.templates import prompt_token_ids
+from rlrecipe.data.templates import sft_token_ids
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_tokenizer, resolve_model_dir
 from rlrecipe.recipe import LoadedRecipe
@@ -23,14 +23,13 @@ def build_sft_samples(rows: list[dict], tokenizer, template: str, max_length: in
     """Tokenise rows; a row longer than max_length has its response cut (counted, returned)."""
     samples, cut = [], 0
     for row in rows:
-        prompt = prompt_token_ids(tokenizer, row["prompt"], template)
-        response = tokenizer.encode(row["response"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        ids = (prompt + response)[:max_length]
-        if len(ids) <= len(prompt):
+        full, n_prompt = sft_token_ids(tokenizer, row, template)
+        ids = full[:max_length]
+        if len(ids) <= n_prompt:
             cut += 1
             continue
-        cut += len(ids) < len(prompt) + len(response)
-        samples.append(TrainSample(ids, len(prompt)))
+        cut += len(ids) < len(full)
+        samples.append(TrainSample(ids, n_prompt))
     return samples, cut
 
 

@@ -49,3 +49,35 @@ def kill_once_checkpointed(cmd: list[str], env: dict, checkpoint: Path, limit_s:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
+
+
+R1_BOS, R1_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+DATA = Path(__file__).parent / "data"
+
+
+def build_r1_tokenizer(out: Path, chat_template: str | None = None):
+    """A byte-level tokenizer shaped like DeepSeek-R1-Distill-Qwen's, saved and loaded back.
+
+    One token per byte plus one merge (`\\n\\n`, so a token can span a prompt/answer boundary as
+    real BPE merges do), the R1 special tokens, BOS added by `tokenizer(text)` (as the real
+    tokenizer's post-processor does), and the R1 chat template from tests/data.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    vocab[b2u[10] * 2] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[(b2u[10], b2u[10])]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t in (R1_BOS, R1_EOS, "<｜User｜>", "<｜Assistant｜>")])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tk.post_processor = processors.TemplateProcessing(single=f"{R1_BOS} $A",
+                                                      special_tokens=[(R1_BOS, tk.token_to_id(R1_BOS))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=R1_BOS, eos_token=R1_EOS, pad_token=R1_EOS)
+    tok.chat_template = chat_template or (DATA / "r1_chat_template.jinja").read_text()
+    tok.save_pretrained(out)
+    return AutoTokenizer.from_pretrained(out)

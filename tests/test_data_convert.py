@@ -72,7 +72,7 @@ def test_areal_rl_rows():
         ["not", "an", "object"],
     ), "rl", name="boba", source="raw.jsonl")
     assert result.rows == [
-        {"id": "a1", "prompt": "Q1", "answers": ["5", "10/2"]},
+        {"id": "a1", "prompt": "Q1", "answers": ["5", "10/2"], "raw_prompt": r1_prompt("Q1")},
         {"id": "a6", "prompt": "Q6 already clean", "answers": ["7"]},
     ]
     report = result.report
@@ -97,7 +97,10 @@ def test_areal_sft_rows_strip_template_and_eos():
         {"prompt": "Empty", "answer": "   "},
     ), "sft", name="boba-200", source="sft.jsonl")
     assert result.rows == [
-        {"id": "boba-200-1", "prompt": "Add 2 and 2.", "response": "2+2=4.\n</think>\n\nThe answer is \\boxed{4}."},
+        {"id": "boba-200-1", "prompt": "Add 2 and 2.", "response": "2+2=4.\n</think>\n\nThe answer is \\boxed{4}.",
+         # the source's text stays beside the clean one, byte for byte, for the raw template
+         "raw_prompt": r1_prompt("Add 2 and 2."),
+         "raw_response": "2+2=4.\n</think>\n\nThe answer is \\boxed{4}." + EOS},
         {"id": "boba-200-2", "prompt": "Say hi.", "response": "hi"},
     ]
     assert result.report.rejected == 2

@@ -157,8 +157,10 @@ def test_download_converts_areal_rl_and_records_lock(hub, tmp_path):
     out = tmp_path / "boba-106k" / "rl.jsonl"
     assert result.out_path == out
     rows = read_jsonl(out, "rl")
-    assert rows == [{"id": "q1", "prompt": "What is $2+3$?", "answers": ["5"]},
-                    {"id": "q2", "prompt": "Compute $\\frac{1}{2}+\\frac{1}{2}$.", "answers": ["1"]}]
+    assert rows == [{"id": "q1", "prompt": "What is $2+3$?", "answers": ["5"],
+                     "raw_prompt": R1.format(q="What is $2+3$?")},
+                    {"id": "q2", "prompt": "Compute $\\frac{1}{2}+\\frac{1}{2}$.", "answers": ["1"],
+                     "raw_prompt": R1.format(q="Compute $\\frac{1}{2}+\\frac{1}{2}$.")}]
     report = result.report
     assert (report.total, report.kept, report.rejected) == (4, 2, 2)
     assert report.converted == 2
@@ -175,6 +177,9 @@ def test_download_converts_areal_rl_and_records_lock(hub, tmp_path):
     assert result.lock_recorded == tmp_path / "checksums.lock"
     source = json.loads((tmp_path / "boba-106k" / "source.json").read_text())
     assert source["commit"] == COMMIT_A and source["rows_kept"] == 2
+    # a download names the hub file it fetched; no pin and no lock yet, so nothing verified it
+    assert source["imported"] is False and source["repo"] == "inclusionAI/AReaL-boba-Data"
+    assert source["sha256_verified_against"] is None
     # No temp files left behind next to the outputs.
     assert not [p for p in (tmp_path / "boba-106k").iterdir() if p.name.startswith(".")]
 
@@ -300,6 +305,30 @@ def test_import_registered_name_checks_lock_sha(tmp_path, hub):
         import_file(other, "boba-106k", dest=tmp_path)
 
 
+AIME25 = Path(__file__).parent / "data" / "aime25_test.jsonl"
+
+
+def test_import_records_path_and_sha_and_never_claims_the_hub_pin(tmp_path):
+    # AReaL's public copy of AIME 2025 has the sha256 pinned for aime25 in the shipped registry.
+    result = import_file(AIME25, "aime25", dest=tmp_path)
+    source = json.loads((tmp_path / "aime25" / "source.json").read_text())
+    assert source["via"] == "import" and source["imported"] is True
+    assert source["source_path"] == str(AIME25.resolve())
+    assert source["sha256"] == result.sha256 == hashlib.sha256(AIME25.read_bytes()).hexdigest()
+    assert source["size"] == 15813 and source["sha256_verified_against"] == "registry"
+    assert not {"repo", "filename", "revision", "commit", "endpoint"} & set(source)
+    assert len(read_jsonl(tmp_path / "aime25" / "eval.jsonl", "eval")) == 30
+
+    # any other file under that name is refused against the pin; under a new name it is unverified
+    other = tmp_path / "aime25-edited.jsonl"
+    other.write_bytes(AIME25.read_bytes().replace(b'"answer": 70', b'"answer": 71'))
+    with pytest.raises(UserError, match="does not match b4e273c0.* pinned in .*registry.yaml"):
+        import_file(other, "aime25", dest=tmp_path)
+    import_file(other, "aime25-local", kind="eval", dest=tmp_path)
+    local = json.loads((tmp_path / "aime25-local" / "source.json").read_text())
+    assert local["imported"] is True and local["sha256_verified_against"] is None
+
+
 def test_import_new_name_needs_kind_and_converts_sft(tmp_path):
     raw = tmp_path / "sft.json"
     raw.write_text(json.dumps([
@@ -310,7 +339,9 @@ def test_import_new_name_needs_kind_and_converts_sft(tmp_path):
         import_file(raw, "my-sft", dest=tmp_path / "data")
     result = import_file(raw, "my-sft", kind="sft", dest=tmp_path / "data")
     rows = read_jsonl(tmp_path / "data" / "my-sft" / "sft.jsonl", "sft")
-    assert rows == [{"id": "my-sft-1", "prompt": "Add 1 and 2.", "response": "Adding gives 3.</think>\n\\boxed{3}"}]
+    assert rows == [{"id": "my-sft-1", "prompt": "Add 1 and 2.", "response": "Adding gives 3.</think>\n\\boxed{3}",
+                     "raw_prompt": R1.format(q="Add 1 and 2."),
+                     "raw_response": "Adding gives 3.</think>\n\\boxed{3}<｜end▁of▁sentence｜>"}]
     assert (result.report.kept, result.report.rejected) == (1, 1)
 
 

@@ -103,3 +103,35 @@ def test_cli_validate_all_shipped(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("ok ") == len(SHIPPED)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_icepop_c3po_recipe_changes_only_what_it_claims():
+    base = _flat(load_recipe(REPO / "recipes" / "7b_boba.yaml").recipe.model_dump(mode="json"))
+    other = _flat(load_recipe(REPO / "recipes" / "7b_boba_icepop_c3po.yaml").recipe.model_dump(mode="json"))
+    changed = {k for k in base if base[k] != other[k]}
+    assert changed == {"run.name", "rl.icepop.mode", "rl.c3po.enabled"}
+
+
+def test_release_numbers_match_areal_v02_configs():
+    # Read by hand from inclusionAI/AReaL v0.2.0 examples/configs/ (cited in each recipe header).
+    sft = load_recipe(REPO / "recipes" / "32b_200.yaml").recipe
+    assert (sft.sft.epochs, sft.sft.batch_size, sft.sft.max_length) == (200, 64, 32768)
+    assert (sft.trainer.nodes * sft.trainer.nproc, sft.trainer.lr, sft.trainer.warmup_ratio) == (128, 1e-5, 0.03)
+    assert (sft.trainer.weight_decay, sft.trainer.adam_eps, sft.model.dtype) == (0.1, 1e-5, "bfloat16")
+    assert sft.model.revision == "711ad2ea6aa40cfca18895e8aca02ab92df1a746"
+    assert sft.data.prompt_template == "raw"
+    rl = load_recipe(REPO / "recipes" / "7b_boba.yaml").recipe
+    assert (rl.model.dtype, rl.rollout.dtype, rl.trainer.bf16_autocast) == ("float16", "float16", False)
+    assert (rl.trainer.warmup_ratio, rl.rl.steps, rl.data.max_prompt_tokens) == (0.001, 400, 1024)
+    assert (rl.eval.temperature, rl.eval.top_p, rl.eval.n_samples) == (1.0, 0.95, 32)
+    assert (rl.rl.early_stop_imp_ratio, rl.rl.kl_coef, rl.rl.ppo_minibatches) == (5.0, 0.0, 4)

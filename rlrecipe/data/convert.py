@@ -11,7 +11,8 @@ recognised by content. Row shapes understood:
 Common alternative column names (question, query, instruction, response, output, ground_truth,
 ID, Problem, Answer, ...) are accepted too. Conversion keeps only user text in prompts (chat
 template tokens and the R1 instruction are stripped: the template is applied again at load time,
-see templates.py), strips a surrounding `\\boxed{}` from reference answers, writes answers as
+see templates.py) and keeps the source's text verbatim beside it as `raw_prompt` (and `raw_response`)
+when the two differ, for the `raw` template that trains on exactly the source's tokens; strips a surrounding `\\boxed{}` from reference answers, writes answers as
 strings, keeps only math rows when a `task` column is present, and gives every row a unique id.
 Rows that cannot be converted are rejected with a reason; nothing is silently dropped.
 """
@@ -234,6 +235,8 @@ def _convert_one(row: dict, kind: str) -> tuple[dict | None, str | None, list[st
     changes += template_changes
     if not text:
         return None, f"field {pkey!r} is empty", []
+    # the source's own text, byte for byte, for the `raw` template (templates.py)
+    raw = {"raw_prompt": problem} if problem != text else {}
 
     if kind == "rl":
         akey, answers = _first(row, RL_ANSWER_KEYS)
@@ -255,7 +258,7 @@ def _convert_one(row: dict, kind: str) -> tuple[dict | None, str | None, list[st
                 out_answers.append(stripped)
         if not out_answers:
             return None, f"empty reference answers (field {akey!r})", []
-        return {"prompt": text, "answers": list(dict.fromkeys(out_answers))}, None, changes
+        return {"prompt": text, "answers": list(dict.fromkeys(out_answers)), **raw}, None, changes
 
     if kind == "sft":
         rkey, response = _first(row, SFT_RESPONSE_KEYS)
@@ -270,7 +273,9 @@ def _convert_one(row: dict, kind: str) -> tuple[dict | None, str | None, list[st
                 changes.append("eos token stripped")
         if not resp.strip():
             return None, f"field {rkey!r} is empty", []
-        return {"prompt": text, "response": resp}, None, changes
+        if resp != response:
+            raw["raw_response"] = response
+        return {"prompt": text, "response": resp, **raw}, None, changes
 
     akey, answer = _first(row, EVAL_ANSWER_KEYS)
     if akey is None:
@@ -287,7 +292,8 @@ def _convert_one(row: dict, kind: str) -> tuple[dict | None, str | None, list[st
     stripped = strip_boxed(s)
     if stripped != s.strip():
         changes.append("\\boxed{} removed")
-    return {"problem": text, "answer": stripped}, None, changes
+    raw = {"raw_problem": raw["raw_prompt"]} if raw else {}
+    return {"problem": text, "answer": stripped, **raw}, None, changes
 
 
 def convert_records(records, kind: str, *, name: str, source: str) -> ConversionResult:

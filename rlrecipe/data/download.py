@@ -287,8 +287,10 @@ def download(name: str, revision: str | None = None, dest: str | Path = DATA_DIR
                         f"{lock_path(dest)} at first download; refusing a silently changed file (nothing under "
                         f"{dest / name} was changed). To accept it, delete that record from the lock file")
 
+    verified = ("registry" if pinned else "lock") if (pinned or (locked or {}).get("sha256")) else None
     provenance = {"name": name, "repo": entry.repo, "repo_type": entry.repo_type, "filename": entry.filename,
-                  "revision": rev, "commit": commit, "sha256": digest, "endpoint": endpoint, "via": "download"}
+                  "revision": rev, "commit": commit, "sha256": digest, "size": raw.stat().st_size,
+                  "endpoint": endpoint, "via": "download", "imported": False, "sha256_verified_against": verified}
     out_path, report = _convert_and_write(raw, entry.kind, name, dest, label, provenance)
 
     recorded = None
@@ -307,7 +309,8 @@ def import_file(file: str | Path, name: str, kind: str | None = None, dest: str 
     """Convert a local raw file (JSONL, JSON or Parquet) to `<dest>/<name>/<kind>.jsonl`.
 
     For a registered name the kind defaults to the registry's, and the file must match the sha256
-    pinned in the registry or recorded in the lock when one is known.
+    pinned in the registry or recorded in the lock when one is known. source.json marks the data
+    imported, with the file's path and sha256; it never claims the registry's hub repo or revision.
     """
     file = Path(file)
     _check_name(name)
@@ -328,18 +331,23 @@ def import_file(file: str | Path, name: str, kind: str | None = None, dest: str 
         raise UserError(f"{name!r} is not in {registry_path}: pass --kind rl|sft|eval")
 
     digest = sha256_file(file)
+    verified = None
     if entry is not None:
-        expected, where = entry.sha256, f"pinned in {registry_path}"
+        expected, where, verified = entry.sha256, f"pinned in {registry_path}", "registry"
         if not expected:
             record = load_lock(dest).get(lock_key(name, entry.revision)) or {}
-            expected, where = record.get("sha256"), f"recorded in {lock_path(dest)}"
+            expected, where, verified = record.get("sha256"), f"recorded in {lock_path(dest)}", "lock"
         if expected and digest != expected:
             raise UserError(f"{file}: sha256 {digest} does not match {expected} {where} for {name!r}; refusing it "
                             f"(nothing under {dest / name} was changed). If this is intentionally a different file, "
                             f"import it under another name: --as {name}-local --kind {kind}")
+        if not expected:
+            verified = None
 
-    provenance = {"name": name, "imported_from": str(file.resolve()), "sha256": digest, "via": "import"}
-    if entry is not None:
-        provenance.update(repo=entry.repo, filename=entry.filename, revision=entry.revision)
+    # An import records only what is known of it: its path and digest. Only a download, which
+    # fetched the file from the hub itself, names a hub repo and revision; a matching pinned
+    # sha256 is the one link an import has to the hub file, and it is recorded as such.
+    provenance = {"name": name, "via": "import", "imported": True, "source_path": str(file.resolve()),
+                  "sha256": digest, "size": file.stat().st_size, "sha256_verified_against": verified}
     out_path, report = _convert_and_write(file, kind, name, dest, str(file), provenance)
     return DataResult(name=name, kind=kind, out_path=out_path, raw_path=file, sha256=digest, report=report)

@@ -267,6 +267,10 @@ class EvalSection(Section):
     pass_k: list[Annotated[int, Field(ge=1)]] = [1, 8, 16]
     greedy: bool = False
     max_problems: int | None = Field(None, ge=1)
+    # Samples handed to the rollout engine at once. Each wave is graded and appended to
+    # samples.jsonl before the next starts, so a killed eval loses at most one wave; keep it a few
+    # times the engine's concurrency so no wave waits long on its slowest sample alone.
+    wave_size: int = Field(1024, ge=1)
 
 
 class Tracking(Section):

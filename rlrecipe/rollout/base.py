@@ -7,6 +7,11 @@ from pathlib import Path
 
 from rlrecipe.trajectory import SamplingParams, Trajectory
 
+# `Trajectory.meta[SEED_KEY]`: the trajectory's own sampling seed. Engines that honour it draw each
+# token from a stream fixed by (that seed, the token's position), so a sample does not depend on
+# which other trajectories shared its batch, or on where an interrupted run stopped.
+SEED_KEY = "seed"
+
 
 class RolloutEngine(ABC):
     """Samples responses; reports the log-prob of every sampled token under its own numerics."""

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from rlrecipe.modeling import load_model, load_weights_into
-from rlrecipe.rollout.base import RolloutEngine
+from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 
@@ -41,6 +41,17 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = width - t.shape[dim]
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) pairs over seed space
+
+
+def _row_generator(t: Trajectory, shared: torch.Generator, scratch: torch.Generator) -> torch.Generator:
+    """The generator for t's next token: `scratch` reseeded from (its seed, its position) when it
+    has a seed, else the batch's shared stream."""
+    if SEED_KEY not in t.meta:
+        return shared
+    return scratch.manual_seed((int(t.meta[SEED_KEY]) ^ (len(t.response_ids) * _MIX)) & (2**63 - 1))
 
 
 @dataclass
@@ -88,6 +99,7 @@ class InProcessEngine(RolloutEngine):
         # batched forward passes so far: on a GPU, where decoding is memory-bound, their number
         # (not the batch size) is what a rollout costs; benchmarks report it beside seconds
         self.forward_passes = 0
+        self._scratch = torch.Generator()  # reseeded per token for trajectories with their own seed
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
@@ -128,14 +140,19 @@ class InProcessEngine(RolloutEngine):
                          past_key_values=b.cache, use_cache=True, logits_to_keep=1)
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos)
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+                rows: list[Trajectory] | None = None):
         if params.greedy or params.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             tok = logp.argmax(-1)
         else:
             logp = torch.log_softmax(logits / params.temperature, dim=-1)
             probs = torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), -1)
-            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            if rows is not None and any(SEED_KEY in t.meta for t in rows):
+                tok = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=_row_generator(t, gen, self._scratch))
+                                 for i, t in enumerate(rows)]).squeeze(-1)
+            else:
+                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
@@ -167,7 +184,7 @@ class InProcessEngine(RolloutEngine):
                 if len(live) <= len(rows) // 2:  # compact only when it halves the work
                     batch = batch.select(live)
                     rows = [rows[i] for i in live]
-            tok, lp = self._sample(batch.logits, params, gen)
+            tok, lp = self._sample(batch.logits, params, gen, rows)
             tokens, logps = tok.tolist(), lp.tolist()  # one conversion per step, not one per row
             for i, t in enumerate(rows):
                 if t.status != Status.RUNNING:

@@ -56,7 +56,7 @@ import requests
 
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import Recipe, SGLangServer
-from rlrecipe.rollout.base import RolloutEngine
+from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 LOG_NAME = "sglang_server_{i}.log"
@@ -537,8 +537,10 @@ class SGLangEngine(RolloutEngine):
                     t.meta["truncated_by_server"] = True
                     continue
             rid = uuid.uuid4().hex  # fixed length: SGLang matches abort rids by prefix
-            payload = {"input_ids": input_ids,
-                       "sampling_params": sglang_sampling_params(params, max_new, self.stop_token_ids),
+            sp = sglang_sampling_params(params, max_new, self.stop_token_ids)
+            if SEED_KEY in t.meta:  # honoured by SGLang >= 0.5.3 (exactly so with --enable-deterministic-inference)
+                sp["sampling_seed"] = int(t.meta[SEED_KEY])
+            payload = {"input_ids": input_ids, "sampling_params": sp,
                        "return_logprob": True, "logprob_start_len": -1, "rid": rid, "stream": False}
             reqs.append(_Request(t, server, payload, rid))
         futures: dict[Future, _Request] = {self._pools[r.server].submit(self._request, r): r for r in reqs}

@@ -33,8 +33,8 @@ def hub_cache(tmp_path, monkeypatch):
     return snap
 
 
-def make_run(tmp_path, model: dict) -> Run:
-    recipe = recipe_from_dict({"run": {"name": "r", "output_dir": str(tmp_path / "runs")}, "model": model})
+def make_run(tmp_path, model: dict, name: str = "r") -> Run:
+    recipe = recipe_from_dict({"run": {"name": name, "output_dir": str(tmp_path / "runs")}, "model": model})
     return Run(LoadedRecipe(recipe=recipe, path="r.yaml"), "rl")
 
 
@@ -66,7 +66,7 @@ def test_a_revision_that_cannot_be_had_is_one_clear_error(tmp_path, hub_cache):
 def test_a_local_directory_must_be_the_pinned_snapshot(tmp_path, hub_cache):
     ok = make_run(tmp_path, {"path": str(hub_cache), "revision": COMMIT})
     assert resolve_model_dir(ok.recipe.model, None, ok.dir, 1) == hub_cache
-    bad = make_run(tmp_path, {"path": str(hub_cache), "revision": OTHER})
+    bad = make_run(tmp_path, {"path": str(hub_cache), "revision": OTHER}, name="other")
     with pytest.raises(RecipeError, match="is a local directory, so model.revision .* cannot be checked"):
         resolve_model_dir(bad.recipe.model, None, bad.dir, 1)
 

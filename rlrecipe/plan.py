@@ -122,7 +122,7 @@ def _section_dims(m: ModelSection, where: str) -> ModelDims:
     local = Path(m.path) / "config.json"
     if local.exists():
         return ModelDims.from_config(json.loads(local.read_text()))
-    cfg = _hub_config(m.path, getattr(m, "revision", None))
+    cfg = _hub_config(m.path, m.revision)
     if cfg is None:
         raise UserError(f"{where}: model.path: no config.json for {m.path!r} (not a local directory, not in the "
                         "hub cache, not shipped); download the model first")

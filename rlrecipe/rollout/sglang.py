@@ -371,8 +371,10 @@ class SGLangEngine(RolloutEngine):
 
     def _leave_out(self, i: int, error: UserError) -> None:
         """Server i died or hung: raise `error`, or with retry_on_other_servers, stop using it."""
-        if not self.cfg.retry_on_other_servers or i not in self.live:
+        if not self.cfg.retry_on_other_servers:
             raise error
+        if i not in self.live:
+            return  # left out already (its other requests fail the same way)
         self.live.remove(i)
         self._http.mark_down(i)
         if not self.live:
@@ -482,7 +484,7 @@ class SGLangEngine(RolloutEngine):
                         "rollout.sglang.request_timeout_s + request_timeout_per_token_s x max_new_tokens)")
             else:
                 what = "failed during /generate"
-            self._leave_out(req.server, self._down_error(req.server, err.err, what))
+            self._leave_out(req.server, self._down_error(req.server, err, what))
             req.lost = True
             return None
         if result is None:

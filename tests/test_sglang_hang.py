@@ -96,9 +96,12 @@ def within_guard(fn):
 
 
 def launch(tmp_path, n: int, delay: float = 0.0, **cfg) -> SGLangEngine:
+    """n stand-ins, each already asked once (as a run in progress has: /server_info is known)."""
     cfg = SGLangServer(base_port=free_ports(n), num_servers=n, startup_timeout_s=60,
                        launch_cmd=[sys.executable, "-c", STAND_IN, "{port}", str(delay)], **cfg)
-    return SGLangEngine.launch("fake-model", cfg=cfg, run_dir=tmp_path, eos_token_id=1)
+    eng = SGLangEngine.launch("fake-model", cfg=cfg, run_dir=tmp_path, eos_token_id=1)
+    eng.generate(trajs(n), SamplingParams(max_new_tokens=1))
+    return eng
 
 
 def trajs(n: int) -> list[Trajectory]:
@@ -165,7 +168,7 @@ def test_open_requests_are_bounded_per_server_and_one_thread_drives_them(tmp_pat
         counter.join(5)
         assert all(t.status == Status.TRUNCATED and len(t.response_ids) == 1 for t in out)
         stats = [_stats(u) for u in eng.urls]
-        assert [s["served"] for s in stats] == [100, 100]  # groups alternate between the servers
+        assert [s["served"] for s in stats] == [101, 101]  # and one each at launch  # groups alternate between the servers
         assert [s["peak"] for s in stats] == [24, 24]  # the bound, reached and never passed
         # 48 requests open at a time, on the caller's thread, the pool's one and asyncio's few resolver threads
         assert max(threads) - base <= 1 + min(32, (os.cpu_count() or 1) + 4)

@@ -274,6 +274,7 @@ class SGLangEngine(RolloutEngine):
         self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
         self._group = None  # the weight update group (weight_sync: distributed), made on first use
         self._regroup = False
+        self._failed: set[int] = set()  # servers that died or hung under this engine
         self._server_infos: dict[int, dict] = {}
         self._weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
         self._closed = False
@@ -371,6 +372,7 @@ class SGLangEngine(RolloutEngine):
 
     def _leave_out(self, i: int, error: UserError) -> None:
         """Server i died or hung: raise `error`, or with retry_on_other_servers, stop using it."""
+        self._failed.add(i)  # nothing more is asked of it on the way out (aborts)
         if not self.cfg.retry_on_other_servers:
             raise error
         if i not in self.live:
@@ -384,11 +386,11 @@ class SGLangEngine(RolloutEngine):
         if self._group is not None:
             self._regroup = True  # the weight update group still counts it: rebuild before the next update
 
-    def _down_error(self, i: int, err: Exception, what: str) -> UserError:
+    def _down_error(self, i: int, err: Exception, what: str, may_exit: bool = True) -> UserError:
         server = self._server(i)
         if server is not None:
-            # the socket closes a moment before the process can be reaped
-            deadline = time.monotonic() + 3.0
+            # the socket closes a moment before the process can be reaped (a hung one will not exit)
+            deadline = time.monotonic() + (3.0 if may_exit else 0.0)
             while server.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if not server.alive():
@@ -479,12 +481,15 @@ class SGLangEngine(RolloutEngine):
         try:
             result = fut.result()
         except PostFailed as err:
+            if req.server in self._failed and self.cfg.retry_on_other_servers:
+                req.lost = True  # its server was reported and left out already
+                return None
             if err.timed_out:
                 what = (f"did not answer /generate within {req.post.read_timeout_s:.0f} s (hung? the limit is "
                         "rollout.sglang.request_timeout_s + request_timeout_per_token_s x max_new_tokens)")
             else:
                 what = "failed during /generate"
-            self._leave_out(req.server, self._down_error(req.server, err, what))
+            self._leave_out(req.server, self._down_error(req.server, err, what, may_exit=not err.timed_out))
             req.lost = True
             return None
         if result is None:
@@ -498,16 +503,19 @@ class SGLangEngine(RolloutEngine):
         """Abort these requests by rid; with `all_on_own_servers`, servers this engine launched
         abort everything instead (SGLang acts on a rid's first abort only, and may miss it)."""
         bodies: list[tuple[int, dict]] = []
-        for server in sorted({r.server for r in reqs}):
+        for server in sorted({r.server for r in reqs} - self._failed):
             if all_on_own_servers and self._server(server) is not None:
                 bodies.append((server, {"abort_all": True}))
             else:
                 bodies += [(server, {"rid": r.rid}) for r in reqs if r.server == server]
+        failed: set[int] = set()
         for server, body in bodies:
+            if server in failed:
+                continue  # one unanswered abort is enough: don't wait on it once per request
             try:
                 self._session().post(self.urls[server] + "/abort_request", json=body, timeout=10)
             except requests.RequestException:
-                pass  # the /generate call reports a dead server
+                failed.add(server)  # the /generate call reports a dead server
 
     def _apply(self, t: Trajectory, out: dict, params: SamplingParams, version: int, server: int) -> None:
         meta = out.get("meta_info") or {}

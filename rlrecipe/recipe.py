@@ -196,6 +196,13 @@ class SGLangServer(Section):
     extra_args: list[str] = []
     # Concurrent /generate requests the engine keeps open per server (SGLang batches them itself).
     max_concurrency: int = Field(512, ge=1)
+    # How long a /generate may go without an answer before its server counts as hung: this floor
+    # plus an allowance per requested new token (0.05 s: 27,648 tokens -> 23 min on top).
+    request_timeout_s: float = Field(300.0, gt=0)
+    request_timeout_per_token_s: float = Field(0.05, ge=0)
+    # A server that dies or hangs mid-step: false = stop with an error naming it; true = send its
+    # requests to the other servers and leave it out from then on (the run goes on while one lives).
+    retry_on_other_servers: bool = False
     # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
     # Placeholders: {model} {host} {port} {index} {dtype} {seed}. E.g. the CPU stand-in that
     # speaks the same API: ["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"].

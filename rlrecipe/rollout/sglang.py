@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -57,6 +58,8 @@ import requests
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import Recipe, SGLangServer
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
+from rlrecipe.rollout.http_pool import HttpPool, Post, PostFailed
+from rlrecipe.runs import console
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 LOG_NAME = "sglang_server_{i}.log"
@@ -215,13 +218,8 @@ class _Request:
     server: int
     payload: dict
     rid: str
-    started: threading.Event = field(default_factory=threading.Event)
-
-
-class _ServerDown(Exception):
-    def __init__(self, server: int, err: Exception):
-        super().__init__(str(err))
-        self.server, self.err = server, err
+    post: Post | None = None
+    lost: bool = False  # its server was left out before it answered: send it again elsewhere
 
 
 def sglang_sampling_params(params: SamplingParams, max_new_tokens: int, stop_token_ids: Sequence[int]) -> dict:
@@ -257,8 +255,7 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(self, urls: Sequence[str], *, eos_token_id: int | None = None, version: int = 0,
                  max_concurrency: int = 512, servers: Sequence[ServerProcess] | None = None,
-                 stop_token_ids: Sequence[int] | None = None, request_timeout_s: float | None = None,
-                 cfg: SGLangServer | None = None):
+                 stop_token_ids: Sequence[int] | None = None, cfg: SGLangServer | None = None):
         if not urls:
             raise UserError("rollout.urls: no SGLang server to talk to")
         self.urls = [u.rstrip("/") for u in urls]
@@ -267,15 +264,17 @@ class SGLangEngine(RolloutEngine):
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else (
             [eos_token_id] if eos_token_id is not None else [])
         self.max_concurrency = max_concurrency
-        self.request_timeout_s = request_timeout_s
         self.servers: list[ServerProcess] = list(servers or [])
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
         self._sessions_lock = threading.Lock()
-        self._pools = [ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"sglang{i}")
-                       for i in range(len(self.urls))]
+        # every /generate goes through one asyncio thread, at most max_concurrency open per server
+        self._http = HttpPool(len(self.urls), max_concurrency)
         self.cfg = cfg or SGLangServer()
+        self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
         self._group = None  # the weight update group (weight_sync: distributed), made on first use
+        self._regroup = False
+        self._failed: set[int] = set()  # servers that died or hung under this engine
         self._server_infos: dict[int, dict] = {}
         self._weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
         self._closed = False
@@ -363,15 +362,35 @@ class SGLangEngine(RolloutEngine):
         return self.servers[i] if i < len(self.servers) else None
 
     def _check_alive(self) -> None:
-        for s in self.servers:
-            if s.proc is not None and not s.alive():
-                raise s.crash_error()
+        for i, s in enumerate(self.servers):
+            if i in self.live and s.proc is not None and not s.alive():
+                self._leave_out(i, s.crash_error())
 
-    def _down_error(self, i: int, err: Exception, what: str) -> UserError:
+    def read_timeout(self, max_new_tokens: int) -> float:
+        """Seconds a /generate for this many new tokens may go without an answer."""
+        return self.cfg.request_timeout_s + self.cfg.request_timeout_per_token_s * max_new_tokens
+
+    def _leave_out(self, i: int, error: UserError) -> None:
+        """Server i died or hung: raise `error`, or with retry_on_other_servers, stop using it."""
+        self._failed.add(i)  # nothing more is asked of it on the way out (aborts)
+        if not self.cfg.retry_on_other_servers:
+            raise error
+        if i not in self.live:
+            return  # left out already (its other requests fail the same way)
+        self.live.remove(i)
+        self._http.mark_down(i)
+        if not self.live:
+            raise UserError(f"{error}; no SGLang server left to retry on") from None
+        console.print(f"[yellow]warning[/]: {error}; its requests go to the {len(self.live)} other servers, "
+                      "and it is left out from now on")
+        if self._group is not None:
+            self._regroup = True  # the weight update group still counts it: rebuild before the next update
+
+    def _down_error(self, i: int, err: Exception, what: str, may_exit: bool = True) -> UserError:
         server = self._server(i)
         if server is not None:
-            # the socket closes a moment before the process can be reaped
-            deadline = time.monotonic() + 3.0
+            # the socket closes a moment before the process can be reaped (a hung one will not exit)
+            deadline = time.monotonic() + (3.0 if may_exit else 0.0)
             while server.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if not server.alive():
@@ -452,31 +471,51 @@ class SGLangEngine(RolloutEngine):
                 self._update_one(i, _model_arg(model_dir), version)
 
     # -- generation ------------------------------------------------------------------------------
-    def _request(self, req: _Request) -> dict:
-        req.started.set()
+    def _submit(self, req: _Request) -> Future:
+        max_new = req.payload["sampling_params"]["max_new_tokens"]
+        req.post = Post(req.server, self.urls[req.server] + "/generate", req.payload, self.read_timeout(max_new))
+        return self._http.submit(req.post)
+
+    def _answer(self, req: _Request, fut: Future) -> dict | None:
+        """The server's JSON for a finished request; None when it went unsent or must go elsewhere."""
         try:
-            r = self._session().post(self.urls[req.server] + "/generate", json=req.payload,
-                                     timeout=(30.0, self.request_timeout_s))
-        except requests.RequestException as err:
-            raise _ServerDown(req.server, err) from None
-        if r.status_code != 200:
-            raise UserError(f"SGLang server {self.urls[req.server]} /generate: HTTP {r.status_code}: {r.text[:500]}")
-        return r.json()
+            result = fut.result()
+        except PostFailed as err:
+            if req.server in self._failed and self.cfg.retry_on_other_servers:
+                req.lost = True  # its server was reported and left out already
+                return None
+            if err.timed_out:
+                what = (f"did not answer /generate within {req.post.read_timeout_s:.0f} s (hung? the limit is "
+                        "rollout.sglang.request_timeout_s + request_timeout_per_token_s x max_new_tokens)")
+            else:
+                what = "failed during /generate"
+            self._leave_out(req.server, self._down_error(req.server, err, what, may_exit=not err.timed_out))
+            req.lost = True
+            return None
+        if result is None:
+            return None
+        status, text = result
+        if status != 200:
+            raise UserError(f"SGLang server {self.urls[req.server]} /generate: HTTP {status}: {text[:500]}")
+        return json.loads(text)
 
     def _abort(self, reqs: Sequence[_Request], all_on_own_servers: bool = False) -> None:
         """Abort these requests by rid; with `all_on_own_servers`, servers this engine launched
         abort everything instead (SGLang acts on a rid's first abort only, and may miss it)."""
         bodies: list[tuple[int, dict]] = []
-        for server in sorted({r.server for r in reqs}):
+        for server in sorted({r.server for r in reqs} - self._failed):
             if all_on_own_servers and self._server(server) is not None:
                 bodies.append((server, {"abort_all": True}))
             else:
                 bodies += [(server, {"rid": r.rid}) for r in reqs if r.server == server]
+        failed: set[int] = set()
         for server, body in bodies:
+            if server in failed:
+                continue  # one unanswered abort is enough: don't wait on it once per request
             try:
                 self._session().post(self.urls[server] + "/abort_request", json=body, timeout=10)
             except requests.RequestException:
-                pass  # the /generate call reports a dead server
+                failed.add(server)  # the /generate call reports a dead server
 
     def _apply(self, t: Trajectory, out: dict, params: SamplingParams, version: int, server: int) -> None:
         meta = out.get("meta_info") or {}
@@ -526,7 +565,7 @@ class SGLangEngine(RolloutEngine):
         groups: dict[str, int] = {}
         reqs: list[_Request] = []
         for t in todo:
-            server = groups.setdefault(t.group_id or t.uid, len(groups)) % len(self.urls)
+            server = self.live[groups.setdefault(t.group_id or t.uid, len(groups)) % len(self.live)]
             input_ids = list(t.prompt_ids) + list(t.response_ids)
             max_new = params.max_new_tokens - len(t.response_ids)
             ctx = self.context_len(server)
@@ -543,7 +582,7 @@ class SGLangEngine(RolloutEngine):
             payload = {"input_ids": input_ids, "sampling_params": sp,
                        "return_logprob": True, "logprob_start_len": -1, "rid": rid, "stream": False}
             reqs.append(_Request(t, server, payload, rid))
-        futures: dict[Future, _Request] = {self._pools[r.server].submit(self._request, r): r for r in reqs}
+        futures: dict[Future, _Request] = {self._submit(r): r for r in reqs}
         pending = set(futures)
         finished_tokens = 0
         stopping = False
@@ -552,30 +591,32 @@ class SGLangEngine(RolloutEngine):
             while pending:
                 done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
                 for fut in done:
-                    if fut.cancelled():
-                        continue
-                    req = futures[fut]
-                    try:
-                        out = fut.result()
-                    except _ServerDown as err:
-                        raise self._down_error(err.server, err.err, "failed during /generate") from None
-                    self._apply(req.traj, out, params, version, req.server)
-                    if req.traj.done:
-                        finished_tokens += len(req.traj.response_ids)
+                    req = futures.pop(fut)
+                    out = self._answer(req, fut)
+                    if out is not None:
+                        self._apply(req.traj, out, params, version, req.server)
+                        if req.traj.done:
+                            finished_tokens += len(req.traj.response_ids)
+                    elif req.lost and not stopping:
+                        # its server was left out: the same request, from the start, on another
+                        req.server = self.live[hash(req.rid) % len(self.live)]
+                        req.payload = {**req.payload, "rid": uuid.uuid4().hex}
+                        req.rid, req.lost = req.payload["rid"], False
+                        new = self._submit(req)
+                        futures[new] = req
+                        pending.add(new)
                 if not stopping and token_budget is not None and finished_tokens >= token_budget:
                     stopping = True
-                    for fut in pending:
-                        fut.cancel()  # not sent yet: stays as it is
-                    pending = {f for f in pending if not f.cancelled()}
+                    # not sent yet: withdrawn, the trajectory stays as it is
+                    pending = {f for f in pending if not self._http.withdraw(futures[f].post)}
                 if stopping and pending and time.monotonic() - last_abort > ABORT_RESEND_S:
-                    self._abort([futures[f] for f in pending if futures[f].started.is_set()],
+                    self._abort([futures[f] for f in pending if futures[f].post.sent],
                                 all_on_own_servers=abort_rounds > 0)
                     last_abort, abort_rounds = time.monotonic(), abort_rounds + 1
                 self._check_alive()
         except BaseException:
-            for fut in pending:
-                fut.cancel()
-            self._abort([futures[f] for f in pending if futures[f].started.is_set() and not f.done()])
+            sent = [futures[f] for f in pending if not self._http.withdraw(futures[f].post) and not f.done()]
+            self._abort([r for r in sent if r.server in self.live])
             raise
         return trajs
 
@@ -587,11 +628,11 @@ class SGLangEngine(RolloutEngine):
     def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
         self._check_alive()
         model_path = _model_arg(model_dir)
-        if len(self.urls) == 1:
-            self._update_one(0, model_path, version)
+        if len(self.live) == 1:
+            self._update_one(self.live[0], model_path, version)
         else:
-            with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-                for fut in [pool.submit(self._update_one, i, model_path, version) for i in range(len(self.urls))]:
+            with ThreadPoolExecutor(max_workers=min(len(self.live), 32)) as pool:
+                for fut in [pool.submit(self._update_one, i, model_path, version) for i in self.live]:
                     fut.result()
         self.version = version
 
@@ -613,7 +654,7 @@ class SGLangEngine(RolloutEngine):
 
         cfg = self.cfg
         sizes = []
-        for i in range(len(self.urls)):
+        for i in self.live:
             info = self.server_info(i)
             if int(info.get("dp_size", 1) or 1) != 1:
                 raise UserError(f"rollout.sglang.weight_sync: distributed needs dp_size 1 per server "
@@ -622,11 +663,11 @@ class SGLangEngine(RolloutEngine):
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         bodies = [{"master_address": cfg.weight_sync_address, "master_port": cfg.weight_sync_port,
-                   "rank_offset": offsets[i], "world_size": world, "group_name": DEFAULT_GROUP,
-                   "backend": cfg.weight_sync_backend} for i in range(len(self.urls))]
+                   "rank_offset": offsets[k], "world_size": world, "group_name": DEFAULT_GROUP,
+                   "backend": cfg.weight_sync_backend} for k in range(len(self.live))]
         group = []
-        run_beside([lambda i=i: self._call(i, "/init_weights_update_group", bodies[i], 900.0)
-                    for i in range(len(self.urls))],
+        run_beside([lambda i=i, k=k: self._call(i, "/init_weights_update_group", bodies[k], 900.0)
+                    for k, i in enumerate(self.live)],
                    lambda: group.append(init_custom_group(cfg.weight_sync_backend, cfg.weight_sync_address,
                                                           cfg.weight_sync_port, 0, world, DEFAULT_GROUP)))
         self._group = group[0]
@@ -639,6 +680,9 @@ class SGLangEngine(RolloutEngine):
             raise NotImplementedError("SGLangEngine takes weights from disk unless rollout.sglang.weight_sync "
                                       "is distributed")
         self._check_alive()
+        if self._regroup:
+            self._drop_group()
+            self._regroup = False
         if self._group is None:
             self._init_group()
         device = "cuda" if self.cfg.weight_sync_backend == "nccl" else "cpu"
@@ -648,7 +692,8 @@ class SGLangEngine(RolloutEngine):
         except BaseException:
             self._drop_group()  # a broadcast nobody received would desynchronise every later one
             raise
-        self._weight_version = [str(version)] * len(self.urls)
+        for i in self.live:
+            self._weight_version[i] = str(version)
         self.version = version
 
     def _broadcast_chunks(self, chunks: list, version: int, device: str) -> None:
@@ -662,7 +707,7 @@ class SGLangEngine(RolloutEngine):
             if last:
                 body["weight_version"] = str(version)
             run_beside([lambda i=i, body=body: self._call(i, "/update_weights_from_distributed", body, 3600.0)
-                        for i in range(len(self.urls))],
+                        for i in self.live],
                        lambda tensors=tensors: broadcast(self._group, tensors))
 
     def _drop_group(self) -> None:
@@ -673,7 +718,7 @@ class SGLangEngine(RolloutEngine):
 
         from rlrecipe.rollout.weight_sync import DEFAULT_GROUP
 
-        for i in range(len(self.urls)):
+        for i in self.live:
             try:
                 self._post(i, "/destroy_weights_update_group", {"group_name": DEFAULT_GROUP}, timeout=10)
             except UserError:
@@ -687,8 +732,7 @@ class SGLangEngine(RolloutEngine):
             return
         self._closed = True
         self._drop_group()
-        for pool in self._pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
         for server in self.servers:
             server.stop()
         with self._sessions_lock:

@@ -1,14 +1,15 @@
 """The RL stage: critic-free PPO with IcePop and C3PO++.
 
-One step reads like the algorithm:
-rollout (pool) -> grade -> recompute logp_train_old -> advantages -> IcePop weights ->
-PPO minibatch updates -> push weights to the engine -> log -> checkpoint -> validate.
+`run_rl` reads like the algorithm; the named steps it calls come first, its plumbing (pool,
+timing, the NaN guard, checkpoints) after it.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,14 +19,14 @@ from rlrecipe.algo.ppo import aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.c3po import PromptStream, RolloutPool
 from rlrecipe.data.io import load_rows
 from rlrecipe.errors import UserError
-from rlrecipe.modeling import load_tokenizer, resolve_model_dir
-from rlrecipe.recipe import LoadedRecipe, RLSection
+from rlrecipe.recipe import LoadedRecipe, Recipe, RLSection, RolloutSection
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
-from rlrecipe.runs import Run, atomic_write_text, console, resolve_init
+from rlrecipe.runs import Run, atomic_write_text, console
+from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
-from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero, make_run
+from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 POOL_FILE = "pool.safetensors"
@@ -132,93 +133,123 @@ def rollout_metrics(batch: list[Trajectory], entropy: list[torch.Tensor], versio
 
 # -- the loop -----------------------------------------------------------------------------------
 def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> dict:
-    """With several DeepSpeed ranks, rank 0 owns the rollout engine, the pool and the grader and
+    """Each step: collect a graded batch -> recompute logp_train_old -> advantages and IcePop/TIS
+    weights -> PPO minibatch updates -> push weights to the rollout engine -> log -> checkpoint
+    -> validate.
+
+    With several DeepSpeed ranks, rank 0 owns the rollout engine, the pool and the grader and
     hands each graded batch to every rank; all ranks train on it together."""
-    recipe = loaded.recipe
-    cfg = recipe.rl
-    if not recipe.data.train:
-        raise UserError(f"{loaded.path}: data.train: an RL prompt set is required")
-    run = make_run(loaded, "rl", resume=resume, overwrite=overwrite)
+    stage = start_stage(loaded, "rl", resume, overwrite)
+    recipe, run, tokenizer, cfg = stage.recipe, stage.run, stage.tokenizer, stage.recipe.rl
     lead = is_rank_zero()
-    torch.manual_seed(recipe.run.seed)
-    model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
-        recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))
-    tokenizer = load_tokenizer(model_dir)
-    pool = None
-    if lead:
-        stream = PromptStream(load_rows(recipe.data.train, "rl"), tokenizer, recipe.data.prompt_template,
-                              recipe.run.seed, recipe.data.shuffle)
-        pool = RolloutPool(cfg, stream)
-    trainer = make_train_engine(recipe, model_dir, cfg.steps * cfg.ppo_minibatches,
+    pool = make_pool(recipe, tokenizer) if lead else None
+    trainer = make_train_engine(recipe.trainer, recipe.model, stage.model_dir, cfg.steps * cfg.ppo_minibatches,
                                 temperature=recipe.rollout.temperature)
-    start = 0
-    ckpt = broadcast_from_rank_zero(lambda: run.latest_checkpoint() if resume else None)
-    if ckpt is not None:
-        trainer.load(ckpt / "trainer")
-        start = json.loads((ckpt / "progress.json").read_text())["step"]
-        if lead:
-            if (ckpt / POOL_FILE).exists():
-                pool.load(ckpt / POOL_FILE)
-            else:  # checkpoints written before the pool was stored as arrays
-                pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
-            run.truncate_metrics(start)
-            console.print(f"resumed from {ckpt} at step {start}")
-    engine = make_rollout_engine(recipe, model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
+    start = resume_rl(run, trainer, pool)
+    engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
     via_disk = recipe.rollout.engine != "inprocess" and recipe.rollout.sglang.weight_sync == "disk"
-    if ckpt is not None:
+    if start:
         push_weights(trainer, engine, run, tokenizer, start, via_disk)
-    ro = recipe.rollout
-    params = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-    bad_in_a_row = 0
+    params = sampling_params(recipe.rollout)
+    guard = BadStepGuard(cfg.max_bad_steps)
     t_start = time.time()
     try:
         with Grader() as grader:
             for step in range(start, cfg.steps):
-                t0 = time.time()
-                seed = recipe.run.seed * 100003 + step
-                batch, roll = broadcast_from_rank_zero(
-                    lambda: collect_graded(pool, engine, params, tokenizer, grader, cfg, seed))  # noqa: B023
-                t_roll = time.time() - t0
-                t1 = time.time()
-                samples, logp_old, entropy = recompute_old_logprobs(trainer, batch)
-                ice = attach_ppo_fields(samples, batch, logp_old, cfg)
-                upd = ppo_update(trainer, samples, cfg)
-                bad_in_a_row = bad_in_a_row + 1 if upd["skipped_minibatches"] == upd["minibatches"] else 0
-                if bad_in_a_row >= cfg.max_bad_steps:
-                    raise UserError(f"step {step + 1}: loss or gradient was NaN/inf in {bad_in_a_row} steps in a row; "
-                                    "lower trainer.lr or check the data")
-                push_weights(trainer, engine, run, tokenizer, step + 1, via_disk)
-                t_train = time.time() - t1
-                metrics = {**rollout_metrics(batch, entropy, step), **ice, **upd,
-                           "tokens_generated": roll.generated_tokens, "pool_size": roll.pool_size,
-                           "pool_mean_age": roll.mean_age, "pool_max_age": roll.max_age,
-                           "dropped": roll.dropped, "resumed": roll.resumed,
-                           **roll.extra,
-                           "rollout_s": t_roll, "train_s": t_train,
-                           "gen_tokens_per_s": roll.generated_tokens / max(t_roll, 1e-9)}
+                timer = StepTimer()
+                with timer("rollout_s"):
+                    batch, roll = broadcast_from_rank_zero(partial(
+                        collect_graded, pool, engine, params, tokenizer, grader, cfg, seed=recipe.run.seed * 100003 + step))
+                with timer("train_s"):
+                    samples, logp_old, entropy = recompute_old_logprobs(trainer, batch)
+                    weights = attach_ppo_fields(samples, batch, logp_old, cfg)
+                    update = ppo_update(trainer, samples, cfg)
+                    guard.check(update, step + 1)
+                    push_weights(trainer, engine, run, tokenizer, step + 1, via_disk)
+                metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **pool_metrics(roll),
+                           **timer.seconds, "gen_tokens_per_s": roll.generated_tokens / max(timer.seconds["rollout_s"], 1e-9)}
                 if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                     metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
                 run.log(step + 1, metrics)
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                    with run.writing_checkpoint(step + 1) as d:
-                        trainer.save(d / "trainer")
-                        if lead:
-                            pool.save(d / POOL_FILE)
-                            atomic_write_text(d / "progress.json", json.dumps({"step": step + 1}))
+                    save_rl_checkpoint(run, step + 1, trainer, pool)
     finally:
         if engine is not None:
             engine.close()
-    final = trainer.export_hf(run.final_model_dir, tokenizer)
-    console.print(f"RL done: {cfg.steps - start} steps in {time.time() - t_start:.1f}s; model at {final}")
-    run.finish(token_columns=("tokens_trained", "tokens_generated"))  # before the evaluation records it
-    results = {}
-    if recipe.eval.benchmarks and lead:
-        from rlrecipe.eval.runner import evaluate_model_dir
+    console.print(f"RL done: {cfg.steps - start} steps in {time.time() - t_start:.1f}s")
+    return finish_stage(stage, trainer, token_columns=("tokens_trained", "tokens_generated"))
 
-        results = evaluate_model_dir(loaded, final, Run(loaded, "eval", subdir="eval").dir)
-        for name, s in results.items():
-            console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}")
-    return results
+
+# -- the loop's plumbing ------------------------------------------------------------------------
+def make_pool(recipe: Recipe, tokenizer) -> RolloutPool:
+    stream = PromptStream(load_rows(recipe.data.train, "rl"), tokenizer, recipe.data.prompt_template,
+                          recipe.run.seed, recipe.data.shuffle)
+    return RolloutPool(recipe.rl, stream)
+
+
+def sampling_params(ro: RolloutSection) -> SamplingParams:
+    return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                          max_new_tokens=ro.max_new_tokens)
+
+
+def pool_metrics(roll) -> dict[str, float]:
+    return {"tokens_generated": roll.generated_tokens, "pool_size": roll.pool_size, "pool_mean_age": roll.mean_age,
+            "pool_max_age": roll.max_age, "dropped": roll.dropped, "resumed": roll.resumed, **roll.extra}
+
+
+class StepTimer:
+    """Wall seconds of the named parts of one step: `with timer("train_s"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - t0
+
+
+class BadStepGuard:
+    """Stops the run after `limit` steps in a row whose every minibatch had a NaN/inf loss or gradient
+    (the engine skipped them), rather than training on nothing."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row = limit, 0
+
+    def check(self, update: dict[str, float], step: int) -> None:
+        self.in_a_row = self.in_a_row + 1 if update["skipped_minibatches"] == update["minibatches"] else 0
+        if self.in_a_row >= self.limit:
+            raise UserError(f"step {step}: loss or gradient was NaN/inf in {self.in_a_row} steps in a row; "
+                            "lower trainer.lr or check the data")
+
+
+def save_rl_checkpoint(run: Run, step: int, trainer, pool: RolloutPool | None) -> None:
+    """trainer/ (every rank's part), the pool's arrays and progress.json (rank 0)."""
+    with run.writing_checkpoint(step) as d:
+        trainer.save(d / "trainer")
+        if pool is not None:
+            pool.save(d / POOL_FILE)
+            atomic_write_text(d / "progress.json", json.dumps({"step": step}))
+
+
+def resume_rl(run: Run, trainer, pool: RolloutPool | None) -> int:
+    """The step to start from: 0, or the chosen checkpoint's (trainer, pool and metrics restored)."""
+    ckpt = broadcast_from_rank_zero(run.latest_checkpoint)
+    if ckpt is None:
+        return 0
+    trainer.load(ckpt / "trainer")
+    start = json.loads((ckpt / "progress.json").read_text())["step"]
+    if pool is not None:
+        if (ckpt / POOL_FILE).exists():
+            pool.load(ckpt / POOL_FILE)
+        else:  # checkpoints written before the pool was stored as arrays
+            pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
+        run.truncate_metrics(start)
+        console.print(f"resumed from {ckpt} at step {start}")
+    return start
 
 
 def push_weights(trainer, engine, run: Run, tokenizer, version: int, via_disk: bool) -> None:

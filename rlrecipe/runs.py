@@ -98,14 +98,7 @@ class Run:
         """`subdir` keeps a later stage's records (eval) beside, not over, the training run's."""
         if resume and overwrite:
             raise UserError("--resume and --overwrite exclude each other: continue the run, or start it over")
-        self.loaded = loaded
-        self.recipe = loaded.recipe
-        self.stage = stage
-        self.run_dir = self.recipe.run.dir
-        self.dir = self.run_dir / subdir if subdir else self.run_dir
-        self.ckpt_dir = self.dir / "checkpoints"
-        self.metrics_path = self.dir / "metrics.jsonl"
-        self.resume_from: Path | None = None
+        self._set_paths(loaded, stage, subdir)
         _make_dir(self.dir, "run.output_dir")
         self._lock = RunLock(self.dir)
         note = self._lock.acquire()
@@ -116,6 +109,18 @@ class Run:
         except BaseException:
             self._lock.release()
             raise
+
+    def _set_paths(self, loaded: LoadedRecipe, stage: str, subdir: str | None) -> None:
+        """Where this run's records go; writes nothing."""
+        self.loaded = loaded
+        self.recipe = loaded.recipe
+        self.stage = stage
+        self.run_dir = self.recipe.run.dir
+        self.dir = self.run_dir / subdir if subdir else self.run_dir
+        self.ckpt_dir = self.dir / "checkpoints"
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.resume_from: Path | None = None
+        self._wandb = None
 
     def _start(self, resume: bool, overwrite: bool) -> None:
         loaded = self.loaded

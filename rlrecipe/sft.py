@@ -11,12 +11,12 @@ import torch
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import sft_token_ids
 from rlrecipe.errors import UserError
-from rlrecipe.modeling import load_tokenizer, resolve_model_dir
 from rlrecipe.recipe import LoadedRecipe
-from rlrecipe.runs import Run, console, resolve_init
+from rlrecipe.runs import Run, console
+from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
-from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero, make_run
+from rlrecipe.train.launch import is_rank_zero
 
 
 def build_sft_samples(rows: list[dict], tokenizer, template: str, max_length: int) -> tuple[list[TrainSample], int]:
@@ -47,63 +47,58 @@ def sft_loss(logp: torch.Tensor, f: dict[str, torch.Tensor]):
 
 
 def run_sft(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> dict:
-    recipe = loaded.recipe
-    if not recipe.data.train:
-        raise UserError(f"{loaded.path}: data.train: an SFT dataset is required")
-    run = make_run(loaded, "sft", resume=resume, overwrite=overwrite)  # under torchrun: rank 0 alone writes records
-    torch.manual_seed(recipe.run.seed)
-    model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
-        recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))
-    tokenizer = load_tokenizer(model_dir)
+    stage = start_stage(loaded, "sft", resume, overwrite)
+    recipe, run, tokenizer = stage.recipe, stage.run, stage.tokenizer
+    cfg = recipe.sft
     samples, cut = build_sft_samples(load_rows(recipe.data.train, "sft"), tokenizer, recipe.data.prompt_template,
-                                     recipe.sft.max_length)
+                                     cfg.max_length)
     if not samples:
         raise UserError(f"{recipe.data.train}: no usable SFT rows")
-    per_epoch = math.ceil(len(samples) / recipe.sft.batch_size)
-    total = recipe.sft.max_steps or recipe.sft.epochs * per_epoch
-    engine = make_train_engine(recipe, model_dir, total)
-    start = 0
-    ckpt = run.latest_checkpoint() if resume else None
-    if ckpt is not None:
-        engine.load(ckpt)
-        start = engine.steps_done
-        run.truncate_metrics(start)
-        console.print(f"resumed from {ckpt} at step {start}")
+    per_epoch = math.ceil(len(samples) / cfg.batch_size)
+    total = cfg.max_steps or cfg.epochs * per_epoch
+    engine = make_train_engine(recipe.trainer, recipe.model, stage.model_dir, total)
+    start = resume_sft(engine, run)
     console.print(f"SFT: {len(samples)} examples ({cut} cut to max_length), {total} steps of "
-                  f"{recipe.sft.batch_size}; model {model_dir}")
+                  f"{cfg.batch_size}; model {stage.model_dir}")
     from rich.progress import Progress
 
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("sft", total=total, completed=start)
         for step in range(start, total):
             t0 = time.time()
-            batch = batch_for_step(samples, step, recipe.sft.batch_size, recipe.run.seed)
-            n_tok = sum(s.num_response for s in batch)
-            for s in batch:
-                s.fields = {"scale": torch.full((s.num_response,), 1.0 / n_tok)}
-            stats = engine.train_step(batch, sft_loss)
-            dt = time.time() - t0
-            metrics = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
-                       "tokens": n_tok, "tokens_per_s": sum(len(s.input_ids) for s in batch) / dt,
-                       "epoch": step / per_epoch, "skipped": stats["skipped"]}
-            every = recipe.sft.eval_every
-            if every and (step + 1) % every == 0 and step + 1 < total:
+            batch = batch_for_step(samples, step, cfg.batch_size, recipe.run.seed)
+            stats = sft_step(engine, batch)
+            metrics = {**stats, "tokens_per_s": sum(len(s.input_ids) for s in batch) / (time.time() - t0),
+                       "epoch": step / per_epoch}
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
                 metrics.update(_validate(loaded, engine, tokenizer, run, step + 1))
             run.log(step + 1, metrics, echo=(step + 1) % 10 == 0 or step + 1 == total)
             bar.advance(task)
-            if (step + 1) % recipe.sft.save_every == 0 or step + 1 == total:
+            if (step + 1) % cfg.save_every == 0 or step + 1 == total:
                 with run.writing_checkpoint(step + 1) as d:
                     engine.save(d)
-    final = engine.export_hf(run.final_model_dir, tokenizer)
-    run.finish(token_columns=("tokens",))  # before the evaluation, which records this run's cost
-    results = {}
-    if recipe.eval.benchmarks and is_rank_zero():
-        from rlrecipe.eval.runner import evaluate_model_dir
+    return finish_stage(stage, engine, token_columns=("tokens",))
 
-        results = evaluate_model_dir(loaded, final, Run(loaded, "eval", subdir="eval").dir)
-        for name, s in results.items():
-            console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}")
-    return results
+
+def resume_sft(engine, run: Run) -> int:
+    """The step to start from: 0, or the checkpoint the run chose (its later metrics dropped)."""
+    ckpt = run.latest_checkpoint()
+    if ckpt is None:
+        return 0
+    engine.load(ckpt)
+    run.truncate_metrics(engine.steps_done)
+    console.print(f"resumed from {ckpt} at step {engine.steps_done}")
+    return engine.steps_done
+
+
+def sft_step(engine, batch: list[TrainSample]) -> dict[str, float]:
+    """One optimizer step: mean NLL over the batch's response tokens."""
+    n_tok = sum(s.num_response for s in batch)
+    for s in batch:
+        s.fields = {"scale": torch.full((s.num_response,), 1.0 / n_tok)}
+    stats = engine.train_step(batch, sft_loss)
+    return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"], "tokens": n_tok,
+            "skipped": stats["skipped"]}
 
 
 def _validate(loaded: LoadedRecipe, engine, tokenizer, run: Run, step: int) -> dict[str, float]:

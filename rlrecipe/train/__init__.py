@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlrecipe.recipe import Recipe
+from rlrecipe.recipe import ModelSection, TrainerSection
 
 
-def make_train_engine(recipe: Recipe, model_dir: str | Path, total_steps: int, temperature: float = 1.0):
-    tr = recipe.trainer
-    if tr.engine == "deepspeed":
+def make_train_engine(trainer: TrainerSection, model: ModelSection, model_dir: str | Path, total_steps: int,
+                      temperature: float = 1.0):
+    """The engine `trainer.engine` names, loading `model_dir` as `model` (dtype, attention,
+    checkpointing) describes it; `temperature` divides the logits as the rollout's sampler did."""
+    kwargs = dict(dtype=model.dtype, temperature=temperature, gradient_checkpointing=model.gradient_checkpointing,
+                  attn_implementation=model.attn_implementation)
+    if trainer.engine == "deepspeed":
         from rlrecipe.train.deepspeed_engine import DeepSpeedTrainEngine
 
-        return DeepSpeedTrainEngine(model_dir, tr, total_steps, dtype=recipe.model.dtype, temperature=temperature,
-                                    gradient_checkpointing=recipe.model.gradient_checkpointing,
-                                    attn_implementation=recipe.model.attn_implementation)
+        return DeepSpeedTrainEngine(model_dir, trainer, total_steps, **kwargs)
     from rlrecipe.train.torch_engine import TorchTrainEngine
 
-    return TorchTrainEngine(model_dir, tr, total_steps, dtype=recipe.model.dtype, temperature=temperature,
-                            gradient_checkpointing=recipe.model.gradient_checkpointing,
-                            attn_implementation=recipe.model.attn_implementation)
+    return TorchTrainEngine(model_dir, trainer, total_steps, **kwargs)

@@ -27,9 +27,8 @@ directory and every rank reads its own back on resume. Resume with the same npro
 
 Rank 0 alone writes run records (recipe, env.json, metrics.jsonl, W&B, checkpoint markers)
 and prints; the other ranks compute and join collective checkpoint saves
-(`make_run` returns a `Run` that does this). Multi-process RL is not supported yet (the rollout
-engine, grading and the prompt pool would have to live on rank 0 and broadcast each batch);
-RL with the DeepSpeed engine runs with nproc * nodes == 1.
+(`rlrecipe.rank_run.make_run` returns a `Run` that does this). In RL, rank 0 also owns the
+rollout engine, the prompt pool and the grader, and broadcasts each graded batch to every rank.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import TypeVar
 
@@ -202,75 +200,3 @@ def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False, overw
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tr.nproc)))
     rc = subprocess.call(cmd, env=env)
     raise SystemExit(rc)
-
-
-# -- run records written by rank 0 only ----------------------------------------------------------
-def make_run(loaded: LoadedRecipe, stage: str, resume: bool = False, subdir: str | None = None,
-             overwrite: bool = False):
-    """A `Run` for this process: the plain one in a single process; rank-aware under torchrun.
-
-    A training stage's model and data are checked first, so a stage that cannot start fails
-    before its run directory is touched."""
-    from rlrecipe.preflight import check_stage_inputs
-    from rlrecipe.runs import Run
-
-    if stage in ("sft", "rl"):
-        broadcast_from_rank_zero(lambda: check_stage_inputs(loaded, stage))
-    if world_size() == 1:
-        return Run(loaded, stage, resume=resume, subdir=subdir, overwrite=overwrite)
-    return _rank_aware_run_class()(loaded, stage, resume=resume, subdir=subdir, overwrite=overwrite)
-
-
-def _rank_aware_run_class():
-    from rlrecipe.runs import Run
-
-    class RankAwareRun(Run):
-        """Rank 0 is a normal Run; the others know the paths, write nothing, and join checkpoints."""
-
-        def __init__(self, loaded, stage, resume=False, subdir=None, overwrite=False):
-            if is_rank_zero():
-                def start():
-                    super(RankAwareRun, self).__init__(loaded, stage, resume=resume, subdir=subdir,
-                                                       overwrite=overwrite)
-                    return self.resume_from
-
-                broadcast_from_rank_zero(start)
-                return
-            # rank 0 made the directories and chose the checkpoint to resume from (or failed)
-            self.resume_from = broadcast_from_rank_zero(lambda: None)
-            self.loaded, self.recipe, self.stage = loaded, loaded.recipe, stage
-            self.run_dir = self.recipe.run.dir
-            self.dir = self.run_dir / subdir if subdir else self.run_dir
-            self.ckpt_dir = self.dir / "checkpoints"
-            self.metrics_path = self.dir / "metrics.jsonl"
-            self._wandb = None
-
-        def truncate_metrics(self, after_step: int) -> None:
-            if is_rank_zero():
-                super().truncate_metrics(after_step)
-
-        def log(self, step, metrics, echo: bool = True) -> None:
-            if is_rank_zero():
-                super().log(step, metrics, echo=echo)
-
-        def finish(self, token_columns: tuple[str, ...] = ()) -> None:
-            if is_rank_zero():
-                super().finish(token_columns)
-
-        @contextmanager
-        def writing_checkpoint(self, step: int):
-            """Every rank writes its part into rank 0's temp dir; rank 0 renames it when all are done."""
-            outer = super().writing_checkpoint(step) if is_rank_zero() else None
-            tmp = broadcast_from_rank_zero(lambda: outer.__enter__())
-            try:
-                yield tmp
-                barrier()  # all parts written
-            except BaseException:
-                if outer is not None:
-                    outer.__exit__(*sys.exc_info())
-                raise
-            if outer is not None:
-                outer.__exit__(None, None, None)
-            barrier()  # the checkpoint is in place before anyone goes on
-
-    return RankAwareRun

@@ -1,0 +1,61 @@
+"""What every training stage (SFT, RL) does around its loop.
+
+start: check the recipe has training data, open the run directory (rank-aware), seed, resolve
+the model every rank trains (rank 0 resolves, the others receive the path), load its tokenizer.
+finish: export the final HF model, write the run summary, then evaluate the final model on the
+recipe's benchmarks (rank 0) and print the scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlrecipe.errors import UserError
+from rlrecipe.modeling import load_tokenizer, resolve_model_dir
+from rlrecipe.rank_run import make_run
+from rlrecipe.recipe import LoadedRecipe, Recipe
+from rlrecipe.runs import Run, console, resolve_init
+from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
+
+TRAIN_DATA = {"sft": "an SFT dataset", "rl": "an RL prompt set"}
+
+
+@dataclass
+class Stage:
+    loaded: LoadedRecipe
+    run: Run
+    model_dir: Path
+    tokenizer: Any
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.loaded.recipe
+
+
+def start_stage(loaded: LoadedRecipe, name: str, resume: bool, overwrite: bool) -> Stage:
+    recipe = loaded.recipe
+    if not recipe.data.train:
+        raise UserError(f"{loaded.path}: data.train: {TRAIN_DATA[name]} is required")
+    run = make_run(loaded, name, resume=resume, overwrite=overwrite)  # under torchrun: rank 0 alone writes
+    torch.manual_seed(recipe.run.seed)
+    model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
+        recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))
+    return Stage(loaded, run, Path(model_dir), load_tokenizer(model_dir))
+
+
+def finish_stage(stage: Stage, trainer, token_columns: tuple[str, ...]) -> dict:
+    """The final model, the run's cost summary, then its evaluation (which records that cost)."""
+    final = trainer.export_hf(stage.run.final_model_dir, stage.tokenizer)
+    stage.run.finish(token_columns=token_columns)
+    if not (stage.recipe.eval.benchmarks and is_rank_zero()):
+        return {}
+    from rlrecipe.eval.runner import evaluate_model_dir
+
+    results = evaluate_model_dir(stage.loaded, final, Run(stage.loaded, "eval", subdir="eval").dir)
+    for name, s in results.items():
+        console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}")
+    return results

@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
-	$(BIN)/python -m rlrecipe.demo
+	$(BIN)/python -m scripts.demo
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
@@ -39,13 +39,13 @@ bench-sglang: $(STAMP)
 	$(BIN)/python -m bench.c3po_compare --model $(BENCH_MODEL)
 
 reproduce-aime: $(STAMP)
-	$(BIN)/python -m rlrecipe.reproduce
+	$(BIN)/python -m scripts.reproduce
 
 gpu-smoke: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check rlrecipe cli eval tests bench
+	$(BIN)/ruff check rlrecipe cli eval tests bench scripts
 
 clean:
 	rm -rf runs .cache

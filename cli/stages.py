@@ -63,7 +63,7 @@ def eval_(recipe: Annotated[Path | None, typer.Argument(help="recipe; default: t
           model: Annotated[str | None, typer.Option(help="model dir; default: the run's final export")] = None,
           set_: SetOpt = None) -> None:
     """Evaluate avg@n / pass@k on the recipe's benchmarks; record results."""
-    from rlrecipe.eval.runner import run_eval_command
+    from rlrecipe.cli.evaluate import run_eval_command
 
     run_eval_command(recipe, model, set_ or [])
 
@@ -79,7 +79,7 @@ def grade(file: Path, out: Annotated[Path | None, typer.Option(help="graded JSON
 def results(json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
             write: Annotated[bool, typer.Option(help="regenerate RESULTS.md")] = True) -> None:
     """Print recorded evaluation results (and regenerate RESULTS.md)."""
-    from rlrecipe.eval.report import results_command
+    from rlrecipe.cli.results import results_command
 
     results_command(as_json=json_, write=write)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,16 +16,6 @@ from typing import Any
 from rlrecipe.errors import UserError
 
 REQUIRED = {"recipe": str, "model": str, "benchmark": str, "avg": (int, float)}
-
-# Published numbers (percent, avg over sampled responses on AIME) that the recipes reproduce.
-PUBLISHED: list[dict[str, Any]] = [
-    {"model": "AReaL-boba-RL-7B", "how": "RL (critic-free PPO) from R1-Distill-Qwen-7B",
-     "recipe": "recipes/7b_boba.yaml", "aime24": 61.9, "aime25": 48.3},
-    {"model": "AReaL-boba-SFT-32B", "how": "SFT of R1-Distill-Qwen-32B on 200 examples",
-     "recipe": "recipes/32b_200.yaml", "aime24": 78.8, "aime25": 62.1},
-    {"model": "R1-Distill-Qwen-7B", "how": "base model of the RL recipe",
-     "recipe": None, "aime24": 55.0, "aime25": 39.7},
-]
 
 HEADER = """# Results
 
@@ -210,13 +199,29 @@ def seeds_table(groups: list[dict[str, Any]]) -> str:
                    "experiment sha256"], rows)
 
 
-def published_table() -> str:
-    rows = [[p["model"], p["how"], f"{p['aime24']:.1f}", f"{p['aime25']:.1f}", p["recipe"] or "-"]
-            for p in PUBLISHED]
-    return _table(["Model", "What", "AIME24", "AIME25", "Recipe"], rows)
+def published_references(recipes_dir: str | Path = "recipes") -> list[dict[str, Any]]:
+    """The published numbers the shipped recipes declare (`eval.benchmarks[].reference.avg`),
+    one entry per recipe that declares any: the recipes are their single source."""
+    from rlrecipe.recipe import load_recipe
+
+    out = []
+    for path in sorted(Path(recipes_dir).rglob("*.yaml")):
+        recipe = load_recipe(path).recipe
+        refs = {b.name: b.reference["avg"] for b in recipe.eval.benchmarks if "avg" in b.reference}
+        if refs:
+            out.append({"recipe": path.as_posix(), "model": recipe.model.path or recipe.run.init_from or "-",
+                        "references": refs})
+    return out
 
 
-def render_results_md(results: list[dict[str, Any]]) -> str:
+def published_table(published: list[dict[str, Any]]) -> str:
+    benches = sorted({b for p in published for b in p["references"]})
+    rows = [[p["recipe"], p["model"], *(f"{p['references'][b]:.1f}" if b in p["references"] else "-"
+                                         for b in benches)] for p in published]
+    return _table(["Recipe", "Model", *benches], rows)
+
+
+def render_results_md(results: list[dict[str, Any]], published: list[dict[str, Any]] | None = None) -> str:
     parts = [HEADER, "## Recorded results\n"]
     if not results:
         parts.append("No results are recorded yet. `rlrecipe eval <recipe>` records one per benchmark;\n"
@@ -238,10 +243,12 @@ def render_results_md(results: list[dict[str, Any]]) -> str:
         parts.append("Runs of one recipe that differ only in `run.seed` (and run name or output folder),\n"
                      "e.g. `--set run.seed=2 --set run.name=NAME-seed2`: the spread a single number carries.\n")
         parts.append(seeds_table(groups))
-    parts.append("## Published reference numbers\n")
-    parts.append("AIME accuracy (percent) reported by AReaL-boba (inclusionAI/AReaL) for the released\n"
-                 "models that the recipes reproduce.\n")
-    parts.append(published_table())
+    if published:
+        parts.append("## Published reference numbers\n")
+        parts.append("AIME accuracy (percent, avg over sampled responses) published for the models the\n"
+                     "recipes reproduce or compare against (AReaL-boba, inclusionAI/AReaL; DeepSeek-R1), as\n"
+                     "each recipe declares it in `eval.benchmarks[].reference`.\n")
+        parts.append(published_table(published))
     return "\n".join(parts)
 
 
@@ -250,7 +257,8 @@ def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, An
     from rlrecipe.runs import atomic_write_text
 
     path = Path(path)
-    atomic_write_text(path, render_results_md(collect_results(runs_dir) if results is None else results))
+    published = published_references() if Path("recipes").is_dir() else []
+    atomic_write_text(path, render_results_md(collect_results(runs_dir) if results is None else results, published))
     return path
 
 
@@ -268,35 +276,17 @@ def public_record(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def results_command(as_json: bool = False, write: bool = True, runs_dir: str | Path = "runs",
-                    path: str | Path = "RESULTS.md") -> list[dict[str, Any]]:
-    """Print the recorded results (rich table or JSON list) and regenerate RESULTS.md."""
-    from rich.console import Console
-    from rich.table import Table
+CONSOLE_HEADER = ["recipe", "model", "benchmark", "avg@n ± se", "n", "pass@k", "published", "sha256", "commit",
+                  "date"]
 
-    from rlrecipe.runs import console as err_console
 
-    results = collect_results(runs_dir)
-    if write:
-        try:
-            written = write_results_md(path, results)
-        except OSError as err:
-            raise UserError(f"{path}: cannot write: {err}") from None
-        err_console.print(f"wrote {written} ({len(results)} result(s))", highlight=False)
-    if as_json:
-        sys.stdout.write(json.dumps([public_record(r) for r in results], indent=2) + "\n")
-        return results
-    out = Console() if sys.stdout.isatty() else Console(width=200)
-    if not results:
-        out.print(f"no results recorded yet under {runs_dir}/ (run `rlrecipe eval <recipe>`)", highlight=False)
-        return results
-    table = Table("recipe", "model", "benchmark", "avg@n ± se", "n", "pass@k", "published", "sha256",
-                  "commit", "date", title="Recorded results (percent)")
+def console_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """The rows `rlrecipe results` prints, under CONSOLE_HEADER."""
+    rows = []
     for r in results:
         ref = _reference(r)
         pass_k = "  ".join(f"@{k} {_pct(v)}" for k, v in r.get("pass_at_k", {}).items())
-        table.add_row(r["recipe"], r["model"], r["benchmark"], _avg_cell(r), str(r.get("n", "-")),
-                      pass_k or "-", f"{ref:.1f}" if ref is not None else "-",
-                      _short(r.get("recipe_sha256"), 12), _commit(r), _date(r))
-    out.print(table)
-    return results
+        rows.append([r["recipe"], r["model"], r["benchmark"], _avg_cell(r), str(r.get("n", "-")), pass_k or "-",
+                     f"{ref:.1f}" if ref is not None else "-", _short(r.get("recipe_sha256"), 12), _commit(r),
+                     _date(r)])
+    return rows

@@ -18,10 +18,10 @@ from rlrecipe.eval.samples import SampleJournal, digest, model_fingerprint, samp
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import row_prompt_ids
 from rlrecipe.errors import UserError
-from rlrecipe.recipe import LoadedRecipe, Recipe, load_recipe
+from rlrecipe.recipe import LoadedRecipe, Recipe
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
-from rlrecipe.runs import Run, atomic_write_text, console, git_state, latest_run
+from rlrecipe.runs import atomic_write_text, console, git_state
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 
@@ -147,30 +147,3 @@ def evaluate_model_dir(loaded: LoadedRecipe, model_dir: str | Path, out_dir: Pat
                                        recipe_path=loaded.path, recipe_sha256=loaded.sha256, resume=True)
     finally:
         engine.close()
-
-
-def run_eval_command(recipe_path: Path | None, model: str | None, overrides: list[str]) -> dict[str, dict]:
-    if recipe_path is None:
-        last = latest_run()
-        if last is None:
-            raise UserError("no run yet: train first (e.g. `rlrecipe sft recipes/tiny_sft.yaml`) "
-                            "or give a recipe: `rlrecipe eval RECIPE --model PATH`")
-        console.print(f"evaluating the latest run: {last}")
-        # the run's own resolved recipe, reported under the recipe path it was started from
-        loaded = load_recipe(last / "recipe.yaml", overrides)
-        started_from = json.loads((last / "env.json").read_text()).get("recipe_path")
-        if started_from:
-            loaded = loaded.model_copy(update={"path": started_from})
-    else:
-        loaded = load_recipe(recipe_path, overrides)
-    run = Run(loaded, "eval", subdir="eval")
-    model_dir = model or str(run.final_model_dir)
-    summaries = evaluate_model_dir(loaded, model_dir, run.dir)
-    for name, s in summaries.items():
-        shown = "  ".join(f"pass@{k}={v:.3f}" for k, v in s["pass_at_k"].items())
-        console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}  {shown}")
-        run.log(0, {f"{name}/avg": s["avg"], f"{name}/stderr": s["stderr"]}, echo=False)
-    from rlrecipe.eval.report import write_results_md
-
-    write_results_md()
-    return summaries

@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from rlrecipe.eval.report import collect_results, render_results_md, results_command, write_results_md
+from rlrecipe.cli.results import results_command
+from rlrecipe.eval.report import collect_results, published_references, render_results_md, write_results_md
 from typer.testing import CliRunner
 
 from rlrecipe.errors import UserError
+
+from .conftest import REPO
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA_A = "a" * 12 + "0" * 52
@@ -80,10 +83,22 @@ def test_render_rows(runs):
     assert a25["avg@n ± se"] == "47.5 ± 2.0" and a25["published"] == "-" and a25["commit"] == "fedcba9+dirty"
     assert tiny["greedy"] == "75.0" and tiny["n"] == "4" and tiny["recipe sha256"] == "b" * 12
     assert "12,345,678" in md  # the sampling and cost table
-    # the published references are always there
-    assert _rows(md, "AReaL-boba-RL-7B")[0][2:4] == ["61.9", "48.3"]
-    assert _rows(md, "AReaL-boba-SFT-32B")[0][2:4] == ["78.8", "62.1"]
-    assert _rows(md, "R1-Distill-Qwen-7B")[0][2:4] == ["55.0", "39.7"]
+    assert "Published reference numbers" not in md  # none given
+
+
+def test_published_numbers_come_from_the_shipped_recipes(monkeypatch):
+    monkeypatch.chdir(REPO)
+    published = published_references()
+    by_recipe = {p["recipe"]: p for p in published}
+    assert by_recipe["recipes/7b_boba.yaml"]["references"] == {"aime24": 61.9, "aime25": 48.3}
+    assert by_recipe["recipes/32b_200.yaml"]["references"] == {"aime24": 78.8, "aime25": 62.1}
+    assert by_recipe["recipes/r1_distill_7b_eval.yaml"]["references"] == {"aime24": 55.0, "aime25": 39.7}
+    assert "recipes/tiny_rl.yaml" not in by_recipe  # declares no reference
+    md = render_results_md([], published)
+    section = md[md.index("## Published reference numbers"):]
+    assert "| Recipe | Model | aime24 | aime25 |" in section
+    row = _rows(section, "recipes/32b_200.yaml")[0]
+    assert row[2:] == ["78.8", "62.1"] and "32B" in row[1]
 
 
 def test_across_seeds_mean_and_spread(tmp_path):
@@ -103,7 +118,6 @@ def test_across_seeds_mean_and_spread(tmp_path):
 def test_render_empty():
     md = render_results_md([])
     assert "No results are recorded yet" in md and "| Recipe | Model |" not in md
-    assert "61.9" in md and "78.8" in md and "39.7" in md
 
 
 def test_bad_summary_names_the_file(tmp_path):

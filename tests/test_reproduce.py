@@ -4,19 +4,19 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from rlrecipe import reproduce
 from rlrecipe.recipe import load_recipe
+from scripts import reproduce
 
 from .conftest import REPO
 from .helpers import TINY_MODEL, write_recipe
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_without_gpus_it_stops_at_once_saying_what_it_needs():
-    if torch.cuda.is_available():
-        return
-    r = subprocess.run([sys.executable, "-m", "rlrecipe.reproduce"], cwd=REPO, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "scripts.reproduce"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
     assert "needs CUDA GPUs" in r.stderr and "128 GPUs" in r.stderr and r.stdout == ""

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from rlrecipe.errors import UserError
 from rlrecipe.manifest import check_manifest
+from rlrecipe.rank_run import make_run
 from rlrecipe.recipe import LoadedRecipe, RecipeError, recipe_from_dict
 from rlrecipe.runlock import RunDirBusy
 from rlrecipe.runs import Run, read_metrics
-from rlrecipe.rank_run import make_run
 
 from .helpers import write_recipe, write_tiny_data
 

@@ -55,7 +55,7 @@ def rl(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: 
     from rlrecipe.train.launch import maybe_relaunch
 
     loaded = _load(recipe, set_)
-    maybe_relaunch("rl", loaded, resume, overwrite)  # multi-process RL is refused with a clear message
+    maybe_relaunch("rl", loaded, resume, overwrite)  # several DeepSpeed processes: run under torchrun, exit
     run_rl(loaded, resume=resume, overwrite=overwrite)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlrecipe.data.templates import row_prompt_ids
+from rlrecipe.errors import UserError
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.base import RolloutEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
@@ -23,8 +24,18 @@ from rlrecipe.trajectory_store import load_trajectories, save_trajectories
 class PromptStream:
     """Endless, seeded, epoch-shuffled stream of RL prompts; its cursor is checkpointed."""
 
-    def __init__(self, rows: list[dict], tokenizer, template: str, seed: int, shuffle: bool = True):
-        self.rows, self.tokenizer, self.template = rows, tokenizer, template
+    def __init__(self, rows: list[dict], tokenizer, template: str, seed: int, shuffle: bool = True,
+                 max_prompt_tokens: int | None = None):
+        """A prompt longer than `max_prompt_tokens` (after the template) is left out and counted in
+        `skipped_too_long`, as AReaL filters its RL set by prompt length when loading it."""
+        self.tokenizer, self.template = tokenizer, template
+        self.rows, self.skipped_too_long = rows, 0
+        if max_prompt_tokens is not None:
+            self.rows = [r for r in rows if len(row_prompt_ids(tokenizer, r, template)) <= max_prompt_tokens]
+            self.skipped_too_long = len(rows) - len(self.rows)
+            if rows and not self.rows:
+                raise UserError(f"data.max_prompt_tokens: all {len(rows)} prompts are longer than "
+                                f"{max_prompt_tokens} tokens")
         self.seed, self.shuffle = seed, shuffle
         self.cursor = 0
         self._order: tuple[int, list[int]] | None = None

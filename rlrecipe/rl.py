@@ -44,7 +44,8 @@ def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer,
     """Rank 0's share of a step: roll out under the budget, then grade."""
     batch, roll = pool.collect(engine, params, seed=seed)
     grade(batch, tokenizer, grader, cfg)
-    roll.extra = {"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed}
+    roll.extra = {"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
+                  "prompts_skipped_too_long": pool.stream.skipped_too_long}
     return batch, roll
 
 
@@ -183,7 +184,11 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
 # -- the loop's plumbing ------------------------------------------------------------------------
 def make_pool(recipe: Recipe, tokenizer) -> RolloutPool:
     stream = PromptStream(load_rows(recipe.data.train, "rl"), tokenizer, recipe.data.prompt_template,
-                          recipe.run.seed, recipe.data.shuffle)
+                          recipe.run.seed, recipe.data.shuffle, max_prompt_tokens=recipe.data.max_prompt_tokens)
+    if stream.skipped_too_long:
+        console.print(f"{recipe.data.train}: {stream.skipped_too_long} of "
+                      f"{stream.skipped_too_long + len(stream.rows)} prompts are longer than data.max_prompt_tokens "
+                      f"= {recipe.data.max_prompt_tokens} and are left out", highlight=False)
     return RolloutPool(recipe.rl, stream)
 
 

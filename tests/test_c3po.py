@@ -1,6 +1,9 @@
 import json
 
+import pytest
+
 from rlrecipe.c3po import PromptStream, RolloutPool
+from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.inprocess import InProcessEngine
@@ -27,10 +30,15 @@ def _setup(model_dir, **c3po):
 def test_budget_ends_the_phase_and_unfinished_rollouts_carry_over(tiny_model_dir):
     pool, engine = _setup(tiny_model_dir)
     params = SamplingParams(max_new_tokens=40)
+    head = pool.in_flight[0].group_id
     finished, stats = pool.collect(engine, params, seed=1)
     assert sum(len(t.response_ids) for t in finished) >= 60
     assert all(t.done for t in finished)
-    assert {t.group_id for t in finished} == {"p0@0"} or len(finished) >= 3
+    # the group 30 tokens ahead reaches max_new_tokens first; anything else that ended this early
+    # ended on eos
+    ahead = [t for t in finished if t.group_id == head]
+    assert len(ahead) == 3 and all(len(t.response_ids) == 40 and t.status == Status.TRUNCATED for t in ahead)
+    assert all(t.response_ids[-1] == engine.eos for t in finished if t.group_id != head)
     assert stats.pool_size == len(pool.in_flight) > 0
     assert all(t.status == Status.RUNNING and t.age == 1 for t in pool.in_flight)
     assert len(finished) + len(pool.in_flight) <= 12 + 3 * 4  # capacity plus refills within the phase
@@ -86,3 +94,17 @@ def test_pool_round_trips_through_its_array_checkpoint(tiny_model_dir, tmp_path)
         (pool.stream.cursor, pool.total_dropped, pool.total_resumed)
     # the engine's log-probs are float32 values, so the array form loses nothing
     assert [t.to_dict() for t in other.in_flight] == [t.to_dict() for t in pool.in_flight]
+
+
+def test_prompts_over_max_prompt_tokens_are_left_out_and_counted(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    rows = [{"id": f"p{i}", "prompt": "Add " + " and ".join(["12"] * (1 + 3 * i)) + ".", "answers": ["0"]}
+            for i in range(6)]
+    lengths = [len(PromptStream([r], tok, "plain", seed=0).next_group(1)[0].prompt_ids) for r in rows]
+    assert lengths == sorted(lengths) and len(set(lengths)) == 6
+    limit = lengths[2]  # rows 0, 1, 2 fit (a prompt exactly at the limit is kept)
+    stream = PromptStream(rows, tok, "plain", seed=0, shuffle=False, max_prompt_tokens=limit)
+    assert stream.skipped_too_long == 3
+    assert [stream.next_group(1)[0].group_id for _ in range(4)] == ["p0@0", "p1@1", "p2@2", "p0@3"]
+    with pytest.raises(UserError, match="data.max_prompt_tokens"):
+        PromptStream(rows, tok, "plain", seed=0, max_prompt_tokens=lengths[0] - 1)

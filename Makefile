@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-all demo bench bench-sglang reproduce-aime gpu-smoke lint clean
+.PHONY: install install-gpu test test-fast demo bench bench-sglang reproduce-aime gpu-smoke lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,8 +24,13 @@ install-gpu:
 	$(BIN)/pip install -e '.[dev,gpu]'
 	touch $(STAMP)
 
+# Everything CI runs. For the edit loop, `make test-fast` leaves out the tests marked slow
+# (subprocess-heavy: DeepSpeed ranks, servers, whole stages; about half the wall time).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 demo: $(STAMP)
 	$(BIN)/python -m scripts.demo

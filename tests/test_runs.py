@@ -262,3 +262,21 @@ def test_the_manifest_lists_every_file_with_size_and_sha256(tmp_path):
     files = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert set(files) == {"model/model.safetensors", "progress.json"}
     assert files["model/model.safetensors"] == {"size": 200, "sha256": hashlib.sha256(b"ab" * 100).hexdigest()}
+
+
+def test_run_records_and_offline_wandb(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    recipe = recipe_from_dict({"run": {"name": "r", "output_dir": str(tmp_path), "tracking": {"wandb": True}},
+                               "model": {"tiny": {}}})
+    run = Run(LoadedRecipe(recipe=recipe, path="r.yaml"), "sft")
+    run.log(1, {"loss": 1.5, "tokens": 10}, echo=False)
+    run.log(2, {"loss": 1.0, "tokens": 7}, echo=False)
+    run.finish(token_columns=("tokens",))
+    env = json.loads((tmp_path / "r" / "env.json").read_text())
+    assert env["recipe_sha256"] == recipe.sha256() and env["seed"] == 1 and "commit" in env and "dirty" in env
+    assert env["packages"]["torch"] and env["python"]
+    assert (tmp_path / "r" / "recipe.sha256").read_text().split()[0] == recipe.sha256()
+    assert json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])["loss"] == 1.5
+    cost = json.loads((tmp_path / "r" / "run_summary.json").read_text())
+    assert cost["tokens_total"] == 17 and cost["gpus"] == 0 and cost["gpu_hours_this_session"] == 0
+    assert list((tmp_path / "r").rglob("offline-run-*")), "W&B wrote an offline run"

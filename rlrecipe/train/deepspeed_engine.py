@@ -60,6 +60,7 @@ from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample
 from rlrecipe.train.launch import barrier, init_distributed
 from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, load_state, make_scheduler, restore_rng
+from rlrecipe.train.varlen_attention import training_attention
 
 CKPT_SUBDIR = "deepspeed"
 CKPT_TAG = "state"
@@ -136,7 +137,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.ds_config = build_ds_config(cfg, dtype, self.world, ds_config_overrides)
         self.zero3 = cfg.zero_stage == 3
         self.partitioned_load = False
-        model = self._load_model(model_dir, dtype, attn_implementation)
+        accelerator = torch.device(get_accelerator().current_device_name())
+        model = self._load_model(model_dir, dtype, training_attention(attn_implementation, accelerator))
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,

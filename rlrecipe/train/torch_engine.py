@@ -23,6 +23,7 @@ from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample
 from rlrecipe.train.logprobs import response_logprobs
+from rlrecipe.train.varlen_attention import training_attention
 
 
 def capture_rng() -> dict:
@@ -65,7 +66,8 @@ class TorchTrainEngine:
                  temperature: float = 1.0, gradient_checkpointing: bool = False, attn_implementation: str = "sdpa"):
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_model(model_dir, dtype, attn_implementation).to(self.device)
+        # packed micro-batches attend per document (sdpa on CPU would mask a full T x T)
+        self.model = load_model(model_dir, dtype, training_attention(attn_implementation, self.device)).to(self.device)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.temperature = temperature

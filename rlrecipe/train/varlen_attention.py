@@ -1,0 +1,63 @@
+"""Attention that follows the documents of a packed micro-batch on CPU (cost sum L_i^2, not T^2).
+
+Training packs several sequences into one row whose position ids restart at each sequence.
+Under `sdpa`, transformers turns that into a block-diagonal T x T mask and computes attention
+over the whole row, masked: packing then costs more than padding. flash-attention's varlen
+kernels avoid that on GPU (cumulative sequence lengths from the position ids); this is the same
+idea for CPU: one causal scaled-dot-product attention per document, registered with
+transformers' attention interface as `varlen_sdpa`.
+
+transformers builds no mask for an implementation it does not know, so this one is only for
+inputs with no padding: a single packed row (the training engines' only input). A batch of
+several rows or an attention mask is refused rather than silently attended across.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "varlen_sdpa"
+
+
+def document_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each document in a packed row: a document starts where its position is 0."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == 0).reshape(-1).tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    ends = [*starts[1:], pos.numel()]
+    return list(zip(starts, ends, strict=True))
+
+
+def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        position_ids: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D] (transformers' layout)."""
+    if query.shape[0] != 1 or attention_mask is not None or position_ids is None:
+        raise ValueError(f"{NAME} attends one packed row with position ids and no mask; got batch {query.shape[0]}, "
+                         f"mask {'set' if attention_mask is not None else 'none'}")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{NAME} has no sliding window")
+    gqa = query.shape[1] != key.shape[1]
+    outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
+                                           is_causal=True, scale=scaling, enable_gqa=gqa)
+            for s, e in document_bounds(position_ids)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make `varlen_sdpa` a name transformers' models accept; returns it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_sdpa_forward)
+    return NAME
+
+
+def training_attention(configured: str, device: torch.device) -> str:
+    """The attention a training engine loads its model with: `sdpa` on CPU becomes the
+    per-document `varlen_sdpa`; CUDA keeps what the recipe asks (flash_attention_2 is varlen there)."""
+    if configured == "sdpa" and device.type == "cpu":
+        return register()
+    return configured

@@ -97,8 +97,9 @@ def bench_packing(budget: int = 2048, repeats: int = 3) -> dict:
     bins = allocate_microbatches(lengths, budget)
     packed_s = seconds_per_call(lambda: engine.train_step(samples, sft_loss), repeats)
 
-    # padded baseline: same sequences, same number of sequences per micro-batch, right-padded
-    model = engine.model
+    # padded baseline: same weights, same sequences, same number of sequences per micro-batch,
+    # right-padded, under transformers' sdpa (the engine's packed attention takes one row only)
+    model = load_model(MODEL, "float32", "sdpa")
     per_mb = max(1, len(samples) // len(bins))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

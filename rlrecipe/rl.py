@@ -43,9 +43,11 @@ def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer,
                    seed: int):
     """Rank 0's share of a step: roll out under the budget, then grade."""
     batch, roll = pool.collect(engine, params, seed=seed)
+    t0 = time.time()
     grade(batch, tokenizer, grader, cfg)
     roll.extra = {"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
-                  "prompts_skipped_too_long": pool.stream.skipped_too_long}
+                  "prompts_skipped_too_long": pool.stream.skipped_too_long,
+                  "graded": len(batch), "grade_s": time.time() - t0}  # grade_s is part of rollout_s
     return batch, roll
 
 

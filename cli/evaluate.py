@@ -9,8 +9,9 @@ from rlrecipe.eval.report import write_results_md
 from rlrecipe.eval.runner import evaluate_model_dir
 
 from rlrecipe.errors import UserError
-from rlrecipe.recipe import load_recipe
-from rlrecipe.runs import Run, console, latest_run
+from rlrecipe.modeling import hub_snapshot, model_record
+from rlrecipe.recipe import LoadedRecipe, load_recipe
+from rlrecipe.runs import Run, console, latest_run, record_model
 
 
 def run_eval_command(recipe_path: Path | None, model: str | None, overrides: list[str]) -> dict[str, dict]:
@@ -28,7 +29,7 @@ def run_eval_command(recipe_path: Path | None, model: str | None, overrides: lis
     else:
         loaded = load_recipe(recipe_path, overrides)
     run = Run(loaded, "eval", subdir="eval")
-    model_dir = model or str(run.final_model_dir)
+    model_dir = model_to_evaluate(loaded, run, model)
     summaries = evaluate_model_dir(loaded, model_dir, run.dir)
     for name, s in summaries.items():
         shown = "  ".join(f"pass@{k}={v:.3f}" for k, v in s["pass_at_k"].items())
@@ -36,3 +37,20 @@ def run_eval_command(recipe_path: Path | None, model: str | None, overrides: lis
         run.log(0, {f"{name}/avg": s["avg"], f"{name}/stderr": s["stderr"]}, echo=False)
     write_results_md()
     return summaries
+
+
+def model_to_evaluate(loaded: LoadedRecipe, run: Run, model: str | None) -> Path:
+    """--model, else the run's final export, else the recipe's model.path (a hub id at
+    model.revision, resolved to its snapshot and recorded as a training start would be)."""
+    section = loaded.recipe.model
+    if model is not None:
+        local = Path(model)
+        if local.is_dir():
+            return local
+        return hub_snapshot(model, section.revision if model == section.path else None)
+    final = run.final_model_dir
+    if (final / "config.json").exists() or section.path is None:
+        return final  # evaluate_model_dir says to train first when it is missing
+    path = hub_snapshot(section.path, section.revision)
+    record_model(run.dir, model_record(path, section.revision))
+    return path

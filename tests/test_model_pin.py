@@ -95,3 +95,26 @@ def test_raw_training_template_needs_an_eval_template():
     data = recipe_from_dict({"run": {"name": "r"}, "model": {"tiny": {}},
                              "data": {"prompt_template": "raw", "eval_template": "areal_boba"}}).data
     assert data.eval_prompt_template == "areal_boba"
+
+
+def test_eval_of_a_hub_model_reads_the_pinned_revision(tmp_path, hub_cache):
+    from rlrecipe.cli.evaluate import model_to_evaluate
+
+    recipe = recipe_from_dict({"run": {"name": "base", "output_dir": str(tmp_path / "runs")},
+                               "model": {"path": "org/r1", "revision": COMMIT}})
+    loaded = LoadedRecipe(recipe=recipe, path="r.yaml")
+    run = Run(loaded, "eval", subdir="eval")
+    assert model_to_evaluate(loaded, run, None).resolve() == hub_cache.resolve()
+    env = json.loads((run.dir / "env.json").read_text())
+    assert env["model"]["revision_resolved"] == COMMIT and env["stage"] == "eval"
+    # --model naming the recipe's hub id keeps its pin; another revision cannot be had offline
+    assert model_to_evaluate(loaded, run, "org/r1").resolve() == hub_cache.resolve()
+    run.release()
+    other = LoadedRecipe(recipe=recipe_from_dict({"run": {"name": "other", "output_dir": str(tmp_path / "runs")},
+                                                  "model": {"path": "org/r1", "revision": OTHER}}), path="o.yaml")
+    with pytest.raises(RecipeError, match=f"revision {OTHER}"):
+        model_to_evaluate(other, Run(other, "eval", subdir="eval"), None)
+    # a run's own final export comes first
+    final = run.final_model_dir
+    create_tiny(TinyModel(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64), final, 1)
+    assert model_to_evaluate(loaded, run, None) == final

@@ -334,6 +334,9 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         if not rng_file.exists():
             raise UserError(f"{ckpt_dir}: no DeepSpeed state for rank {self.rank} (resume with the same "
                             "trainer.nproc * trainer.nodes and trainer.engine: deepspeed)")
+        from rlrecipe.train.deepspeed_safe_load import use_weights_only_loading
+
+        use_weights_only_loading(self.engine)  # a tampered file cannot run code while loading
         path, client = self.engine.load_checkpoint(str(ds_dir), tag=CKPT_TAG, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if path is None:

@@ -10,8 +10,8 @@ from rlrecipe.cli import grade as grade_cmd
 from rlrecipe.cli import plan as plan_cmd
 from rlrecipe.cli import stages
 
+from rlrecipe.console import console
 from rlrecipe.errors import UserError
-from rlrecipe.runs import console
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Reproducible RL-from-verifiable-rewards recipes: data -> sft -> rl -> eval.")

@@ -68,9 +68,9 @@ def grade_file(file: Path | str, out: Path | str | None = None, timeout: float =
 
     Each row gains `extracted`, `correct`, `timed_out` and `reward` (the RL defaults' values).
     """
+    from rlrecipe.atomic_io import atomic_write_text
     from rlrecipe.recipe import RLSection
     from rlrecipe.reward import Grader, reward_of
-    from rlrecipe.runs import atomic_write_text
 
     if not (0 < timeout < math.inf):  # NaN fails this too
         raise UserError(f"--timeout must be a positive number of seconds, got {timeout}")

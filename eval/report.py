@@ -247,7 +247,7 @@ def render_results_md(results: list[dict[str, Any]]) -> str:
 
 def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, Any]] | None = None,
                      runs_dir: str | Path = "runs") -> Path:
-    from rlrecipe.runs import atomic_write_text
+    from rlrecipe.atomic_io import atomic_write_text
 
     path = Path(path)
     atomic_write_text(path, render_results_md(collect_results(runs_dir) if results is None else results))
@@ -274,7 +274,7 @@ def results_command(as_json: bool = False, write: bool = True, runs_dir: str | P
     from rich.console import Console
     from rich.table import Table
 
-    from rlrecipe.runs import console as err_console
+    from rlrecipe.console import console as err_console
 
     results = collect_results(runs_dir)
     if write:

@@ -8,12 +8,13 @@ import time
 
 import torch
 
+from rlrecipe.console import console
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import sft_token_ids
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_tokenizer, resolve_model_dir
 from rlrecipe.recipe import LoadedRecipe
-from rlrecipe.runs import Run, console, resolve_init
+from rlrecipe.runs import Run, resolve_init
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero, make_run

@@ -6,17 +6,19 @@ import sys
 
 import typer
 from rlrecipe.cli import data as data_cmd
+from rlrecipe.cli import grade as grade_cmd
 from rlrecipe.cli import plan as plan_cmd
 from rlrecipe.cli import stages
 
+from rlrecipe.console import console
 from rlrecipe.errors import UserError
-from rlrecipe.runs import console
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Reproducible RL-from-verifiable-rewards recipes: data -> sft -> rl -> eval.")
 app.add_typer(data_cmd.app, name="data")
 stages.register(app)
 app.command()(plan_cmd.plan)
+app.command()(grade_cmd.grade)
 
 
 def main() -> None:

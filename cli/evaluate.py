@@ -8,10 +8,11 @@ from pathlib import Path
 from rlrecipe.eval.report import write_results_md
 from rlrecipe.eval.runner import evaluate_model_dir
 
+from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import hub_snapshot, model_record
 from rlrecipe.recipe import LoadedRecipe, load_recipe
-from rlrecipe.runs import Run, console, latest_run, record_model
+from rlrecipe.runs import Run, latest_run, record_model
 
 
 def run_eval_command(recipe_path: Path | None, model: str | None, overrides: list[str]) -> dict[str, dict]:

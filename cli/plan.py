@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from rlrecipe.console import console
 from rlrecipe.errors import UserError
-from rlrecipe.runs import console
 
 
 def plan(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")],

@@ -15,8 +15,8 @@ from rlrecipe.eval.report import (
     write_results_md,
 )
 
+from rlrecipe.console import console as err_console
 from rlrecipe.errors import UserError
-from rlrecipe.runs import console as err_console
 
 
 def results_command(as_json: bool = False, write: bool = True, runs_dir: str | Path = "runs",

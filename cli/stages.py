@@ -68,14 +68,6 @@ def eval_(recipe: Annotated[Path | None, typer.Argument(help="recipe; default: t
     run_eval_command(recipe, model, set_ or [])
 
 
-def grade(file: Path, out: Annotated[Path | None, typer.Option(help="graded JSONL")] = None,
-          timeout: Annotated[float, typer.Option(help="seconds per answer")] = 2.0) -> None:
-    """Grade JSONL rows with `response` and `answer`/`answers`."""
-    from rlrecipe.reward import grade_file
-
-    grade_file(file, out, timeout)
-
-
 def results(json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
             write: Annotated[bool, typer.Option(help="regenerate RESULTS.md")] = True) -> None:
     """Print recorded evaluation results (and regenerate RESULTS.md)."""
@@ -108,7 +100,6 @@ def register(app: typer.Typer) -> None:
     app.command()(sft)
     app.command()(rl)
     app.command(name="eval")(eval_)
-    app.command()(grade)
     app.command()(results)
     app.command()(serve)
     app.command()(plot)

@@ -254,7 +254,7 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
 
 def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, Any]] | None = None,
                      runs_dir: str | Path = "runs") -> Path:
-    from rlrecipe.runs import atomic_write_text
+    from rlrecipe.atomic_io import atomic_write_text
 
     path = Path(path)
     published = published_references() if Path("recipes").is_dir() else []

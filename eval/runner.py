@@ -15,13 +15,15 @@ from pathlib import Path
 from rlrecipe.eval.metrics import summarize
 from rlrecipe.eval.samples import SampleJournal, digest, model_fingerprint, sample_seed
 
+from rlrecipe.atomic_io import atomic_write_text
+from rlrecipe.console import console
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import row_prompt_ids
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
-from rlrecipe.runs import atomic_write_text, console, git_state
+from rlrecipe.runs import git_state
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 

@@ -14,8 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.errors import UserError
-from rlrecipe.runs import atomic_write_text
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".json")
 

@@ -16,13 +16,15 @@ import torch
 
 from rlrecipe.algo.advantages import sequence_advantages
 from rlrecipe.algo.ppo import aggregation_scale, mismatch_weights, policy_loss
+from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.c3po import PromptStream, RolloutPool
+from rlrecipe.console import console
 from rlrecipe.data.io import load_rows
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe, RLSection, RolloutSection
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
-from rlrecipe.runs import Run, atomic_write_text, console
+from rlrecipe.runs import Run
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample

@@ -14,14 +14,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
+from rlrecipe.atomic_io import atomic_write_text
+from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.manifest import check_manifest, write_manifest
 from rlrecipe.recipe import LoadedRecipe, RecipeError
 from rlrecipe.runlock import RunLock
-
-console = Console(stderr=True)
 
 KEY_PACKAGES = ["torch", "transformers", "tokenizers", "datasets", "math-verify", "deepspeed", "pydantic", "sglang"]
 
@@ -76,12 +74,6 @@ def record_model(run_dir: Path, record: dict[str, Any]) -> None:
     env = json.loads(path.read_text())
     env["model"] = record
     atomic_write_text(path, json.dumps(env, indent=2))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class Run:

@@ -8,11 +8,12 @@ import time
 
 import torch
 
+from rlrecipe.console import console
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import sft_token_ids
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe
-from rlrecipe.runs import Run, console
+from rlrecipe.runs import Run
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample

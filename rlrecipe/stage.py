@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
+from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_tokenizer, resolve_model_dir
 from rlrecipe.rank_run import make_run
 from rlrecipe.recipe import LoadedRecipe, Recipe
-from rlrecipe.runs import Run, console, resolve_init
+from rlrecipe.runs import Run, resolve_init
 from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
 
 TRAIN_DATA = {"sft": "an SFT dataset", "rl": "an RL prompt set"}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.data.convert import ConversionReport, convert_file
 from rlrecipe.data.io import write_jsonl_atomic
 from rlrecipe.data.registry import (
@@ -36,7 +37,6 @@ from rlrecipe.data.registry import (
     lock_key,
     lock_path,
     record_lock,
-    write_text_atomic,
 )
 from rlrecipe.errors import UserError
 
@@ -199,7 +199,7 @@ def _convert_and_write(raw_path: Path, kind: str, name: str, dest: Path, source_
     meta = {**provenance, "kind": kind, "written": str(out_path), "rows_read": report.total,
             "rows_kept": report.kept, "rows_converted": report.converted, "rows_rejected": report.rejected,
             "rejected_reasons": dict(report.reasons), "changes": dict(report.changes), "written_at": _utc_now()}
-    write_text_atomic(out_dir / "source.json", json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out_dir / "source.json", json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out_path, report
 
 

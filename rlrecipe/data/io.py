@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from rlrecipe.atomic_io import atomic_open
 from rlrecipe.errors import UserError
 
 REQUIRED = {"rl": ("id", "prompt", "answers"), "sft": ("id", "prompt", "response"), "eval": ("id", "problem", "answer")}
@@ -145,15 +144,9 @@ def write_jsonl_atomic(path: str | Path, rows: Iterable[dict]) -> int:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     n = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                n += 1
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path) as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
     return n

@@ -8,13 +8,12 @@ and refuse a file whose sha256 changed.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.errors import UserError
 
 REGISTRY_PATH = Path(__file__).resolve().parents[2] / "data" / "registry.yaml"
@@ -109,17 +108,7 @@ def record_lock(dest: Path, key: str, record: dict) -> Path:
     data = load_lock(dest)
     data[key] = record
     path = lock_path(dest)
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
 
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

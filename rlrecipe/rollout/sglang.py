@@ -55,11 +55,11 @@ from pathlib import Path
 
 import requests
 
+from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import Recipe, SGLangServer
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
 from rlrecipe.rollout.http_pool import HttpPool, Post, PostFailed
-from rlrecipe.runs import console
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 LOG_NAME = "sglang_server_{i}.log"

@@ -117,7 +117,7 @@ def _destroy_process_group() -> None:
 
 def quiet_other_ranks() -> None:
     """Only rank 0 prints: the shared rich console goes silent on the others."""
-    from rlrecipe.runs import console
+    from rlrecipe.console import console
 
     if not is_rank_zero():
         console.quiet = True

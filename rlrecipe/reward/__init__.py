@@ -1,0 +1,36 @@
+r"""Reward: the one grading path shared by RL rewards, training-time validation and final eval.
+
+A response is graded by taking the content of its last ``\boxed{...}`` and comparing it with the
+reference answer(s):
+
+1. Fast path, in the calling process, no math-verify (`answers`): after light normalisation
+   (``\text{}`` wrappers, ``$``, spaces, ``\left``/``\right``, ``\dfrac``) the answer equals a
+   reference, or both are plain integers (``070 == 70``). This keeps integer-answer RL on tiny
+   tasks cheap.
+2. Otherwise math-verify (`parse` + `verify`, run by `worker`) decides, in a pool of worker
+   processes with a hard time limit per answer (`grader`).
+"""
+
+from rlrecipe.reward.answers import extract_boxed, fast_grade, normalize_answer
+from rlrecipe.reward.grader import (
+    DEFAULT_TIMEOUT,
+    Grader,
+    GradeResult,
+    default_workers,
+    grade_trajectories,
+    reward_of,
+)
+from rlrecipe.reward.worker import math_verify_correct
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Grader",
+    "GradeResult",
+    "default_workers",
+    "extract_boxed",
+    "fast_grade",
+    "grade_trajectories",
+    "math_verify_correct",
+    "normalize_answer",
+    "reward_of",
+]

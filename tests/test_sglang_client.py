@@ -18,7 +18,8 @@ import torch
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe import SGLangServer, recipe_from_dict
-from rlrecipe.rollout.sglang import SGLangEngine, sglang_sampling_params
+from rlrecipe.rollout.sglang import SGLangEngine
+from rlrecipe.rollout.sglang_api import sglang_sampling_params
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 BOOT_TIMEOUT_S = 90
@@ -330,7 +331,7 @@ def test_distributed_weight_sync_broadcasts_into_the_server(server, tok, tiny_mo
         # the server refuses a tensor it has no place for, at once and by name; the group is dropped
         with pytest.raises(UserError, match="not_a_weight"):
             eng.update_weights_from_state({"not_a_weight": torch.zeros(3)}, 9)
-        assert eng._group is None and eng.version == 3
+        assert eng._broadcast.group is None and eng.version == 3
     finally:
         eng.close()
 

@@ -22,6 +22,7 @@ from rlrecipe.modeling import load_tokenizer, resolve_model_dir
 from rlrecipe.recipe import LoadedRecipe, RLSection
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
+from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
 from rlrecipe.runs import Run, atomic_write_text, console, resolve_init
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
@@ -164,7 +165,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
             run.truncate_metrics(start)
             console.print(f"resumed from {ckpt} at step {start}")
     engine = make_rollout_engine(recipe, model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
-    via_disk = recipe.rollout.engine != "inprocess" and recipe.rollout.sglang.weight_sync == "disk"
+    via_disk = weight_transport(recipe.rollout.engine, recipe.rollout.sglang) is WeightTransport.DISK
     if ckpt is not None:
         push_weights(trainer, engine, run, tokenizer, start, via_disk)
     ro = recipe.rollout

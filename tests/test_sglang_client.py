@@ -144,6 +144,23 @@ def test_sampling_params_and_response_mapping():
         eng.close()
 
 
+def test_one_decision_picks_the_weight_transport():
+    from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
+
+    disk, distributed = SGLangServer(weight_sync="disk"), SGLangServer(weight_sync="distributed")
+    assert weight_transport("inprocess", distributed) is WeightTransport.IN_MEMORY
+    assert weight_transport("sglang", disk) is WeightTransport.DISK
+    assert weight_transport("sglang", distributed) is WeightTransport.BROADCAST
+    # the engine follows the same decision: with disk sync it refuses weights in memory
+    eng = SGLangEngine(["http://127.0.0.1:9"], eos_token_id=1, cfg=disk)
+    try:
+        assert eng.transport is WeightTransport.DISK
+        with pytest.raises(NotImplementedError, match="weight_sync"):
+            eng.update_weights_from_state({}, 1)
+    finally:
+        eng.close()
+
+
 # -- against `rlrecipe serve` ---------------------------------------------------------------------
 def test_server_speaks_the_sglang_api(server, tok):
     url = server["url"]

@@ -40,6 +40,7 @@ from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
 from rlrecipe.rollout.http_pool import HttpPool, Post, PostFailed
 from rlrecipe.rollout.sglang_api import apply_output, context_length, generate_payload, sglang_sampling_params
 from rlrecipe.rollout.sglang_server import ServerProcess, launch_servers, model_arg
+from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
 from rlrecipe.runs import console
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
@@ -88,6 +89,7 @@ class SGLangEngine(RolloutEngine):
         # every /generate goes through one asyncio thread, at most max_concurrency open per server
         self._http = HttpPool(len(self.urls), max_concurrency)
         self.cfg = cfg or SGLangServer()
+        self.transport = weight_transport("sglang", self.cfg)
         self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
         self._broadcast: WeightBroadcast | None = None  # weight_sync: distributed, made on first use
         self._failed: set[int] = set()  # servers that died or hung under this engine
@@ -411,7 +413,7 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:
         """Broadcast the weights into the servers (weight_sync: distributed); nothing touches disk."""
-        if self.cfg.weight_sync != "distributed":
+        if self.transport is not WeightTransport.BROADCAST:
             raise NotImplementedError("SGLangEngine takes weights from disk unless rollout.sglang.weight_sync "
                                       "is distributed")
         self._check_alive()

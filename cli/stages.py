@@ -81,7 +81,7 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
           dtype: Annotated[str, typer.Option()] = "float32") -> None:
     """Serve a model over the SGLang HTTP API subset, on the in-process engine (CPU)."""
     try:
-        from rlrecipe.rollout.serve import serve_forever
+        from rlrecipe.serve.http_server import serve_forever
     except ImportError as err:
         raise UserError(f"serve is not available: {err}") from None
     serve_forever(model, host=host, port=port, dtype=dtype)

@@ -24,6 +24,7 @@ from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe, RLSection, RolloutSection
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
+from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
 from rlrecipe.runs import Run
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
@@ -152,9 +153,9 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
                                 temperature=recipe.rollout.temperature)
     start = resume_rl(run, trainer, pool)
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
-    via_disk = recipe.rollout.engine != "inprocess" and recipe.rollout.sglang.weight_sync == "disk"
+    transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang)
     if start:
-        push_weights(trainer, engine, run, tokenizer, start, via_disk)
+        push_weights(trainer, engine, run, tokenizer, start, transport)
     params = sampling_params(recipe.rollout)
     guard = BadStepGuard(cfg.max_bad_steps)
     t_start = time.time()
@@ -170,7 +171,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
                     weights = attach_ppo_fields(samples, batch, logp_old, cfg)
                     update = ppo_update(trainer, samples, cfg)
                     guard.check(update, step + 1)
-                    push_weights(trainer, engine, run, tokenizer, step + 1, via_disk)
+                    push_weights(trainer, engine, run, tokenizer, step + 1, transport)
                 metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **pool_metrics(roll),
                            **timer.seconds, "gen_tokens_per_s": roll.generated_tokens / max(timer.seconds["rollout_s"], 1e-9)}
                 if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
@@ -261,20 +262,20 @@ def resume_rl(run: Run, trainer, pool: RolloutPool | None) -> int:
     return start
 
 
-def push_weights(trainer, engine, run: Run, tokenizer, version: int, via_disk: bool) -> None:
-    """In memory for the in-process engine, by broadcast for SGLang with weight_sync distributed,
-    else through an HF export on disk.
+def push_weights(trainer, engine, run: Run, tokenizer, version: int, transport: WeightTransport) -> None:
+    """In memory (in-process engine) or by broadcast (SGLang, weight_sync distributed): the
+    trainer's tensors; on disk: an HF export the servers load.
 
     Gathering a sharded trainer's weights is collective: every rank calls this; rank 0 (the one
     holding the engine) pushes."""
-    if not via_disk:
-        state = trainer.rollout_state()
-        if engine is not None:
-            engine.update_weights_from_state(state, version)
-    else:
+    if transport is WeightTransport.DISK:
         export = trainer.export_hf(Path(run.dir) / "weights_for_rollout", tokenizer)
         if engine is not None:
             engine.update_weights_from_disk(export, version)
+        return
+    state = trainer.rollout_state()
+    if engine is not None:
+        engine.update_weights_from_state(state, version)
 
 
 def validate(loaded: LoadedRecipe, engine, tokenizer, grader: Grader, run: Run, step: int) -> dict[str, float]:

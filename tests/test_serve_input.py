@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rlrecipe.rollout.serve import make_server
+from rlrecipe.serve.http_server import make_server
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ import torch
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe import SGLangServer, recipe_from_dict
-from rlrecipe.rollout.sglang import SGLangEngine, sglang_sampling_params
+from rlrecipe.rollout.sglang import SGLangEngine
+from rlrecipe.rollout.sglang_api import sglang_sampling_params
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 BOOT_TIMEOUT_S = 90
@@ -139,6 +140,23 @@ def test_sampling_params_and_response_mapping():
         eng._apply(t, {"meta_info": {"finish_reason": {"type": "length", "length": 3},
                                      "output_token_logprobs": [[-1.0, 9, None]] * 3}}, params, 1, 0)
         assert t.status == Status.TRUNCATED and t.versions == [0, 1, 1, 1]
+    finally:
+        eng.close()
+
+
+def test_one_decision_picks_the_weight_transport():
+    from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
+
+    disk, distributed = SGLangServer(weight_sync="disk"), SGLangServer(weight_sync="distributed")
+    assert weight_transport("inprocess", distributed) is WeightTransport.IN_MEMORY
+    assert weight_transport("sglang", disk) is WeightTransport.DISK
+    assert weight_transport("sglang", distributed) is WeightTransport.BROADCAST
+    # the engine follows the same decision: with disk sync it refuses weights in memory
+    eng = SGLangEngine(["http://127.0.0.1:9"], eos_token_id=1, cfg=disk)
+    try:
+        assert eng.transport is WeightTransport.DISK
+        with pytest.raises(NotImplementedError, match="weight_sync"):
+            eng.update_weights_from_state({}, 1)
     finally:
         eng.close()
 
@@ -330,7 +348,7 @@ def test_distributed_weight_sync_broadcasts_into_the_server(server, tok, tiny_mo
         # the server refuses a tensor it has no place for, at once and by name; the group is dropped
         with pytest.raises(UserError, match="not_a_weight"):
             eng.update_weights_from_state({"not_a_weight": torch.zeros(3)}, 9)
-        assert eng._group is None and eng.version == 3
+        assert eng._broadcast.group is None and eng.version == 3
     finally:
         eng.close()
 

@@ -1,0 +1,222 @@
+"""SGLang server processes: the launch command, port checks, start, stop (also at exit and when we die).
+
+`rollout.sglang.num_servers` servers are launched on this node as `python -m sglang.launch_server`
+(or `rollout.sglang.launch_cmd`), on ports base_port + i, each in its own process group with its
+log in `<run_dir>/sglang_server_{i}.log`. A server is stopped with SIGTERM to its group, then
+SIGKILL; every server still running is stopped at interpreter exit, and (Linux, PDEATHSIG) when
+this process dies hard.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlrecipe.errors import UserError
+from rlrecipe.recipe import SGLangServer
+
+LOG_NAME = "sglang_server_{i}.log"
+
+
+def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
+                      seed: int) -> list[str]:
+    """`python -m sglang.launch_server ...` for server `index` (its GPUs start at index * tp * dp)."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
+            "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
+            "--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", dtype,
+            "--random-seed", str(seed), "--base-gpu-id", str(index * cfg.tp_size * cfg.dp_size),
+            *cfg.extra_args]
+
+
+def fill_placeholders(template: Sequence[str], **values) -> list[str]:
+    """Substitute the known {placeholders} only (other braces, e.g. in a `-c` script, stay)."""
+    out = []
+    for part in template:
+        for key, value in values.items():
+            part = part.replace("{" + key + "}", str(value))
+        out.append(part)
+    return out
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+_LIBC = None
+
+
+def _pdeathsig_hook():
+    """A preexec_fn asking the kernel to SIGTERM the child when this process dies (Linux), or None.
+
+    libc is loaded here, in the parent: the child, forked from a threaded process, only calls it.
+    """
+    global _LIBC
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        prctl = _LIBC.prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+_LIVE: set[ServerProcess] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _stop_all_at_exit() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for server in live:
+        server.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+@dataclass(eq=False)
+class ServerProcess:
+    """One launched server: its own process group, its log file, a clean stop."""
+
+    index: int
+    url: str
+    cmd: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {' '.join(self.cmd)}\n".encode())
+            log.flush()
+            in_main = threading.current_thread() is threading.main_thread()
+            try:
+                self.proc = subprocess.Popen(
+                    self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=self.env, start_new_session=True,
+                    # SGLang stops its own children when it dies; this stops it when we die hard.
+                    # (PDEATHSIG follows the forking *thread*, so only from the main thread.)
+                    preexec_fn=_pdeathsig_hook() if in_main else None)
+            except OSError as err:
+                raise UserError(f"cannot start SGLang server {self.index} ({self.cmd[0]}): {err}") from None
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 1) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        kept = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("=== ")]
+        return " | ".join(kept[-lines:])
+
+    def crash_error(self, what: str = "exited") -> UserError:
+        last = self.log_tail()
+        hint = f"; last log line: {last[:300]!r}" if last else ""
+        return UserError(f"SGLang server {self.index} ({self.url}) {what} with code {self.exit_code}{hint}; "
+                         f"full log: {self.log_path}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM to the whole process group, then SIGKILL after `timeout` seconds."""
+        proc = self.proc
+        if proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)  # the group outlives a dead leader: always signal it
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=wait_s)
+                if sig == signal.SIGTERM:
+                    # children the server left behind in its group
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+
+
+
+def model_arg(model_dir: str | Path) -> str:
+    """An absolute path when it is a local directory (servers have their own cwd), else as given (hub id)."""
+    p = Path(model_dir)
+    return str(p.resolve()) if p.exists() else str(model_dir)
+
+
+def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bfloat16",
+                   run_dir: str | Path | None = None, seed: int = 0,
+                   launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
+                   env: dict[str, str] | None = None) -> list[ServerProcess]:
+    """Start `cfg.num_servers` servers on base_port + i (not yet healthy); on failure none is left running.
+
+    `launch_cmd` (or `cfg.launch_cmd`) replaces the SGLang command: a list with placeholders
+    {model} {host} {port} {index} {dtype} {seed}, or a callable (index, port) -> argv.
+    """
+    template = launch_cmd if launch_cmd is not None else (cfg.launch_cmd or None)
+    if template is None and importlib.util.find_spec("sglang") is None:
+        raise UserError("rollout.engine=sglang: SGLang is not installed here (GPU machines: "
+                        "`make install-gpu`); attach to running servers with rollout.urls, set "
+                        "rollout.sglang.launch_cmd, or use rollout.engine=inprocess")
+    run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
+    model = model_arg(model_dir)
+    servers: list[ServerProcess] = []
+    try:
+        for i in range(cfg.num_servers):
+            port = cfg.base_port + i
+            if not port_free(cfg.host, port):
+                raise UserError(f"rollout.sglang.base_port: port {port} on {cfg.host} is already in use "
+                                "(another server still running? pick another base_port, or attach to it "
+                                "with rollout.urls)")
+            values = dict(model=model, host=cfg.host, port=port, index=i, dtype=dtype, seed=seed)
+            if template is None:
+                cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed)
+            elif callable(template):
+                cmd = list(template(i, port))
+            else:
+                cmd = fill_placeholders(template, **values)
+            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+            server = ServerProcess(i, f"http://{host}:{port}", cmd, run_dir / LOG_NAME.format(i=i),
+                                   env={**os.environ, **(env or {})})
+            servers.append(server)
+            server.start()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers

@@ -1,0 +1,29 @@
+"""`rlrecipe serve`: a CPU server speaking SGLang's native HTTP API on top of the in-process engine.
+
+It stands in for SGLang where SGLang cannot run: the tests start it as a real process, and users
+without a GPU serve with it. The SGLang rollout path (client, server lifecycle, health checks,
+partial rollouts, weight sync, the router) then runs unchanged against it:
+`rollout.sglang.launch_cmd` set to
+`["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"]`, or a server started
+by hand and attached with `rollout.urls`.
+
+Endpoints (request and response shapes as SGLang's): POST /generate (input_ids or text, single
+or batch; sampling_params; return_logprob; rid), POST /abort_request, POST
+/update_weights_from_disk (flushes the cache, as SGLang's does), POST|GET /flush_cache,
+POST /init_weights_update_group + /update_weights_from_distributed + /destroy_weights_update_group
+(the trainer broadcasts tensors into this process, see rollout/weight_sync.py), GET /health,
+GET /health_generate, GET /model_info (and its old name /get_model_info), GET
+/server_info (context_length). As in SGLang (without --allow-auto-truncate), a request whose
+input + max_new_tokens exceeds the context length is refused with HTTP 400.
+
+Also: stop strings (`sampling_params.stop`: the text is cut before the match unless
+no_stop_trim; finish_reason matched is the string) and `n` parallel samples (results prompt by
+prompt, rids suffixed _0.._n-1, a list even for one prompt), and `stream` for one prompt (server-
+sent events, each with the output so far, as SGLang streams by default). Not supported (HTTP
+400): batch streams, logprob_start_len >= 0 (prompt log-probs), min_new_tokens. `ignore_eos`
+runs to max_new_tokens.
+
+Modules: `protocol` (request parsing and validation, response bodies), `scheduler` (batches
+requests onto the in-process engine, applies aborts and weight updates), `http_server` (the
+endpoints, the server, `serve_forever`).
+"""

@@ -1,0 +1,214 @@
+"""The HTTP side of `rlrecipe serve`: SGLang's endpoints over the scheduler, and the server's lifecycle."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from rlrecipe.errors import UserError
+from rlrecipe.serve.protocol import BadRequest, GenRequest, build_requests, response_body
+from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
+
+
+def make_handler(sched: Scheduler):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive for the engine's sessions
+        server_version = "rlrecipe-serve"
+
+        def log_message(self, format, *args):  # noqa: A002 - stdlib signature
+            pass  # one line per request would drown the log; the scheduler reports instead
+
+        def _send(self, code: int, body: dict | list | str | None = None) -> None:
+            if body is None:
+                data, ctype = b"", "text/plain"
+            elif isinstance(body, str):
+                data, ctype = body.encode(), "text/plain; charset=utf-8"
+            else:
+                data, ctype = json.dumps(body).encode(), "application/json"
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _reply(self, result: dict) -> None:
+            """A control endpoint's {success, message, ...}: HTTP 400 when it did not succeed, as SGLang."""
+            self._send(200 if result["success"] else 400, result)
+
+        def _error(self, code: int, msg: str) -> None:
+            self._send(code, {"object": "error", "message": msg, "type": "BadRequest" if code == 400 else "Error",
+                              "code": code})
+
+        def _body(self) -> dict:
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                raise BadRequest("Content-Length must be an integer") from None
+            if n < 0:  # read(-1) would wait for the client to close the connection
+                raise BadRequest("Content-Length must not be negative")
+            raw = self.rfile.read(n) if n else b""
+            if not raw:
+                return {}
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            return body
+
+        def do_GET(self):  # noqa: N802 - stdlib naming
+            path = self.path.split("?")[0]
+            if path == "/health":
+                self._send(200)
+            elif path == "/health_generate":
+                probe = GenRequest(rid=f"HEALTH_CHECK_{time.time()}", input_ids=[0], max_new_tokens=1, temperature=0.0,
+                                   top_p=1.0, top_k=0, stop_ids=frozenset(), return_logprob=False,
+                                   return_text_in_logprobs=False, skip_special_tokens=True, no_stop_trim=False)
+                sched.submit([probe])
+                self._send(200 if probe.done.wait(20) and probe.finish.get("type") != "abort" else 503)
+            elif path in ("/model_info", "/get_model_info"):
+                self._send(200, {"model_path": sched.model_path, "tokenizer_path": sched.model_path,
+                                 "served_model_name": sched.model_path, "is_generation": True,
+                                 "preferred_sampling_params": None, "weight_version": sched.weight_version})
+            elif path in ("/server_info", "/get_server_info"):
+                self._send(200, {"model_path": sched.model_path, "context_length": sched.context_len,
+                                 "max_req_input_len": sched.context_len - 1, "tp_size": 1, "dp_size": 1,
+                                 "version": "rlrecipe-serve"})
+            elif path == "/get_weight_version":
+                self._send(200, {"weight_version": sched.weight_version})
+            elif path == "/flush_cache":
+                self._flush()
+            else:
+                self._error(404, f"no route GET {path}")
+
+        def _stream(self, r: GenRequest) -> None:
+            """Server-sent events as SGLang sends them by default: each event holds the whole output
+            so far; the last one is the final response; then `data: [DONE]`. A client that hangs
+            up aborts its request."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def event(data: bytes) -> None:
+                self.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            sent = 0
+            try:
+                while True:
+                    finished = r.done.wait(0.02)
+                    if finished or len(r.logprobs) > sent:
+                        sent = len(r.logprobs)
+                        event(b"data: " + json.dumps(response_body(r, sched.tokenizer, sched.weight_version)).encode() + b"\n\n")
+                    if finished:
+                        break
+                event(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                sched.abort(r.rid)
+
+        def _flush(self):
+            self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
+                            "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+        def do_POST(self):  # noqa: N802 - stdlib naming
+            path = self.path.split("?")[0]
+            try:
+                body = self._body()
+                if path in ("/generate", "/generate/"):
+                    reqs, batch = build_requests(body, sched)
+                    if body.get("stream") and (batch or len(reqs) != 1):
+                        raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
+                    sched.submit(reqs)
+                    if body.get("stream"):
+                        self._stream(reqs[0])
+                        return
+                    for r in reqs:
+                        r.done.wait()
+                    outs = [response_body(r, sched.tokenizer, sched.weight_version) for r in reqs]
+                    self._send(200, outs if batch else outs[0])
+                elif path == "/abort_request":
+                    n = sched.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+                    if n:
+                        log(f"abort {body.get('rid') or 'all'}: {n} request(s)")
+                    self._send(200)
+                elif path == "/update_weights_from_disk":
+                    if not body.get("model_path"):
+                        raise BadRequest("model_path is required")
+                    log(f"update_weights_from_disk {body['model_path']}")
+                    self._reply(sched.update_weights(str(body["model_path"]), body.get("weight_version")))
+                elif path == "/init_weights_update_group":
+                    self._reply(sched.init_group(body))
+                elif path == "/update_weights_from_distributed":
+                    self._reply(sched.update_weights_from_distributed(body))
+                elif path == "/destroy_weights_update_group":
+                    self._reply(sched.destroy_group(body))
+                elif path == "/flush_cache":
+                    self._flush()
+                else:
+                    self._error(404, f"no route POST {path}")
+            except BadRequest as err:
+                self._error(400, str(err))
+            except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+                self._error(400, f"bad request: {err!r}")
+
+        def do_PUT(self):  # noqa: N802 - SGLang accepts PUT on /generate
+            self.do_POST()
+
+    return Handler
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 4096  # the engine opens hundreds of connections at once (stdlib default: 5)
+
+
+def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
+                chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0,
+                join_timeout_s: float = JOIN_TIMEOUT_S) -> tuple[Server, Scheduler]:
+    from rlrecipe.modeling import DTYPES, load_tokenizer
+    from rlrecipe.rollout.inprocess import InProcessEngine
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if not (Path(model) / "config.json").exists():
+        raise UserError(f"{model}: no model there (an HF directory with config.json)")
+    t0 = time.time()
+    tokenizer = load_tokenizer(model)
+    engine = InProcessEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             dtype=dtype, max_batch=max_batch)
+    context_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 1 << 30)
+    sched = Scheduler(engine, tokenizer, str(model), context_len, chunk_tokens=chunk_tokens, seed=seed,
+                      join_timeout_s=join_timeout_s)
+    try:
+        server = Server((host, port), make_handler(sched))
+    except OSError as err:
+        raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    log(f"loaded {model} ({dtype}, context {context_len}) in {time.time() - t0:.1f}s")
+    sched.start()
+    return server, sched
+
+
+def serve_forever(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
+                  chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0) -> None:
+    server, sched = make_server(model, host, port, dtype, chunk_tokens=chunk_tokens, max_batch=max_batch, seed=seed)
+
+    def _terminate(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    log(f"rlrecipe serve: ready on http://{host}:{port} (SGLang API subset; CPU in-process engine)")
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        log("shutting down")
+        sched.stop()
+        sched.thread.join(timeout=30)  # let the chunk in progress finish: torch must not die mid-op
+        server.server_close()
+        sys.stdout.flush()

@@ -1,0 +1,175 @@
+"""SGLang's /generate protocol: requests parsed and validated, responses shaped as SGLang's."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlrecipe.serve.scheduler import Scheduler
+
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos",
+                 "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens", "stop", "min_new_tokens",
+                 "n", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "sampling_seed"}
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_ids: frozenset[int]
+    return_logprob: bool
+    return_text_in_logprobs: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    stop_strs: tuple[str, ...] = ()
+    ignore_eos: bool = False  # throughput tests: run to max_new_tokens (the engine stops at eos; the next chunk goes on)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict | None = None
+    abort: bool = False
+    arrived: float = field(default_factory=time.time)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def key(self) -> tuple:
+        return (self.temperature, self.top_p, self.top_k)
+
+    def finish_with(self, reason: dict) -> None:
+        self.finish = reason
+        self.done.set()
+
+
+def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
+    sp = dict(sp or {})
+    unknown = set(sp) - SAMPLING_KEYS
+    if unknown:
+        raise BadRequest(f"unknown sampling_params: {sorted(unknown)}")
+    stop = sp.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
+        raise BadRequest("sampling_params.stop must be a string or a list of non-empty strings")
+    if sp.get("min_new_tokens"):
+        raise BadRequest("sampling_params.min_new_tokens is not supported by rlrecipe serve")
+    n = sp.get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise BadRequest("sampling_params.n must be an integer >= 1")
+    for k, neutral in (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                       ("repetition_penalty", 1.0)):
+        if sp.get(k, neutral) != neutral:
+            raise BadRequest(f"sampling_params.{k} is not supported by rlrecipe serve")
+    temperature = float(sp.get("temperature", 1.0))
+    top_p = float(sp.get("top_p", 1.0))
+    top_k = int(sp.get("top_k", -1))
+    if not 0 <= temperature < math.inf or not 0 < top_p <= 1 or (top_k < 1 and top_k != -1):  # NaN fails too
+        raise BadRequest(f"bad sampling_params: temperature={temperature} top_p={top_p} top_k={top_k} "
+                         "(top_k must be -1 (off) or >= 1)")
+    max_new = int(sp.get("max_new_tokens", 128))
+    if max_new < 0:
+        raise BadRequest("sampling_params.max_new_tokens must be >= 0")
+    # as SGLang without --allow-auto-truncate: a request that cannot fit is refused, not shortened
+    if n_input >= context_len:
+        raise BadRequest(f"The input ({n_input} tokens) is longer than the model's context length "
+                         f"({context_len} tokens).")
+    if n_input + max_new > context_len:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} "
+                         f"tokens: {n_input} input + {max_new} new.")
+    return {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p,
+            "top_k": 0 if top_k == -1 else top_k, "stop_ids": frozenset(int(t) for t in sp.get("stop_token_ids") or []),
+            "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
+            "no_stop_trim": bool(sp.get("no_stop_trim", False)), "stop_strs": tuple(stop), "n": n,
+            "ignore_eos": bool(sp.get("ignore_eos", False))}
+
+
+
+def _as_list(value, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"{name}: {len(value)} entries for a batch of {n}")
+        return value
+    return [value] * n
+
+
+def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool]:
+    """A /generate body as requests, and whether it was a batch (list in, list out)."""
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise BadRequest("give exactly one of input_ids or text")
+    if ids is not None:
+        if not isinstance(ids, list):
+            raise BadRequest("input_ids must be a list of integers or a list of such lists")
+        batch = bool(ids) and isinstance(ids[0], list)
+        inputs = ids if batch else [ids]
+    else:
+        batch = isinstance(text, list)
+        if not all(isinstance(s, str) for s in (text if batch else [text])):
+            raise BadRequest("text must be a string or a list of strings")
+        inputs = [sched.tokenizer.encode(s) for s in (text if batch else [text])]
+    n = len(inputs)
+    if n == 0:
+        raise BadRequest("empty batch")
+    rid = body.get("rid")
+    if isinstance(rid, list):
+        rids = _as_list(rid, n, "rid")
+    elif rid is None:
+        rids = [uuid.uuid4().hex for _ in range(n)]
+    else:
+        rids = [str(rid)] if not batch else [f"{rid}_{i}" for i in range(n)]
+    sps = _as_list(body.get("sampling_params"), n, "sampling_params")
+    want_lp = _as_list(body.get("return_logprob", False), n, "return_logprob")
+    starts = _as_list(body.get("logprob_start_len", -1), n, "logprob_start_len")
+    out = []
+    for i, seq in enumerate(inputs):
+        if not isinstance(seq, list) or not seq or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in seq):
+            raise BadRequest("input_ids must be non-empty lists of integers")
+        if not all(0 <= t < sched.vocab_size for t in seq):
+            bad = next(t for t in seq if not 0 <= t < sched.vocab_size)
+            raise BadRequest(f"input_ids: token id {bad} is outside the vocabulary (0..{sched.vocab_size - 1})")
+        if starts[i] is not None and starts[i] >= 0 and want_lp[i]:
+            raise BadRequest("logprob_start_len >= 0 (prompt log-probs) is not supported by rlrecipe serve; use -1")
+        sp = parse_sampling(sps[i], sched.context_len, len(seq))
+        for j in range(sp["n"]):  # parallel samples come back prompt by prompt, as in SGLang
+            rid_j = str(rids[i]) if sp["n"] == 1 else f"{rids[i]}_{j}"
+            out.append(GenRequest(rid=rid_j, input_ids=list(seq), max_new_tokens=sp["max_new_tokens"],
+                                  temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
+                                  stop_ids=sp["stop_ids"], return_logprob=bool(want_lp[i]),
+                                  return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                                  skip_special_tokens=sp["skip_special_tokens"], no_stop_trim=sp["no_stop_trim"],
+                                  stop_strs=sp["stop_strs"], ignore_eos=sp["ignore_eos"]))
+    return out, batch or len(out) > 1
+
+
+
+def response_body(r: GenRequest, tokenizer, weight_version: str) -> dict:
+    """The response so far: final once `r.done` is set, else a streaming snapshot (no finish reason)."""
+    finish = r.finish if r.done.is_set() else None
+    n = min(len(r.output_ids), len(r.logprobs))  # the scheduler appends ids first, log-probs second
+    ids, logprobs = r.output_ids[:n], r.logprobs[:n]
+    shown = ids
+    matched = (finish or {}).get("matched") if (finish or {}).get("type") == "stop" else None
+    if isinstance(matched, int) and not r.no_stop_trim and ids:
+        shown = ids[:-1]
+    meta = {"id": r.rid, "finish_reason": finish, "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": weight_version,
+            "e2e_latency": time.time() - r.arrived}
+    if r.return_logprob:
+        texts = ([tokenizer.decode([t]) for t in ids] if r.return_text_in_logprobs else [None] * len(ids))
+        meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(logprobs, ids, texts, strict=True)]
+        meta["input_token_logprobs"] = []
+    text = tokenizer.decode(shown, skip_special_tokens=r.skip_special_tokens)
+    if isinstance(matched, str) and not r.no_stop_trim:
+        text = text[:text.find(matched)] if matched in text else text
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}

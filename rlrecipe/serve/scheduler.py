@@ -1,0 +1,235 @@
+"""The scheduler of `rlrecipe serve`: one thread owns the in-process engine and batches requests onto it.
+
+It gathers the requests that arrive within a few milliseconds of each other and decodes them
+together, in chunks of `chunk_tokens` new tokens; between chunks it admits new requests and
+applies aborts, so an aborted request returns within one chunk with what it has (finish_reason
+abort). Each chunk re-prefills prompt + output so far, the same operation as resuming a partial
+rollout; for the small CPU models this serves, that costs little next to the chunk's decoding
+steps. A weight update waits until no request runs and holds new ones back meanwhile (as
+SGLang's model-update lock does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
+from rlrecipe.serve.protocol import BadRequest, GenRequest
+from rlrecipe.trajectory import SamplingParams, Trajectory
+
+# /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
+# weight broadcast may take: an unreachable address must not hold the request that long.
+JOIN_TIMEOUT_S = 120.0
+GATHER_S = 0.005
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Scheduler:
+    """Owns the engine: batches requests, decodes them in chunks, applies aborts and weight updates."""
+
+    def __init__(self, engine, tokenizer, model_path: str, context_len: int, chunk_tokens: int = 16,
+                 seed: int = 0, join_timeout_s: float = JOIN_TIMEOUT_S):
+        self.engine = engine
+        self.join_timeout_s = join_timeout_s
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.weight_version = "default"
+        self.context_len = context_len
+        # ids at or past it would index out of the embedding and fail the whole batch they join
+        self.vocab_size = int(engine.model.get_input_embeddings().num_embeddings)
+        self.chunk = max(1, chunk_tokens)
+        self.rng = random.Random(seed)
+        self.cond = threading.Condition()
+        self.pending: list[GenRequest] = []
+        self.active: list[GenRequest] = []
+        self.updates: list[dict] = []
+        self.groups: dict[str, object] = {}  # weight update groups joined, by name
+        self.stopped = False
+        self._turn = 0
+        self._tokens = 0
+        self._last_report = time.time()
+        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    # -- called from HTTP threads -----------------------------------------------------------------
+    def submit(self, reqs: list[GenRequest]) -> None:
+        with self.cond:
+            for r in reqs:
+                if r.max_new_tokens == 0:
+                    r.finish_with({"type": "length", "length": 0})
+                else:
+                    self.pending.append(r)
+            self.cond.notify_all()
+
+    def abort(self, rid: str, abort_all: bool = False) -> int:
+        if not rid and not abort_all:
+            return 0
+        n = 0
+        with self.cond:
+            for r in self.pending + self.active:
+                if not r.done.is_set() and (abort_all or r.rid.startswith(rid)):  # prefix match, as SGLang
+                    r.abort = True
+                    n += 1
+            self.cond.notify_all()
+        return n
+
+    def update_weights(self, model_path: str, weight_version: str | None, timeout: float = 3600.0) -> dict:
+        return self._run_update({"model_path": model_path, "weight_version": weight_version}, timeout)
+
+    def update_weights_from_distributed(self, body: dict, timeout: float = 3600.0) -> dict:
+        group = self.groups.get(body.get("group_name", DEFAULT_GROUP))
+        if group is None:
+            raise BadRequest(f"no weight update group {body.get('group_name', DEFAULT_GROUP)!r}: "
+                             "call /init_weights_update_group first")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            raise BadRequest("names, dtypes and shapes must be lists of one length")
+        own = self.engine.model.state_dict()
+        for name, shape in zip(names, shapes, strict=True):
+            if name not in own or list(own[name].shape) != list(shape):
+                raise BadRequest(f"tensor {name} {shape} does not fit the served model")
+        return self._run_update({"group": group, "names": names, "dtypes": dtypes, "shapes": shapes,
+                                 "weight_version": body.get("weight_version")}, timeout)
+
+    def init_group(self, body: dict) -> dict:
+        """Join the trainer's weight update group (blocks until every member has joined)."""
+        try:
+            name = str(body.get("group_name", DEFAULT_GROUP))
+            if name in self.groups:  # a trainer that starts over replaces its group
+                dist.destroy_process_group(self.groups.pop(name))
+            self.groups[name] = init_custom_group(str(body.get("backend", "nccl")), str(body["master_address"]),
+                                                  int(body["master_port"]), int(body["rank_offset"]),
+                                                  int(body["world_size"]), name,
+                                                  join_timeout=datetime.timedelta(seconds=self.join_timeout_s))
+            log(f"joined weight update group {name} as rank {body['rank_offset']} of {body['world_size']}")
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
+        except Exception as err:  # noqa: BLE001 - reported to the client
+            return {"success": False, "message": f"Failed to initialize custom process group: {err}."}
+
+    def destroy_group(self, body: dict) -> dict:
+        group = self.groups.pop(str(body.get("group_name", DEFAULT_GROUP)), None)
+        if group is None:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        dist.destroy_process_group(group)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def _run_update(self, job: dict, timeout: float) -> dict:
+        job.update(done=threading.Event(), result=None)
+        with self.cond:
+            self.updates.append(job)
+            self.cond.notify_all()
+        if not job["done"].wait(timeout):
+            return {"success": False, "message": "timed out waiting for running requests to finish"}
+        return job["result"]
+
+    # -- the scheduler thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.stopped or self.pending or self.active or self.updates):
+                    self.cond.wait()
+                if self.stopped:
+                    for r in self.pending + self.active:
+                        r.finish_with({"type": "abort", "message": "server shutting down"})
+                    return
+            if not self.active and self.pending and not self.updates:
+                time.sleep(GATHER_S)  # let requests sent together arrive together
+            with self.cond:
+                if not self.updates:  # an update holds new requests back until it is done
+                    self.active += self.pending
+                    self.pending = []
+                for r in [r for r in self.pending + self.active if r.abort]:
+                    r.finish_with({"type": "abort", "message": "Abort request " + r.rid})
+                self.active = [r for r in self.active if not r.done.is_set()]
+                self.pending = [r for r in self.pending if not r.done.is_set()]
+                update = self.updates.pop(0) if self.updates and not self.active else None
+            if update is not None:
+                self._do_update(update)
+            elif self.active:
+                try:
+                    self._decode_chunk()
+                except Exception as err:  # noqa: BLE001 - fail the requests, keep serving
+                    log(f"error while decoding: {type(err).__name__}: {err}")
+                    for r in self.active:
+                        r.finish_with({"type": "abort", "message": f"internal error: {err}", "status_code": 500})
+                    self.active = []
+
+    def _do_update(self, job: dict) -> None:
+        t0 = time.time()
+        try:
+            if "group" in job:  # the trainer broadcasts the tensors as soon as it has sent the request
+                tensors = receive(job["group"], job["names"], job["dtypes"], job["shapes"])
+                self.engine.update_weights_from_state(dict(tensors), self.engine.version + 1)
+                source = f"{len(tensors)} broadcast tensors"
+            else:
+                path = job["model_path"]
+                if not (Path(path) / "config.json").exists():
+                    raise FileNotFoundError(f"no model at {path}")
+                self.engine.update_weights_from_disk(path, self.engine.version + 1)
+                self.model_path = source = path
+            if job["weight_version"] is not None:
+                self.weight_version = str(job["weight_version"])
+            msg = f"Succeeded to update model weights from {source} in {time.time() - t0:.2f}s."
+            job["result"] = {"success": True, "message": msg, "num_paused_requests": 0}
+            log(msg + f" weight_version={self.weight_version}")
+        except Exception as err:  # noqa: BLE001 - reported to the client
+            job["result"] = {"success": False, "message": f"Failed to update weights: {type(err).__name__}: {err}",
+                             "num_paused_requests": 0}
+            log(job["result"]["message"])
+        job["done"].set()
+
+    def _decode_chunk(self) -> None:
+        keys = sorted({r.key for r in self.active}, key=lambda k: min(r.arrived for r in self.active if r.key == k))
+        key = keys[self._turn % len(keys)]
+        self._turn += 1
+        rows = [r for r in self.active if r.key == key]
+        steps = min(self.chunk, min(r.max_new_tokens - len(r.output_ids) for r in rows))
+        temperature, top_p, top_k = key
+        params = SamplingParams(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
+                                max_new_tokens=steps, greedy=temperature == 0)
+        trajs = [Trajectory(uid=r.rid, prompt_ids=r.input_ids + r.output_ids) for r in rows]
+        self.engine.generate(trajs, params, seed=self.rng.getrandbits(62))
+        for r, t in zip(rows, trajs, strict=True):
+            for tok, lp in zip(t.response_ids, t.logp_infer, strict=True):
+                r.output_ids.append(tok)
+                r.logprobs.append(lp)
+                self._tokens += 1
+                if (tok == self.engine.eos and not r.ignore_eos) or tok in r.stop_ids:
+                    r.finish_with({"type": "stop", "matched": tok})
+                    break
+                matched = self._stop_string(r)
+                if matched is not None:
+                    r.finish_with({"type": "stop", "matched": matched})
+                    break
+            else:
+                if len(r.output_ids) >= r.max_new_tokens:
+                    r.finish_with({"type": "length", "length": r.max_new_tokens})
+        now = time.time()
+        if now - self._last_report > 5.0:
+            log(f"decode: {len(self.active)} running, {len(self.pending)} waiting, "
+                f"{self._tokens / (now - self._last_report):.0f} tok/s")
+            self._tokens, self._last_report = 0, now
+
+    def _stop_string(self, r: GenRequest) -> str | None:
+        """The stop string the output now ends in, if any (only the tail can hold a new match)."""
+        if not r.stop_strs:
+            return None
+        tail = self.tokenizer.decode(r.output_ids[-max(len(x) for x in r.stop_strs) - 8:])
+        return next((x for x in r.stop_strs if x in tail), None)

@@ -5,8 +5,12 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 from .helpers import write_tiny_data
+
+pytestmark = pytest.mark.slow  # subprocess-heavy: `make test-fast` leaves it out
 
 
 def test_c3po_bench_runs_against_a_server(tmp_path, tiny_model_dir):

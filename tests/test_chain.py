@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
+
+pytestmark = pytest.mark.slow  # subprocess-heavy: `make test-fast` leaves it out
 
 SMALL_MODEL = ["--set", "model.tiny.hidden_size=64", "--set", "model.tiny.num_layers=2",
                "--set", "model.tiny.intermediate_size=128"]

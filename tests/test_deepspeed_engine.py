@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # subprocess-heavy: `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 
 TRAINER = dict(lr=1e-2, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, adam_betas=(0.9, 0.95),

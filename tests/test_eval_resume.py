@@ -140,6 +140,7 @@ def _eval_cmd(recipe, model_dir):
     return [sys.executable, "-m", "rlrecipe.cli.app", "eval", str(recipe), "--model", str(model_dir)]
 
 
+@pytest.mark.slow
 def test_killed_eval_resumes_to_the_uninterrupted_numbers(tmp_path, tiny_model_dir):
     data = write_tiny_data(tmp_path / "data", n=8)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

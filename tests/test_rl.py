@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 
 TIMING = {"rollout_s", "train_s", "gen_tokens_per_s"}
@@ -20,6 +22,7 @@ def _rl(recipe, *extra):
     return [sys.executable, "-m", "rlrecipe.cli.app", "rl", str(recipe), *extra]
 
 
+@pytest.mark.slow
 def test_rl_runs_logs_everything_and_resumes_after_a_kill_identically(tmp_path, tiny_model_dir):
     data = write_tiny_data(tmp_path / "data")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -40,6 +43,7 @@ def test_rl_runs_logs_everything_and_resumes_after_a_kill_identically(tmp_path, 
     assert _metrics(run) == ref_metrics
 
 
+@pytest.mark.slow
 def test_rl_through_the_sglang_api_with_broadcast_weight_sync(tmp_path, tiny_model_dir):
     """rollout.engine sglang, servers launched as `rlrecipe serve`, weights broadcast over gloo each step."""
     import socket

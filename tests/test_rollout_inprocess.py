@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from rlrecipe.modeling import load_model, load_tokenizer
@@ -24,6 +25,7 @@ def _recompute(model, t):
     return lp[p - 1:-1].gather(-1, torch.tensor(t.response_ids)[:, None]).squeeze(-1)
 
 
+@pytest.mark.slow
 def test_fp32_logprobs_match_full_recompute(tiny_model_dir):
     eng, tok = _engine(tiny_model_dir, max_batch=5)
     trajs = eng.generate(_trajs(tok), SamplingParams(max_new_tokens=30), seed=1)

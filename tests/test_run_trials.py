@@ -23,6 +23,8 @@ from rlrecipe.train.torch_engine import TorchTrainEngine
 from .helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 from .test_sft import sft_recipe
 
+pytestmark = pytest.mark.slow  # subprocess-heavy: `make test-fast` leaves it out
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CLI = [sys.executable, "-m", "rlrecipe.cli.app"]
 
@@ -43,7 +45,6 @@ def _rows(run_dir):
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
 
 
-@pytest.mark.slow
 def test_nothing_of_an_earlier_run_is_lost_to_a_second_launch(tmp_path, tiny_model_dir):
     data = write_tiny_data(tmp_path / "data", n=48)
     rec = write_recipe(tmp_path / "sft.yaml", _recipe(tmp_path, data, "a"))
@@ -83,7 +84,6 @@ def test_nothing_of_an_earlier_run_is_lost_to_a_second_launch(tmp_path, tiny_mod
     assert after == finished  # not one byte of the finished run changed
 
 
-@pytest.mark.slow
 def test_a_killed_run_resumes_past_a_damaged_checkpoint_to_the_same_weights(tmp_path):
     data = write_tiny_data(tmp_path / "data", n=48)
     ref = write_recipe(tmp_path / "ref.yaml", _recipe(tmp_path, data, "ref"))

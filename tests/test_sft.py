@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -40,6 +41,7 @@ def test_batches_depend_only_on_the_step():
     assert batch_for_step(items, 3, 4, seed=1) != batch_for_step(items, 0, 4, seed=1)
 
 
+@pytest.mark.slow
 def test_killed_sft_resumes_to_the_same_final_weights(tmp_path):
     data = write_tiny_data(tmp_path / "data", n=48)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -162,6 +162,7 @@ def test_one_decision_picks_the_weight_transport():
 
 
 # -- against `rlrecipe serve` ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_server_speaks_the_sglang_api(server, tok):
     url = server["url"]
     info = requests.get(url + "/model_info", timeout=10).json()
@@ -221,6 +222,7 @@ def test_server_speaks_the_sglang_api(server, tok):
     assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
 
 
+@pytest.mark.slow
 def test_generate_logprobs_match_full_recompute(engine, tok, tiny_model_dir):
     model = load_model(tiny_model_dir)
     for params in (SamplingParams(max_new_tokens=24),
@@ -420,6 +422,7 @@ def free_ports(n: int) -> int:
     return base
 
 
+@pytest.mark.slow
 def test_launch_rlrecipe_serve_logs_and_close(tiny_model_dir, tok, tmp_path):
     base = free_ports(1)
     cfg = SGLangServer(base_port=base, startup_timeout_s=BOOT_TIMEOUT_S,
@@ -441,6 +444,7 @@ def test_launch_rlrecipe_serve_logs_and_close(tiny_model_dir, tok, tmp_path):
     assert _free(base)
 
 
+@pytest.mark.slow
 def test_broadcast_sync_reaches_two_servers(tiny_model_dir, other_model_dir, tok, tmp_path):
     """Two servers in one weight update group (ranks 1 and 2 after the trainer's 0)."""
     base = free_ports(2)

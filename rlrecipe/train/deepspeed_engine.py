@@ -226,8 +226,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         return [[indices[k] for k in b] for b in bins]
 
     # -- update --------------------------------------------------------------------------------
-    def train_step(self, samples: list[TrainSample], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over the global batch; this rank trains on its share."""
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over the global batch; this rank trains on its share.
+
+        with_entropy as in TorchTrainEngine.train_step."""
         if not samples:  # every rank sees the same global batch, so all return here together
             self.scheduler.step()
             self.steps_done += 1
@@ -241,8 +243,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             self.engine.set_gradient_accumulation_boundary(i == n - 1)
             if i < len(bins):
                 mb = [samples[j] for j in bins[i]]
-                logp, _ = self._forward(mb, with_entropy=False)
+                logp, entropy = self._forward(mb, with_entropy=with_entropy)
                 fields = {k: torch.cat([s.fields[k] for s in mb]).to(self.device) for k in mb[0].fields}
+                if with_entropy:
+                    fields["entropy"] = entropy
                 loss, mb_stats = loss_fn(logp, fields)
                 if not loss.requires_grad:  # a constant loss still has to run the backward collectives
                     loss = loss + logp.sum() * 0.0

@@ -115,15 +115,20 @@ class TorchTrainEngine:
         return [out[i] for i in range(len(samples))]
 
     # -- update ------------------------------------------------------------------------------
-    def train_step(self, samples: list[TrainSample], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over all samples, accumulated over packed micro-batches."""
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over all samples, accumulated over packed micro-batches.
+
+        with_entropy: the loss function also gets each token's entropy, with gradient, as
+        fields["entropy"]."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {}
         total_loss = 0.0
         for mb in self.microbatches(samples):
-            logp, _ = self._forward(mb, with_entropy=False)
+            logp, entropy = self._forward(mb, with_entropy=with_entropy)
             fields = {k: torch.cat([s.fields[k] for s in mb]).to(self.device) for k in mb[0].fields}
+            if with_entropy:
+                fields["entropy"] = entropy
             loss, mb_stats = loss_fn(logp, fields)
             loss.backward()
             total_loss += float(loss.detach())

@@ -304,6 +304,9 @@ class TrainerSection(Section):
     # Memory of one GPU (training and rollout GPUs alike): `rlrecipe plan` checks the recipe against it.
     gpu_memory_gib: float = Field(80.0, gt=0)
     bf16_autocast: bool = False
+    # Torch engine: forward in float16 autocast over float32 weights, with dynamic loss scaling
+    # (train/loss_scale.py). DeepSpeed: use model.dtype: float16 (its own loss scaler).
+    fp16_autocast: bool = False
     zero_stage: Literal[0, 1, 2, 3] = 3
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -311,6 +314,16 @@ class TrainerSection(Section):
     nodes: int = Field(1, ge=1)
     master_addr: str = "127.0.0.1"
     master_port: int = Field(29500, gt=0, lt=65536)
+
+
+    @model_validator(mode="after")
+    def _one_autocast(self) -> TrainerSection:
+        if self.fp16_autocast and self.bf16_autocast:
+            raise ValueError("fp16_autocast and bf16_autocast: choose one")
+        if self.fp16_autocast and self.engine == "deepspeed":
+            raise ValueError("fp16_autocast is the torch engine's; with deepspeed set model.dtype: float16 "
+                             "(DeepSpeed's fp16 with its loss scaler)")
+        return self
 
 
 class Benchmark(Section):

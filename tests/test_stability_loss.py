@@ -265,6 +265,7 @@ ON = {
     "rl.ratio_level=sequence": ["rl.loss_agg=seq_mean_token_mean"],
     "rl.cov.mode=clip_cov": [], "rl.cov.mode=kl_cov": [], "rl.kl_coef=0.01": [], "rl.kl_estimator=k3_unbiased": [],
     "rl.entropy_coef=0.001": [], "rl.entropy_watch.low=0.1": [], "rl.negative_adv_scale=0.5": [],
+    "trainer.fp16_autocast=true": [],
 }
 
 
@@ -277,7 +278,7 @@ def test_every_remedy_is_off_by_default_and_changes_the_sha(option):
     rl = base.recipe.rl
     assert (rl.ratio_level, rl.cov.mode, rl.kl_coef, rl.entropy_coef, rl.negative_adv_scale) == \
         ("token", "off", 0.0, 0.0, 1.0)
-    assert (rl.entropy_watch.low, rl.entropy_watch.high) == (None, None)
+    assert (rl.entropy_watch.low, rl.entropy_watch.high, base.recipe.trainer.fp16_autocast) == (None, None, False)
 
 
 def test_schema_refuses_inconsistent_remedies():
@@ -288,6 +289,8 @@ def test_schema_refuses_inconsistent_remedies():
         load_recipe(path, ["rl.cov.clip_low=5", "rl.cov.clip_high=1"])
     with pytest.raises(RecipeError, match="low .* must be below high"):
         load_recipe(path, ["rl.entropy_watch.low=3", "rl.entropy_watch.high=1"])
+    with pytest.raises(RecipeError, match="fp16_autocast"):
+        load_recipe(path, ["trainer.fp16_autocast=true", "trainer.bf16_autocast=true"])
     with pytest.raises(RecipeError, match="negative_adv_scale"):
         load_recipe(path, ["rl.negative_adv_scale=1.5"])
     with pytest.raises(RecipeError, match="kl_estimator"):

@@ -225,3 +225,56 @@ def test_ppo_update_reports_the_remedies_that_are_on(tiny_model_dir):
     # the bonus: 0.01 x the seq-mean-token-mean entropy, all tokens active (TIS/IcePop weights 1)
     per_seq = [float(e.mean()) for e in entropy]
     assert m["entropy_bonus"] == pytest.approx(0.01 * sum(per_seq) / len(per_seq), rel=1e-4)
+
+
+# -- the reference policy -----------------------------------------------------------------------
+def test_reference_policy_is_a_frozen_copy_of_the_initial_weights(tiny_model_dir):
+    from rlrecipe.train.reference import ReferencePolicy
+
+    eng = TorchTrainEngine(tiny_model_dir, TrainerSection(lr=1e-2, max_tokens_per_microbatch=40), total_steps=2,
+                           temperature=0.7)
+    ref = ReferencePolicy(tiny_model_dir, temperature=0.7, max_tokens_per_microbatch=40, chunk_tokens=7)
+    samples = _samples([12, 30, 9, 17])
+    before = [lp for lp, _ in eng.compute_logprobs(samples)]
+    got = ref.logprobs(samples)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, before, strict=True))
+    eng.train_step(samples, _nll)
+    after = [lp for lp, _ in eng.compute_logprobs(samples)]
+    assert not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(after, before, strict=True))
+    again = ref.logprobs(samples)
+    assert all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
+    assert not any(p.requires_grad for p in ref.model.parameters())
+
+
+def test_reference_is_built_only_with_a_kl_coefficient(tiny_model_dir):
+    from rlrecipe.recipe import recipe_from_dict
+    from rlrecipe.train.reference import ReferencePolicy, make_reference
+
+    base = {"run": {"name": "r"}, "model": {"tiny": {}}}
+    assert make_reference(recipe_from_dict(base), tiny_model_dir) is None
+    with_kl = recipe_from_dict({**base, "rl": {"kl_coef": 0.05}})
+    assert isinstance(make_reference(with_kl, tiny_model_dir), ReferencePolicy)
+
+
+def test_kl_to_the_reference_through_ppo_update(tiny_model_dir):
+    from rlrecipe.recipe import RLSection
+    from rlrecipe.rl import attach_ppo_fields, ppo_update, recompute_old_logprobs
+    from rlrecipe.train.reference import ReferencePolicy
+
+    eng = TorchTrainEngine(tiny_model_dir, TrainerSection(lr=1e-2), total_steps=4)
+    ref = ReferencePolicy(tiny_model_dir)
+    cfg = RLSection(ppo_minibatches=1, kl_coef=0.1, kl_estimator="k3_unbiased")
+    batch = _graded_batch(eng)
+    samples, logp_old, _ = recompute_old_logprobs(eng, batch, ref)
+    attach_ppo_fields(samples, batch, logp_old, cfg)
+    assert all(torch.allclose(s.fields["logp_ref"], s.fields["logp_old"], atol=1e-5) for s in samples)
+    first = ppo_update(eng, samples, cfg)
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the policy is still the reference
+    samples, logp_old, _ = recompute_old_logprobs(eng, batch, ref)
+    attach_ppo_fields(samples, batch, logp_old, cfg)
+    second = ppo_update(eng, samples, cfg)
+    # one step later: the k3 estimate (ratio 1 before this step's update) by hand from the fields
+    by_hand = sum(float((torch.exp(s.fields["logp_ref"] - s.fields["logp_old"]) - 1
+                         - (s.fields["logp_ref"] - s.fields["logp_old"])).sum()) for s in samples)
+    assert second["kl_ref"] == pytest.approx(by_hand / sum(s.num_response for s in samples), rel=1e-4)
+    assert second["kl_ref"] > 1e-6

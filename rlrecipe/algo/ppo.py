@@ -27,8 +27,8 @@ class Remedies:
 
     ratio_level "sequence": GSPO's sequence ratio with its own clip range (algo/gspo.py).
     cov_mode "clip_cov" / "kl_cov": Cui et al. 2025 on cov_fraction of the tokens (algo/cov.py).
-    kl_coef > 0: + kl_coef x KL(pi_theta || pi_ref) per token, aggregated as the loss (algo/kl.py);
-    needs the field logp_ref. entropy_coef > 0: - entropy_coef x entropy of the active tokens,
+    kl_coef > 0: + kl_coef x KL(pi_theta || pi_ref) per token, aggregated as the loss (algo/kl.py),
+    on every token (a regulariser: not weighted by IcePop / TIS); needs the field logp_ref. entropy_coef > 0: - entropy_coef x entropy of the active tokens,
     aggregated as the loss; needs the field entropy (with gradient)."""
 
     ratio_level: str = "token"
@@ -169,9 +169,10 @@ def policy_loss(logp: torch.Tensor, f: dict[str, torch.Tensor], eps_low: float, 
 
 def _sequence_stats(log_s: torch.Tensor, was_clipped: torch.Tensor, seq: torch.Tensor) -> dict[str, float]:
     """GSPO: how many sequences, the sum of their ratios s_i, and how many the clip bound."""
-    ids, first = torch.unique(seq, return_inverse=True)
-    s_i = torch.zeros(len(ids), dtype=log_s.dtype, device=log_s.device).scatter_(0, first, log_s.exp())
-    clipped = torch.zeros(len(ids), dtype=torch.bool, device=log_s.device).scatter_(0, first, was_clipped)
+    # every token of a sequence carries the same s_i and the same clip flag: any one of them will do
+    ids, inverse = torch.unique(seq, return_inverse=True)
+    s_i = torch.zeros(len(ids), dtype=log_s.dtype, device=log_s.device).scatter_(0, inverse, log_s.exp())
+    clipped = torch.zeros(len(ids), dtype=torch.bool, device=log_s.device).scatter_(0, inverse, was_clipped)
     return {"seqs": float(len(ids)), "seq_ratio_sum": float(s_i.sum()), "seq_clipped": float(clipped.sum())}
 
 

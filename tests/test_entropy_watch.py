@@ -31,5 +31,18 @@ def test_explosion_and_a_second_alarm_warns_again():
 def test_boundary_values_do_not_count_and_no_bounds_means_no_flags():
     watch = EntropyWatch(low=0.5, high=1.5, patience=1, warn=lambda m: None)
     assert _run(watch, [0.5, 1.5]) == [{"entropy_collapse_alarm": 0.0, "entropy_explosion_alarm": 0.0}] * 2
-    off = EntropyWatch.from_config(EntropyWatchSection(), warn=lambda m: None)
+    off = EntropyWatch.from_config(EntropyWatchSection())
     assert not off.enabled and off.update(0.0) == {}
+
+
+def test_the_default_warning_is_one_console_line_and_quiet_prints_none():
+    from rlrecipe.runs import console
+
+    watch = EntropyWatch.from_config(EntropyWatchSection(low=1.0, patience=2))
+    with console.capture() as captured:
+        _run(watch, [0.5, 0.4, 0.3])
+    assert captured.get().strip() == "warning: step 2: entropy collapse: mean token entropy 0.4 below 1.0 for 2 steps"
+    quiet = EntropyWatch.from_config(EntropyWatchSection(low=1.0, patience=2), quiet=True)
+    with console.capture() as captured:
+        flags = _run(quiet, [0.5, 0.4])
+    assert captured.get() == "" and flags[-1]["entropy_collapse_alarm"] == 1.0

@@ -48,6 +48,6 @@ class EntropyWatch:
                 "entropy_explosion_alarm": float(self.steps_above >= self.patience)}
 
     @classmethod
-    def from_config(cls, cfg, warn: Callable[[str], None] = _console_warning) -> EntropyWatch:
-        """From the recipe's `rl.entropy_watch` section."""
-        return cls(cfg.low, cfg.high, cfg.patience, warn)
+    def from_config(cls, cfg, quiet: bool = False) -> EntropyWatch:
+        """From the recipe's `rl.entropy_watch` section; quiet: flags only, no warning (ranks but 0)."""
+        return cls(cfg.low, cfg.high, cfg.patience, (lambda _message: None) if quiet else _console_warning)

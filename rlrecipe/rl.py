@@ -47,7 +47,7 @@ def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer,
     return batch, roll
 
 
-def recompute_old_logprobs(trainer, batch: list[Trajectory], reference=None,
+def recompute_old_logprobs(trainer, batch: list[Trajectory], reference=None
                            ) -> tuple[list[TrainSample], list[torch.Tensor], list[torch.Tensor]]:
     """logp_train_old and entropies under the trainer's current weights; with a reference policy
     (train/reference.py, for the KL penalty) also each sample's field logp_ref."""

@@ -28,8 +28,9 @@ class Remedies:
     ratio_level "sequence": GSPO's sequence ratio with its own clip range (algo/gspo.py).
     cov_mode "clip_cov" / "kl_cov": Cui et al. 2025 on cov_fraction of the tokens (algo/cov.py).
     kl_coef > 0: + kl_coef x KL(pi_theta || pi_ref) per token, aggregated as the loss (algo/kl.py),
-    on every token (a regulariser: not weighted by IcePop / TIS); needs the field logp_ref. entropy_coef > 0: - entropy_coef x entropy of the active tokens,
-    aggregated as the loss; needs the field entropy (with gradient)."""
+    on every token (a regulariser: not weighted by IcePop / TIS); needs the field logp_ref.
+    entropy_coef > 0: - entropy_coef x entropy of the active tokens, aggregated as the loss; needs
+    the field entropy (with gradient)."""
 
     ratio_level: str = "token"
     seq_eps_low: float = 3e-4

@@ -150,6 +150,43 @@ class C3PO(Section):
     max_staleness: int = Field(2, ge=0, description="sigma: steps an unfinished rollout may age")
 
 
+class Cov(Section):
+    """Clip-Cov / KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
+    Reasoning Language Models", arXiv:2505.22617, Sec. 4.3, Eq. 11-13): tokens whose covariance
+    cov = (logp - mean logp)(A - mean A) is high drive entropy down; hold them back."""
+
+    mode: Literal["off", "clip_cov", "kl_cov"] = "off"
+    # Clip-Cov: detach the gradient of clip_fraction x N tokens drawn at random among those with
+    # cov in [clip_low, clip_high] (the paper's r = 2e-4, omega = [1, 5]).
+    clip_fraction: float = Field(2e-4, gt=0, le=1)
+    clip_low: float = 1.0
+    clip_high: float = 5.0
+    # KL-Cov: the top kl_fraction x N tokens by cov get + kl_coef * |logp - logp_old| (the authors'
+    # code: k = 0.2%, beta = 1).
+    kl_fraction: float = Field(2e-3, gt=0, le=1)
+    kl_coef: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _band(self) -> Cov:
+        if self.clip_low >= self.clip_high:
+            raise ValueError(f"clip_low ({self.clip_low}) must be below clip_high ({self.clip_high})")
+        return self
+
+
+class EntropyWatch(Section):
+    """Alarms on the mean token entropy of each step's batch (null bounds: no alarm)."""
+
+    low: float | None = Field(None, ge=0, description="collapse: entropy below this")
+    high: float | None = Field(None, gt=0, description="explosion: entropy above this")
+    patience: int = Field(5, ge=1, description="consecutive steps out of bounds before an alarm")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> EntropyWatch:
+        if self.low is not None and self.high is not None and self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
 class RLSection(Section):
     steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(512, ge=1)
@@ -162,8 +199,26 @@ class RLSection(Section):
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     reward_correct: float = 5.0
     reward_wrong: float = -5.0
-    # KL to a reference model is not implemented: a non-zero value is refused, never ignored.
+    # KL to a frozen copy of the initial policy, added to the loss with this coefficient (0: no
+    # reference model is loaded, as AReaL-boba). Estimators of KL(pi_theta || pi_ref) per token
+    # (Schulman, "Approximating KL divergence", 2020): k1 = log(pi/pi_ref), k2 = (log(pi/pi_ref))^2 / 2,
+    # k3 = pi_ref/pi - 1 - log(pi_ref/pi); k3_unbiased = k3 times pi_theta/pi_old (DeepSeek-V3.2).
     kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "k3_unbiased"] = "k3"
+    # token: PPO's per-token ratio. sequence: GSPO (Zheng et al. 2025, arXiv:2507.18071, Eq. 5-7),
+    # s_i = exp(mean_t(logp - logp_old)) clipped to [1 - gspo_eps_low, 1 + gspo_eps_high] per
+    # sequence (the paper's 3e-4 / 4e-4); needs loss_agg: seq_mean_token_mean, GSPO's average.
+    ratio_level: Literal["token", "sequence"] = "token"
+    gspo_eps_low: float = Field(3e-4, ge=0)
+    gspo_eps_high: float = Field(4e-4, ge=0)
+    cov: Cov = Cov()
+    # loss -= entropy_coef x entropy of the tokens in the loss, aggregated as the loss is. 0 = off.
+    entropy_coef: float = Field(0.0, ge=0)
+    entropy_watch: EntropyWatch = EntropyWatch()
+    # Negative advantages are multiplied by this after normalisation: 1 = off, 0 = learn from
+    # positive samples only (the seeds' "+1/-1 to +1/0"; negative gradients as the cause of
+    # collapse: LLDS, arXiv:2512.04220).
+    negative_adv_scale: float = Field(1.0, ge=0, le=1)
     icepop: IcePop = IcePop()
     # DeepSeek-V3.2 off-policy sequence mask: drop negative-advantage sequences whose mean
     # log(pi_infer / pi_theta) exceeds delta, pi_theta the policy being updated (each PPO
@@ -177,12 +232,12 @@ class RLSection(Section):
     save_every: int = Field(10, ge=1)
     max_bad_steps: int = Field(3, ge=1, description="consecutive NaN/inf steps before stopping")
 
-    @field_validator("kl_coef")
-    @classmethod
-    def _no_kl_yet(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("KL to a reference model is not implemented yet; set 0 (AReaL-boba uses none)")
-        return v
+    @model_validator(mode="after")
+    def _gspo_averages_sequences(self) -> RLSection:
+        if self.ratio_level == "sequence" and self.loss_agg != "seq_mean_token_mean":
+            raise ValueError("ratio_level: sequence (GSPO) averages the loss over sequences; "
+                             "set loss_agg: seq_mean_token_mean")
+        return self
 
 
 class SGLangServer(Section):
@@ -249,6 +304,9 @@ class TrainerSection(Section):
     # Memory of one GPU (training and rollout GPUs alike): `rlrecipe plan` checks the recipe against it.
     gpu_memory_gib: float = Field(80.0, gt=0)
     bf16_autocast: bool = False
+    # Torch engine: forward in float16 autocast over float32 weights, with dynamic loss scaling
+    # (train/loss_scale.py). DeepSpeed: use model.dtype: float16 (its own loss scaler).
+    fp16_autocast: bool = False
     zero_stage: Literal[0, 1, 2, 3] = 3
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -256,6 +314,16 @@ class TrainerSection(Section):
     nodes: int = Field(1, ge=1)
     master_addr: str = "127.0.0.1"
     master_port: int = Field(29500, gt=0, lt=65536)
+
+
+    @model_validator(mode="after")
+    def _one_autocast(self) -> TrainerSection:
+        if self.fp16_autocast and self.bf16_autocast:
+            raise ValueError("fp16_autocast and bf16_autocast: choose one")
+        if self.fp16_autocast and self.engine == "deepspeed":
+            raise ValueError("fp16_autocast is the torch engine's; with deepspeed set model.dtype: float16 "
+                             "(DeepSpeed's fp16 with its loss scaler)")
+        return self
 
 
 class Benchmark(Section):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from rlrecipe.algo.advantages import sequence_advantages
-from rlrecipe.algo.ppo import aggregation_scale, mismatch_weights, policy_loss
+from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
+from rlrecipe.algo.ppo import Remedies, aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.c3po import PromptStream, RolloutPool
 from rlrecipe.console import console
@@ -54,32 +54,54 @@ def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer,
     return batch, roll
 
 
-def recompute_old_logprobs(trainer, batch: list[Trajectory]) -> tuple[list[TrainSample], list[torch.Tensor], list[torch.Tensor]]:
+def recompute_old_logprobs(trainer, batch: list[Trajectory], reference=None
+                           ) -> tuple[list[TrainSample], list[torch.Tensor], list[torch.Tensor]]:
+    """logp_train_old and entropies under the trainer's current weights; with a reference policy
+    (train/reference.py, for the KL penalty) also each sample's field logp_ref."""
     samples = [TrainSample(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in batch]
     out = trainer.compute_logprobs(samples)
+    if reference is not None:
+        for s, lr in zip(samples, reference.logprobs(samples), strict=True):
+            s.fields["logp_ref"] = lr
     return samples, [lp for lp, _ in out], [en for _, en in out]
 
 
 def attach_ppo_fields(samples: list[TrainSample], batch: list[Trajectory], logp_old: list[torch.Tensor],
                       cfg: RLSection) -> dict[str, float]:
-    """Advantages, IcePop/TIS weights and what the V3.2 mask needs, as per-token fields of each sample."""
+    """Advantages, IcePop/TIS weights and what the V3.2 mask needs, as per-token fields of each
+    sample (beside a logp_ref that `recompute_old_logprobs` put there)."""
+    if cfg.kl_coef > 0 and any("logp_ref" not in s.fields for s in samples):
+        raise ValueError("rl.kl_coef > 0 needs reference log-probs: pass a ReferencePolicy "
+                         "(train/reference.py make_reference) to recompute_old_logprobs")
     lengths = [len(t.response_ids) for t in batch]
     adv = sequence_advantages([t.reward for t in batch], lengths, [t.group_id for t in batch], cfg.adv_norm)
+    adv = scale_negative_advantages(adv, cfg.negative_adv_scale)
     masked = total = 0
-    abs_gap = kl = 0.0
+    abs_gap = kl = adv_sum = 0.0
     ice = cfg.icepop
     for i, (s, a, lo, t) in enumerate(zip(samples, adv, logp_old, batch, strict=True)):
         li = torch.tensor(t.logp_infer)
         w, m = mismatch_weights(lo, li, ice.mode, ice.alpha, ice.beta, ice.tis_cap)
-        s.fields = {"logp_old": lo, "adv": torch.full_like(lo, a), "weight": w, "logp_infer": li,
-                    "seq": torch.full(lo.shape, i, dtype=torch.long)}
+        s.fields.update({"logp_old": lo, "adv": torch.full_like(lo, a), "weight": w, "logp_infer": li,
+                         "seq": torch.full(lo.shape, i, dtype=torch.long)})
         masked += int(m.sum())
         total += len(lo)
+        adv_sum += a * len(lo)
         d = lo - li
         abs_gap += float(d.abs().sum())
         kl += float((torch.exp(d) - 1 - d).sum())  # k3 estimate of KL(infer || train)
     return {"icepop_masked_frac": masked / max(1, total), "mismatch_abs_logp": abs_gap / max(1, total),
-            "mismatch_kl": kl / max(1, total)}
+            "mismatch_kl": kl / max(1, total), "adv_token_mean": adv_sum / max(1, total),
+            "adv_negative_frac": sum(a < 0 for a in adv) / max(1, len(adv))}
+
+
+def remedies_of(cfg: RLSection) -> Remedies:
+    """The recipe's stability remedies, as the loss takes them."""
+    cov = cfg.cov
+    return Remedies(ratio_level=cfg.ratio_level, seq_eps_low=cfg.gspo_eps_low, seq_eps_high=cfg.gspo_eps_high,
+                    cov_mode=cov.mode, cov_fraction=cov.kl_fraction if cov.mode == "kl_cov" else cov.clip_fraction,
+                    clip_cov_low=cov.clip_low, clip_cov_high=cov.clip_high, kl_cov_coef=cov.kl_coef,
+                    kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
 
 
 def minibatch_slices(n_samples: int, n_minibatches: int) -> list[slice]:
@@ -95,30 +117,59 @@ def minibatch_slices(n_samples: int, n_minibatches: int) -> list[slice]:
 
 
 def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str, float]:
-    """One optimizer step per PPO minibatch, over consecutive slices of the batch."""
+    """One optimizer step per PPO minibatch, over consecutive slices of the batch.
+
+    skipped_minibatches counts updates lost to a NaN/inf loss or gradient, but not those a float16
+    loss scaler skipped on overflow while lowering its scale (overflow_minibatches): those are how
+    loss scaling finds its scale, not a failing run."""
     totals: dict[str, float] = {}
     slices = minibatch_slices(len(samples), cfg.ppo_minibatches)
+    remedies = remedies_of(cfg)
 
     def loss_fn(lp, f):
         return policy_loss(lp, f, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip, cfg.offpolicy_seq_delta,
-                           cfg.early_stop_imp_ratio)
+                           cfg.early_stop_imp_ratio, remedies)
 
+    loss_scale = None
     for sl in slices:
         mb = samples[sl]
         for s, scale in zip(mb, aggregation_scale([x.num_response for x in mb], cfg.loss_agg), strict=True):
             s.fields["scale"] = scale
-        stats = trainer.train_step(mb, loss_fn)
+        stats = trainer.train_step(mb, loss_fn, with_entropy=cfg.entropy_coef > 0)
+        loss_scale = stats.pop("loss_scale", loss_scale)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
     steps = len(slices)
     active = max(1.0, totals.get("active_tokens", 0.0))
-    return {"loss": totals["loss"] / steps, "grad_norm": totals["grad_norm"] / steps, "lr": totals["lr"] / steps,
-            "minibatches": float(steps), "skipped_minibatches": totals["skipped"],
-            "clip_frac": totals.get("clipped_tokens", 0.0) / active,
-            "dual_clip_frac": totals.get("dual_clipped_tokens", 0.0) / active,
-            "importance_ratio_mean": totals.get("ratio_sum", 0.0) / active,
-            "early_stopped_microbatches": totals.get("early_stopped_microbatches", 0.0),
-            "offpolicy_dropped_seqs": totals.get("offpolicy_dropped_seqs", 0.0)}
+    overflow = totals.get("overflow", 0.0)
+    out = {"loss": totals["loss"] / steps, "grad_norm": totals["grad_norm"] / steps, "lr": totals["lr"] / steps,
+           "minibatches": float(steps), "skipped_minibatches": totals["skipped"] - overflow,
+           "clip_frac": totals.get("clipped_tokens", 0.0) / active,
+           "dual_clip_frac": totals.get("dual_clipped_tokens", 0.0) / active,
+           "importance_ratio_mean": totals.get("ratio_sum", 0.0) / active,
+           "early_stopped_microbatches": totals.get("early_stopped_microbatches", 0.0),
+           "offpolicy_dropped_seqs": totals.get("offpolicy_dropped_seqs", 0.0)}
+    out.update(_remedy_metrics(totals, steps, loss_scale))
+    return out
+
+
+def _remedy_metrics(totals: dict[str, float], steps: int, loss_scale: float | None) -> dict[str, float]:
+    """Metrics of the remedies that are on (their stats are present only then)."""
+    out: dict[str, float] = {}
+    tokens = max(1.0, totals.get("tokens", 0.0))
+    if "seqs" in totals:  # GSPO
+        out["seq_ratio_mean"] = totals["seq_ratio_sum"] / max(1.0, totals["seqs"])
+        out["seq_clip_frac"] = totals["seq_clipped"] / max(1.0, totals["seqs"])
+    if "cov_selected_tokens" in totals:  # Clip-Cov / KL-Cov
+        out["cov_selected_frac"] = totals["cov_selected_tokens"] / tokens
+    if "kl_ref_sum" in totals:
+        out["kl_ref"] = totals["kl_ref_sum"] / tokens
+    if "entropy_bonus" in totals:
+        out["entropy_bonus"] = totals["entropy_bonus"] / steps
+    if loss_scale is not None:
+        out["loss_scale"] = loss_scale
+        out["overflow_minibatches"] = totals.get("overflow", 0.0)
+    return out
 
 
 def rollout_metrics(batch: list[Trajectory], entropy: list[torch.Tensor], version: int) -> dict[str, float]:

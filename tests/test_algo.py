@@ -1,7 +1,6 @@
 """The algorithms against values derived by hand from their formulas."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -155,14 +154,6 @@ def test_minibatch_slices_are_exact():
     assert [s.stop - s.start for s in minibatch_slices(8, 4)] == [2, 2, 2, 2]
     assert [s.stop - s.start for s in minibatch_slices(3, 4)] == [1, 1, 1]
     assert minibatch_slices(9, 4)[-1].stop == 9
-
-
-def test_kl_coef_refused_until_implemented():
-    from rlrecipe.recipe import RecipeError, load_recipe
-
-    with pytest.raises(RecipeError, match="rl.kl_coef: .*not implemented"):
-        load_recipe(Path(__file__).resolve().parents[1] / "recipes/tiny_rl.yaml", ["rl.kl_coef=0.1"])
-
 
 
 def test_allocation_fewest_balanced_complete():

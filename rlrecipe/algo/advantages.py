@@ -36,3 +36,12 @@ def sequence_advantages(rewards: list[float], lengths: list[int], group_ids: lis
             out[idx] = (rg - rg.mean()) / (std + EPS)
         return out.tolist()
     raise ValueError(f"unknown advantage normalisation {mode!r}")
+
+
+def scale_negative_advantages(adv: list[float], factor: float) -> list[float]:
+    """Negative advantages times `factor`, after normalisation; positive ones unchanged.
+
+    factor 0 learns from positive samples only (the seeds' "+1/-1 to +1/0"); in the spirit of LLDS
+    (arXiv:2512.04220), which traces GRPO collapse to the likelihood decay that the penalty on
+    negative samples drives, though LLDS itself regularises likelihood rather than scaling."""
+    return [a * factor if a < 0 else a for a in adv]

@@ -1,20 +1,48 @@
 """PPO clipped surrogate with IcePop / TIS train-inference correction, token-level terms.
 
 All functions work on flat per-token tensors; aggregation weights (`scale`) are precomputed per
-token so that micro-batch accumulation gives exactly the global-batch loss.
+token so that micro-batch accumulation gives exactly the global-batch loss. The stability remedies
+(GSPO, Clip-Cov / KL-Cov, KL to a reference, entropy bonus) live in their own modules; `policy_loss`
+applies the ones `Remedies` turns on.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-# Log-ratios are clamped before exp (as peers do, at +-20) so one extreme token cannot make an inf.
-LOG_RATIO_CLAMP = 20.0
+from rlrecipe.algo.cov import clip_cov_tokens, kl_cov_penalty, kl_cov_tokens, token_covariance
+from rlrecipe.algo.gspo import sequence_log_ratio
+from rlrecipe.algo.kl import kl_to_reference
+from rlrecipe.algo.ratio import LOG_RATIO_CLAMP, safe_ratio
+
+__all__ = ["LOG_RATIO_CLAMP", "Remedies", "aggregation_scale", "mismatch_weights", "offpolicy_token_drop",
+           "policy_loss", "ppo_token_loss", "safe_ratio"]
 
 
-def safe_ratio(logp_num: torch.Tensor, logp_den: torch.Tensor) -> torch.Tensor:
-    """exp(logp_num - logp_den) with the log-ratio clamped to +-LOG_RATIO_CLAMP."""
-    return torch.exp(torch.clamp(logp_num - logp_den, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+@dataclass(frozen=True)
+class Remedies:
+    """Stability options the loss applies beside clipping; the defaults change nothing.
+
+    ratio_level "sequence": GSPO's sequence ratio with its own clip range (algo/gspo.py).
+    cov_mode "clip_cov" / "kl_cov": Cui et al. 2025 on cov_fraction of the tokens (algo/cov.py).
+    kl_coef > 0: + kl_coef x KL(pi_theta || pi_ref) per token, aggregated as the loss (algo/kl.py),
+    on every token (a regulariser: not weighted by IcePop / TIS); needs the field logp_ref.
+    entropy_coef > 0: - entropy_coef x entropy of the active tokens, aggregated as the loss; needs
+    the field entropy (with gradient)."""
+
+    ratio_level: str = "token"
+    seq_eps_low: float = 3e-4
+    seq_eps_high: float = 4e-4
+    cov_mode: str = "off"
+    cov_fraction: float = 2e-4
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+    kl_cov_coef: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
 
 
 def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mode: str,
@@ -89,22 +117,45 @@ def offpolicy_token_drop(logp: torch.Tensor, logp_infer: torch.Tensor, adv: torc
 
 def policy_loss(logp: torch.Tensor, f: dict[str, torch.Tensor], eps_low: float, eps_high: float,
                 dual_clip: float | None = None, offpolicy_delta: float | None = None,
-                early_stop_ratio: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                early_stop_ratio: float | None = None, remedies: Remedies | None = None,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Sum over tokens of weight * PPO term * scale; `f` holds per-token logp_old, adv, weight
-    (IcePop / TIS), scale, and for the V3.2 mask logp_infer and seq.
+    (IcePop / TIS), scale, and for the V3.2 mask and GSPO logp_infer and seq; see `Remedies` for
+    the rest (`generator` draws Clip-Cov's tokens).
 
     early_stop_ratio: a micro-batch whose mean importance ratio pi_theta/pi_old over its active
     tokens exceeds it contributes no gradient (its loss is multiplied by 0), as AReaL does with
     early_stop_imp_ratio. Stats count only active tokens (weight != 0) as clipped."""
-    tok_loss, was_clipped, dual_clipped = ppo_token_loss(logp, f["logp_old"], f["adv"], eps_low, eps_high, dual_clip)
-    weight = f["weight"]
+    rem = remedies or Remedies()
     stats: dict[str, float] = {}
+    if rem.ratio_level == "sequence":
+        log_s = sequence_log_ratio(logp, f["logp_old"], f["seq"])
+        tok_loss, was_clipped, dual_clipped = ppo_token_loss(log_s, torch.zeros_like(log_s), f["adv"],
+                                                             rem.seq_eps_low, rem.seq_eps_high, dual_clip)
+        stats.update(_sequence_stats(log_s.detach(), was_clipped, f["seq"]))
+    elif rem.ratio_level == "token":
+        tok_loss, was_clipped, dual_clipped = ppo_token_loss(logp, f["logp_old"], f["adv"], eps_low, eps_high,
+                                                             dual_clip)
+    else:
+        raise ValueError(f"unknown ratio level {rem.ratio_level!r}")
+    weight = f["weight"]
     if offpolicy_delta is not None:
         drop = offpolicy_token_drop(logp, f["logp_infer"], f["adv"], f["seq"], offpolicy_delta)
         weight = torch.where(drop, torch.zeros_like(weight), weight)
         stats["offpolicy_dropped_seqs"] = float(torch.unique(f["seq"][drop]).numel())
     active = weight != 0
+    if rem.cov_mode != "off":
+        tok_loss, chosen = _cov_remedy(tok_loss, logp, f, active & ~was_clipped & ~dual_clipped, rem, generator)
+        stats["cov_selected_tokens"] = float(chosen.sum())
     loss = (tok_loss * weight * f["scale"]).sum()
+    if rem.kl_coef > 0:
+        kl = kl_to_reference(logp, f["logp_ref"], f["logp_old"], rem.kl_estimator)
+        loss = loss + rem.kl_coef * (kl * f["scale"]).sum()
+        stats["kl_ref_sum"] = float(kl.detach().sum())
+    if rem.entropy_coef > 0:
+        bonus = rem.entropy_coef * (f["entropy"] * active * f["scale"]).sum()
+        loss = loss - bonus
+        stats["entropy_bonus"] = float(bonus.detach())
     ratio = safe_ratio(logp.detach(), f["logp_old"])
     ratio_sum = float(ratio[active].sum())
     stopped = early_stop_ratio is not None and bool(active.any()) and ratio_sum / float(active.sum()) > early_stop_ratio
@@ -115,3 +166,26 @@ def policy_loss(logp: torch.Tensor, f: dict[str, torch.Tensor], eps_low: float, 
                   "active_tokens": float(active.sum()), "tokens": float(logp.numel()),
                   "ratio_sum": ratio_sum, "early_stopped_microbatches": float(stopped), "microbatches": 1.0})
     return loss, stats
+
+
+def _sequence_stats(log_s: torch.Tensor, was_clipped: torch.Tensor, seq: torch.Tensor) -> dict[str, float]:
+    """GSPO: how many sequences, the sum of their ratios s_i, and how many the clip bound."""
+    # every token of a sequence carries the same s_i and the same clip flag: any one of them will do
+    ids, inverse = torch.unique(seq, return_inverse=True)
+    s_i = torch.zeros(len(ids), dtype=log_s.dtype, device=log_s.device).scatter_(0, inverse, log_s.exp())
+    clipped = torch.zeros(len(ids), dtype=torch.bool, device=log_s.device).scatter_(0, inverse, was_clipped)
+    return {"seqs": float(len(ids)), "seq_ratio_sum": float(s_i.sum()), "seq_clipped": float(clipped.sum())}
+
+
+def _cov_remedy(tok_loss: torch.Tensor, logp: torch.Tensor, f: dict[str, torch.Tensor], candidates: torch.Tensor,
+                rem: Remedies, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip-Cov detaches the chosen tokens' terms; KL-Cov adds its penalty to them. Candidates are
+    the tokens still in the loss and not already held by the PPO clip (as the authors' code)."""
+    cov = token_covariance(logp, f["adv"])
+    if rem.cov_mode == "clip_cov":
+        chosen = clip_cov_tokens(cov, candidates, rem.cov_fraction, rem.clip_cov_low, rem.clip_cov_high, generator)
+        return torch.where(chosen, tok_loss.detach(), tok_loss), chosen
+    if rem.cov_mode == "kl_cov":
+        chosen = kl_cov_tokens(cov, candidates, rem.cov_fraction)
+        return tok_loss + chosen * rem.kl_cov_coef * kl_cov_penalty(logp, f["logp_old"]), chosen
+    raise ValueError(f"unknown covariance remedy {rem.cov_mode!r}")

@@ -10,7 +10,8 @@ from typing import Protocol
 
 import torch
 
-# loss_fn(logp, fields) -> (loss already scaled to its share of the global batch, stats sums)
+# loss_fn(logp, fields) -> (loss already scaled to its share of the global batch, stats sums);
+# fields["entropy"] (per-token entropy, with gradient) is there when train_step is asked with_entropy.
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
@@ -35,7 +36,7 @@ class TrainEngine(Protocol):
     def compute_logprobs(self, samples: list[TrainSample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logp, entropy) per sample for its response tokens, under the current weights."""
 
-    def train_step(self, samples: list[TrainSample], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step over all samples."""
 
     def rollout_state(self) -> dict[str, torch.Tensor]:

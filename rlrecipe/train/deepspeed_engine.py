@@ -27,7 +27,8 @@ schedule of the torch engine as DeepSpeed's client scheduler; clipping through D
 `gradient_clipping`. A step whose gradient norm is NaN/inf is skipped by DeepSpeed; the schedule
 still advances, as in the torch engine. `model.dtype: bfloat16` enables DeepSpeed bf16 (bf16
 weights and compute, fp32 master weights in the optimizer), `float16` enables fp16 with dynamic
-loss scaling, `float32` trains in fp32; `trainer.bf16_autocast` additionally runs the forward in
+loss scaling (AReaL's settings, as the torch engine's scaler: initial scale 2^32, window 5,
+hysteresis 2, minimum 1), `float32` trains in fp32; `trainer.bf16_autocast` additionally runs the forward in
 torch.autocast, as in the torch engine. ZeRO stage 1, 2 or 3 from `trainer.zero_stage`;
 `trainer.offload_optimizer` / `trainer.offload_params` (stage 3) offload to CPU memory.
 
@@ -45,6 +46,7 @@ and gradients are sharded).
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 from pathlib import Path
@@ -106,7 +108,9 @@ def build_ds_config(cfg: TrainerSection, dtype: str, world: int, overrides: dict
     if dtype == "bfloat16":
         config["bf16"] = {"enabled": True}
     elif dtype == "float16":
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        # loss_scale 0 = dynamic; AReaL's settings (train/loss_scale.py follows the same rules)
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 32, "loss_scale_window": 5,
+                          "hysteresis": 2, "min_loss_scale": 1}
     return _merge(config, overrides or {})
 
 
@@ -228,8 +232,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         return [[indices[k] for k in b] for b in bins]
 
     # -- update --------------------------------------------------------------------------------
-    def train_step(self, samples: list[TrainSample], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over the global batch; this rank trains on its share."""
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over the global batch; this rank trains on its share.
+
+        with_entropy and the fp16 "overflow" / "loss_scale" stats as in TorchTrainEngine.train_step."""
         if not samples:  # every rank sees the same global batch, so all return here together
             self.scheduler.step()
             self.steps_done += 1
@@ -243,8 +249,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             self.engine.set_gradient_accumulation_boundary(i == n - 1)
             if i < len(bins):
                 mb = [samples[j] for j in bins[i]]
-                logp, _ = self._forward(mb, with_entropy=False)
+                logp, entropy = self._forward(mb, with_entropy=with_entropy)
                 fields = {k: torch.cat([s.fields[k] for s in mb]).to(self.device) for k in mb[0].fields}
+                if with_entropy:
+                    fields["entropy"] = entropy
                 loss, mb_stats = loss_fn(logp, fields)
                 if not loss.requires_grad:  # a constant loss still has to run the backward collectives
                     loss = loss + logp.sum() * 0.0
@@ -257,6 +265,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             # DeepSpeed averages gradients over ranks; the global loss is their sum.
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
         skipped_before = self.engine.skipped_steps
+        fp16 = self.ds_config.get("fp16", {}).get("enabled", False)
+        scale = float(self.engine.optimizer.loss_scale) if fp16 else 1.0
         self.engine.step()
         skipped = self.engine.skipped_steps > skipped_before
         if skipped:
@@ -265,8 +275,13 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         norm = self.engine.get_global_grad_norm()  # before clipping, like torch's clip_grad_norm_
         grad_norm = float("nan") if skipped or norm is None else float(norm)
         self.steps_done += 1
-        return {"loss": totals.pop("loss"), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                "skipped": 1.0 if skipped else 0.0, **totals}
+        out = {"loss": totals.pop("loss"), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+               "skipped": 1.0 if skipped else 0.0, **totals}
+        if fp16:
+            # a skip at the minimum scale is not an overflow that scaling explains
+            overflow = skipped and math.isfinite(out["loss"]) and scale > self.ds_config["fp16"]["min_loss_scale"]
+            out.update({"loss_scale": scale, "overflow": float(overflow)})
+        return out
 
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

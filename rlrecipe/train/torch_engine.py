@@ -7,6 +7,7 @@ import contextlib
 import math
 import pickle
 import random
+import re
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample
 from rlrecipe.train.logprobs import response_logprobs
+from rlrecipe.train.loss_scale import DynamicLossScaler
 from rlrecipe.train.varlen_attention import training_attention
 
 
@@ -64,6 +66,12 @@ def make_scheduler(optimizer, cfg: TrainerSection, total_steps: int):
 class TorchTrainEngine:
     def __init__(self, model_dir: str | Path, cfg: TrainerSection, total_steps: int, dtype: str = "float32",
                  temperature: float = 1.0, gradient_checkpointing: bool = False, attn_implementation: str = "sdpa"):
+        if dtype == "float16":
+            # AdamW's second moment (g^2 ~ 1e-8) flushes to zero in float16 and the first step
+            # blows the weights up; DeepSpeed keeps float32 master weights, this engine does not.
+            raise UserError("model.dtype: float16 with trainer.engine: torch: this engine keeps no float32 master "
+                            "weights; set model.dtype: float32 with trainer.fp16_autocast: true (float16 compute "
+                            "with loss scaling), or trainer.engine: deepspeed")
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # packed micro-batches attend per document (sdpa on CPU would mask a full T x T)
@@ -75,11 +83,15 @@ class TorchTrainEngine:
                                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
         self.steps_done = 0
+        # float16 activation gradients underflow without loss scaling (train/loss_scale.py)
+        self.loss_scaler = DynamicLossScaler() if cfg.fp16_autocast else None
 
     # -- forward -----------------------------------------------------------------------------
     def _autocast(self):
         if self.cfg.bf16_autocast:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.cfg.fp16_autocast:
+            return torch.autocast(self.device.type, dtype=torch.float16)
         return contextlib.nullcontext()
 
     def _forward(self, samples: list[TrainSample], with_entropy: bool):
@@ -117,31 +129,49 @@ class TorchTrainEngine:
         return [out[i] for i in range(len(samples))]
 
     # -- update ------------------------------------------------------------------------------
-    def train_step(self, samples: list[TrainSample], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over all samples, accumulated over packed micro-batches."""
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over all samples, accumulated over packed micro-batches.
+
+        with_entropy: the loss function also gets each token's entropy, with gradient, as
+        fields["entropy"]. Under trainer.fp16_autocast the loss is scaled for backward and the
+        gradients unscaled before clipping; "overflow" marks a step skipped because the scaled gradients overflowed
+        while the scaler could still lower its scale (the expected cost of loss scaling, unlike a
+        NaN loss)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {}
         total_loss = 0.0
+        scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         for mb in self.microbatches(samples):
-            logp, _ = self._forward(mb, with_entropy=False)
+            logp, entropy = self._forward(mb, with_entropy=with_entropy)
             fields = {k: torch.cat([s.fields[k] for s in mb]).to(self.device) for k in mb[0].fields}
+            if with_entropy:
+                fields["entropy"] = entropy
             loss, mb_stats = loss_fn(logp, fields)
-            loss.backward()
+            (loss * scale if self.loss_scaler else loss).backward()
             total_loss += float(loss.detach())
             for k, v in mb_stats.items():
                 stats[k] = stats.get(k, 0.0) + v
+        if self.loss_scaler:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / scale)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         finite = math.isfinite(total_loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped step still advances the schedule, on purpose
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
         self.steps_done += 1
-        return {"loss": total_loss, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                "skipped": 0.0 if finite else 1.0, **stats}
+        out = {"loss": total_loss, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+               "skipped": 0.0 if finite else 1.0, **stats}
+        if self.loss_scaler:
+            overflow = not finite and math.isfinite(total_loss) and self.loss_scaler.can_lower()
+            self.loss_scaler.update(overflow=not finite)
+            out.update({"loss_scale": scale, "overflow": float(overflow)})
+        return out
 
     # -- state -------------------------------------------------------------------------------
     def rollout_state(self) -> dict[str, torch.Tensor]:
@@ -158,8 +188,11 @@ class TorchTrainEngine:
     def save(self, ckpt_dir: str | Path) -> None:
         ckpt_dir = Path(ckpt_dir)
         self.export_hf(ckpt_dir / "model")
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "steps_done": self.steps_done, "rng": capture_rng()}, ckpt_dir / "trainer_state.pt")
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "steps_done": self.steps_done, "rng": capture_rng()}
+        if self.loss_scaler:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
+        torch.save(state, ckpt_dir / "trainer_state.pt")
 
     def load(self, ckpt_dir: str | Path) -> None:
         ckpt_dir = Path(ckpt_dir)
@@ -168,4 +201,6 @@ class TorchTrainEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = state["steps_done"]
+        if self.loss_scaler and "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
         restore_rng(state["rng"])

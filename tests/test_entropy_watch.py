@@ -1,0 +1,48 @@
+"""Entropy alarms: flags per step and one warning as each alarm starts."""
+
+from rlrecipe.algo.entropy_watch import EntropyWatch
+from rlrecipe.recipe import EntropyWatch as EntropyWatchSection
+
+
+def _run(watch, entropies):
+    return [watch.update(e, step=i + 1) for i, e in enumerate(entropies)]
+
+
+def test_collapse_needs_patience_steps_in_a_row_and_warns_once():
+    warnings = []
+    watch = EntropyWatch(low=0.5, high=None, patience=3, warn=warnings.append)
+    flags = _run(watch, [0.6, 0.4, 0.3, 0.7, 0.4, 0.3, 0.2, 0.1, 0.9])
+    # under 0.5 at steps 2-3 (interrupted), then 5-8: the alarm is on at steps 7 and 8 only
+    assert [f["entropy_collapse_alarm"] for f in flags] == [0, 0, 0, 0, 0, 0, 1, 1, 0]
+    assert all(f["entropy_explosion_alarm"] == 0 for f in flags)
+    assert warnings == ["step 7: entropy collapse: mean token entropy 0.2 below 0.5 for 3 steps"]
+
+
+def test_explosion_and_a_second_alarm_warns_again():
+    warnings = []
+    watch = EntropyWatch(low=0.1, high=2.0, patience=2, warn=warnings.append)
+    flags = _run(watch, [2.5, 2.6, 2.7, 1.0, 2.1, 2.2, 0.05])
+    assert [f["entropy_explosion_alarm"] for f in flags] == [0, 1, 1, 0, 0, 1, 0]
+    assert [f["entropy_collapse_alarm"] for f in flags] == [0] * 7
+    assert [w.split(":")[0] for w in warnings] == ["step 2", "step 6"]
+    assert all("explosion" in w and "above 2.0" in w for w in warnings)
+
+
+def test_boundary_values_do_not_count_and_no_bounds_means_no_flags():
+    watch = EntropyWatch(low=0.5, high=1.5, patience=1, warn=lambda m: None)
+    assert _run(watch, [0.5, 1.5]) == [{"entropy_collapse_alarm": 0.0, "entropy_explosion_alarm": 0.0}] * 2
+    off = EntropyWatch.from_config(EntropyWatchSection())
+    assert not off.enabled and off.update(0.0) == {}
+
+
+def test_the_default_warning_is_one_console_line_and_quiet_prints_none():
+    from rlrecipe.runs import console
+
+    watch = EntropyWatch.from_config(EntropyWatchSection(low=1.0, patience=2))
+    with console.capture() as captured:
+        _run(watch, [0.5, 0.4, 0.3])
+    assert captured.get().strip() == "warning: step 2: entropy collapse: mean token entropy 0.4 below 1.0 for 2 steps"
+    quiet = EntropyWatch.from_config(EntropyWatchSection(low=1.0, patience=2), quiet=True)
+    with console.capture() as captured:
+        flags = _run(quiet, [0.5, 0.4])
+    assert captured.get() == "" and flags[-1]["entropy_collapse_alarm"] == 1.0

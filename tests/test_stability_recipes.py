@@ -1,0 +1,37 @@
+"""The remedy recipes: each is tiny_rl with one remedy on, and nothing else changed."""
+
+import pytest
+
+from rlrecipe.recipe import load_recipe
+
+from .conftest import REPO
+
+CLAIMS = {
+    # the recipe spells out GSPO's clip range, which is the default
+    "tiny_rl_gspo.yaml": {"rl.ratio_level": "sequence", "rl.loss_agg": "seq_mean_token_mean"},
+    "tiny_rl_clip_cov.yaml": {"rl.cov.mode": "clip_cov"},
+    "tiny_rl_kl_cov.yaml": {"rl.cov.mode": "kl_cov"},
+    "tiny_rl_kl_ref.yaml": {"rl.kl_coef": 0.05, "rl.kl_estimator": "k3_unbiased"},
+    "tiny_rl_entropy.yaml": {"rl.entropy_coef": 1e-3, "rl.entropy_watch.low": 0.02, "rl.entropy_watch.high": 2.0},
+    "tiny_rl_positive_only.yaml": {"rl.negative_adv_scale": 0.0},
+    "tiny_rl_fp16.yaml": {"trainer.fp16_autocast": True, "rollout.dtype": "float16"},
+}
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("name", CLAIMS)
+def test_remedy_recipe_changes_only_what_it_claims(name):
+    base = _flat(load_recipe(REPO / "recipes" / "tiny_rl.yaml").recipe.model_dump(mode="json"))
+    other = _flat(load_recipe(REPO / "recipes" / name).recipe.model_dump(mode="json"))
+    changed = {k: other[k] for k in base if base[k] != other[k]}
+    assert changed.pop("run.name") == name.removesuffix(".yaml").replace("_", "-")
+    assert changed == CLAIMS[name]

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
+from rlrecipe.algo.entropy_watch import EntropyWatch
 from rlrecipe.algo.ppo import Remedies, aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.c3po import PromptStream, RolloutPool
@@ -30,6 +31,7 @@ from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
+from rlrecipe.train.reference import make_reference
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 POOL_FILE = "pool.safetensors"
@@ -202,6 +204,8 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
     pool = make_pool(recipe, tokenizer) if lead else None
     trainer = make_train_engine(recipe.trainer, recipe.model, stage.model_dir, cfg.steps * cfg.ppo_minibatches,
                                 temperature=recipe.rollout.temperature)
+    reference = make_reference(recipe, stage.model_dir)  # None unless rl.kl_coef > 0
+    watch = EntropyWatch.from_config(cfg.entropy_watch, quiet=not lead)
     start = resume_rl(run, trainer, pool)
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
     transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang)
@@ -218,13 +222,14 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
                     batch, roll = broadcast_from_rank_zero(partial(
                         collect_graded, pool, engine, params, tokenizer, grader, cfg, seed=recipe.run.seed * 100003 + step))
                 with timer("train_s"):
-                    samples, logp_old, entropy = recompute_old_logprobs(trainer, batch)
+                    samples, logp_old, entropy = recompute_old_logprobs(trainer, batch, reference)
                     weights = attach_ppo_fields(samples, batch, logp_old, cfg)
                     update = ppo_update(trainer, samples, cfg)
                     guard.check(update, step + 1)
                     push_weights(trainer, engine, run, tokenizer, step + 1, transport)
                 metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **pool_metrics(roll),
                            **timer.seconds, "gen_tokens_per_s": roll.generated_tokens / max(timer.seconds["rollout_s"], 1e-9)}
+                metrics.update(watch.update(metrics["entropy"], step + 1))
                 if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                     metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
                 run.log(step + 1, metrics)

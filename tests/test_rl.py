@@ -74,3 +74,21 @@ def test_rl_through_the_sglang_api_with_broadcast_weight_sync(tmp_path, tiny_mod
     assert "joined weight update group" in log
     assert [f"weight_version={v}" in log for v in (1, 2)] == [True, True]
     assert "broadcast tensors" in log and not (run / "weights_for_rollout").exists()  # nothing went via disk
+
+
+def test_remedies_that_need_the_loop_run_through_it(tmp_path, tiny_model_dir):
+    """KL to a reference (the policy starts at the reference and step 1's single minibatch is taken
+    before any update, so its KL is 0 up to rounding; later steps move away) and the entropy watch (a low bound no entropy can pass: alarm from the
+    first step with patience 1), on the plain loop, in one process."""
+    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
+    from rlrecipe.rl import run_rl
+
+    data = write_tiny_data(tmp_path / "data")
+    spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=3, ppo_minibatches=1, kl_coef=0.5, kl_estimator="k3",
+                     entropy_watch={"low": 1e9, "patience": 1})
+    spec["eval"] = {}
+    run_rl(LoadedRecipe(recipe=recipe_from_dict(spec), path="kl.yaml"))
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert abs(rows[0]["kl_ref"]) < 1e-6 < rows[2]["kl_ref"]
+    assert all(r["entropy_collapse_alarm"] == 1.0 and r["entropy_explosion_alarm"] == 0.0 for r in rows)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 
 def _console_warning(message: str) -> None:
-    from rlrecipe.runs import console  # the run's console, imported here so algo stays free of it
+    from rlrecipe.console import console
 
     console.print(f"[bold yellow]warning:[/] {message}")
 

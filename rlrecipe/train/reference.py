@@ -17,6 +17,7 @@ from rlrecipe.algo.packing import allocate_microbatches, pack
 from rlrecipe.modeling import load_model
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.logprobs import response_logprobs
+from rlrecipe.train.varlen_attention import training_attention
 
 
 class ReferencePolicy:
@@ -24,7 +25,8 @@ class ReferencePolicy:
                  max_tokens_per_microbatch: int = 30720, chunk_tokens: int = 1024, attn_implementation: str = "sdpa",
                  autocast_dtype: torch.dtype | None = None):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_model(model_dir, dtype, attn_implementation).to(self.device).eval()
+        attention = training_attention(attn_implementation, self.device)  # packed rows, per document
+        self.model = load_model(model_dir, dtype, attention).to(self.device).eval()
         self.model.requires_grad_(False)
         self.temperature = temperature
         self.max_tokens = max_tokens_per_microbatch

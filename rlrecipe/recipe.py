@@ -242,6 +242,8 @@ class RLSection(Section):
 
 class SGLangServer(Section):
     tp_size: int = Field(1, ge=1)
+    # SGLang's data parallelism inside one server (--dp-size): dp_size model copies behind one URL.
+    # A launched server takes tp_size x dp_size GPUs; all launched servers share this node's GPUs.
     dp_size: int = Field(1, ge=1)
     mem_fraction_static: float = Field(0.8, gt=0, le=1)
     host: str = "127.0.0.1"
@@ -270,6 +272,24 @@ class SGLangServer(Section):
     weight_sync_address: str = "127.0.0.1"
     weight_sync_port: int = Field(29650, gt=0, lt=65536)
     weight_sync_bucket_mb: int = Field(512, ge=1, description="tensors per update request, at most this size")
+    # sglang-router in front of the servers (launched or rollout.urls), on host:router_port: every
+    # /generate goes to it and it balances them (router_policy); weight updates, aborts and server
+    # info still go to each server.
+    router: bool = False
+    router_port: int = Field(31000, gt=0, lt=65536)
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
+    router_extra_args: list[str] = []
+    # Replaces `python -m sglang_router.launch_router ...` (e.g. a router installed in its own
+    # environment). Placeholders: {host} {port} {policy}; an argument "{worker_urls}" becomes one
+    # argument per server URL.
+    router_launch_cmd: list[str] = []
+
+    @model_validator(mode="after")
+    def _router_retries_itself(self) -> SGLangServer:
+        if self.router and self.retry_on_other_servers:
+            raise ValueError("retry_on_other_servers and router exclude each other: behind the router, "
+                             "requests are spread and retried across the servers by the router itself")
+        return self
 
 
 class RolloutSection(Section):

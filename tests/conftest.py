@@ -29,3 +29,21 @@ def tiny_model_dir(tmp_path_factory):
 
     return create_tiny(TinyModel(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                                  max_position_embeddings=256), tmp_path_factory.mktemp("tiny") / "model", seed=3)
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with perturbed weights, saved as another HF directory."""
+    import torch
+
+    from rlrecipe.modeling import load_model, load_tokenizer
+
+    out = tmp_path_factory.mktemp("other") / "model"
+    model = load_model(tiny_model_dir)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    load_tokenizer(tiny_model_dir).save_pretrained(out)
+    return out

@@ -82,3 +82,25 @@ def test_joining_a_weight_group_at_an_unreachable_address_gives_up(served):
     code, answer = post(port, "/init_weights_update_group", json.dumps(body).encode())
     assert code == 400 and answer["success"] is False and "Failed to initialize" in answer["message"]
     assert generate(port, [5, 6])[0] == 200  # still serving
+
+
+def get(port: int, path: str, timeout: float = 60) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data
+
+
+def test_health_answers_as_sglang_does(served):
+    port, sched = served
+    assert sched.ready.wait(60)  # its warm-up generation went through
+    assert get(port, "/health") == (200, b"")  # no generation behind it
+    assert get(port, "/health_generate") == (200, b"")  # one token generated
+    sched.ready.clear()  # as while it warms up (or shuts down): 503 on both, as SGLang
+    try:
+        assert get(port, "/health")[0] == 503 and get(port, "/health_generate")[0] == 503
+    finally:
+        sched.ready.set()
+    assert get(port, "/health")[0] == 200

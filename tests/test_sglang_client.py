@@ -76,20 +76,6 @@ def tok(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def other_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with perturbed weights, saved as another HF directory."""
-    out = tmp_path_factory.mktemp("other") / "model"
-    model = load_model(tiny_model_dir)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    load_tokenizer(tiny_model_dir).save_pretrained(out)
-    return out
-
-
 @pytest.fixture
 def engine(server, tok):
     eng = SGLangEngine([server["url"]], eos_token_id=tok.eos_token_id, max_concurrency=16)

@@ -5,7 +5,10 @@ and keeps every token's log-prob and policy version. Every /generate goes throug
 thread (`http_pool.py`), at most `max_concurrency` open per server; a group's samples go to one
 server, which then shares their prompt's prefix cache. A server that dies or stays silent past
 its read timeout stops the call with an error naming it, or (retry_on_other_servers) its
-requests go to the others and it is left out from then on.
+requests go to the others and it is left out from then on. With `rollout.sglang.router`, every
+/generate goes to sglang-router in front of the servers instead (one URL, which balances them);
+weight updates, aborts and server info still go to each server, since the router forwards none
+of them.
 
 Each response's `meta_info.weight_version` is checked against the version this engine set, so a
 token is never labelled with a policy version that did not produce it. `max_new_tokens` is capped
@@ -18,6 +21,10 @@ requests not yet sent are not sent. A later call resumes a partial trajectory by
 prompt + partial response as `input_ids` with `max_new_tokens` reduced by what it has. Aborts:
 the first round by rid; later rounds, on servers this engine launched (nobody else's requests
 are there), abort all, since SGLang acts on a rid's first abort only and may miss it.
+
+This module runs past the usual ~400 lines because its one job, driving requests on many servers,
+keeps its bookkeeping together: the budget, aborts, resends, servers left out and the router all
+act on the same in-flight requests.
 """
 
 from __future__ import annotations
@@ -40,7 +47,13 @@ from rlrecipe.recipe import Recipe, SGLangServer
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
 from rlrecipe.rollout.http_pool import HttpPool, Post, PostFailed
 from rlrecipe.rollout.sglang_api import apply_output, context_length, generate_payload, sglang_sampling_params
-from rlrecipe.rollout.sglang_server import ServerProcess, launch_servers, model_arg
+from rlrecipe.rollout.sglang_server import (
+    ServerProcess,
+    launch_servers,
+    model_arg,
+    start_router,
+    wait_until_healthy,
+)
 from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
@@ -54,7 +67,7 @@ ABORT_RESEND_S = 1.0
 @dataclass(eq=False)
 class _Request:
     traj: Trajectory
-    server: int
+    endpoint: int  # index into the engine's generation URLs: a server, or 0 = the router
     payload: dict
     rid: str
     post: Post | None = None
@@ -73,7 +86,8 @@ class SGLangEngine(RolloutEngine):
 
     def __init__(self, urls: Sequence[str], *, eos_token_id: int | None = None, version: int = 0,
                  max_concurrency: int = 512, servers: Sequence[ServerProcess] | None = None,
-                 stop_token_ids: Sequence[int] | None = None, cfg: SGLangServer | None = None):
+                 stop_token_ids: Sequence[int] | None = None, cfg: SGLangServer | None = None,
+                 router: ServerProcess | None = None):
         if not urls:
             raise UserError("rollout.urls: no SGLang server to talk to")
         self.urls = [u.rstrip("/") for u in urls]
@@ -83,11 +97,13 @@ class SGLangEngine(RolloutEngine):
             [eos_token_id] if eos_token_id is not None else [])
         self.max_concurrency = max_concurrency
         self.servers: list[ServerProcess] = list(servers or [])
+        self.router = router  # sglang-router in front of the servers: every /generate goes to it
+        self._gen_urls = [router.url] if router is not None else self.urls
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
         self._sessions_lock = threading.Lock()
         # every /generate goes through one asyncio thread, at most max_concurrency open per server
-        self._http = HttpPool(len(self.urls), max_concurrency)
+        self._http = HttpPool(len(self._gen_urls), max_concurrency * (len(self.urls) if router else 1))
         self.cfg = cfg or SGLangServer()
         self.transport = weight_transport("sglang", self.cfg)
         self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
@@ -103,41 +119,49 @@ class SGLangEngine(RolloutEngine):
                     run_dir: Path | None = None) -> SGLangEngine:
         ro = recipe.rollout
         eos = tokenizer.eos_token_id
-        if ro.urls:
-            engine = cls(ro.urls, eos_token_id=eos, version=version, max_concurrency=ro.sglang.max_concurrency,
-                         cfg=ro.sglang)
-            try:
-                engine.wait_healthy(timeout=30.0)
-                engine.ensure_model(model_dir, version)
-            except BaseException:
-                engine.close()
-                raise
-            return engine
-        return cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
-                          version=version, seed=recipe.run.seed)
+        if not ro.urls:
+            return cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
+                              version=version, seed=recipe.run.seed)
+        urls = [u.rstrip("/") for u in ro.urls]
+        # attached servers may still be starting (or restarting): the same bounded wait as launched ones
+        wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
+        router = start_router(urls, ro.sglang, run_dir) if ro.sglang.router else None
+        try:
+            engine = cls(urls, eos_token_id=eos, version=version, max_concurrency=ro.sglang.max_concurrency,
+                         cfg=ro.sglang, router=router)
+        except BaseException:
+            if router is not None:
+                router.stop()
+            raise
+        try:
+            engine.ensure_model(model_dir, version)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
 
     @classmethod
     def launch(cls, model_dir: str | Path, *, cfg: SGLangServer | None = None, dtype: str = "bfloat16",
                run_dir: str | Path | None = None, eos_token_id: int | None = None, version: int = 0, seed: int = 0,
                launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
                env: dict[str, str] | None = None) -> SGLangEngine:
-        """Start `cfg.num_servers` servers (see `launch_servers`), wait until they generate, return the engine."""
+        """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
+        front of them; wait until they generate; return the engine."""
         cfg = cfg or SGLangServer()
         servers = launch_servers(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
                                  env=env)
+        router = None
         try:
-            engine = cls([s.url for s in servers], eos_token_id=eos_token_id, version=version,
-                         max_concurrency=cfg.max_concurrency, servers=servers, cfg=cfg)
+            wait_until_healthy([(s.url, s) for s in servers], cfg.startup_timeout_s)
+            if cfg.router:
+                router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env)
+            return cls([s.url for s in servers], eos_token_id=eos_token_id, version=version,
+                       max_concurrency=cfg.max_concurrency, servers=servers, cfg=cfg, router=router)
         except BaseException:
-            for s in servers:
-                s.stop()
+            for s in [router, *servers]:
+                if s is not None:
+                    s.stop()
             raise
-        try:
-            engine.wait_healthy(timeout=cfg.startup_timeout_s)
-        except BaseException:
-            engine.close()
-            raise
-        return engine
 
     # -- plumbing --------------------------------------------------------------------------------
     def _session(self) -> requests.Session:
@@ -152,6 +176,8 @@ class SGLangEngine(RolloutEngine):
         return self.servers[i] if i < len(self.servers) else None
 
     def _check_alive(self) -> None:
+        if self.router is not None and self.router.proc is not None and not self.router.alive():
+            raise self.router.crash_error()
         for i, s in enumerate(self.servers):
             if i in self.live and s.proc is not None and not s.alive():
                 self._leave_out(i, s.crash_error())
@@ -176,8 +202,10 @@ class SGLangEngine(RolloutEngine):
         if self._broadcast is not None:
             self._broadcast.server_left()
 
-    def _down_error(self, i: int, err: Exception, what: str, may_exit: bool = True) -> UserError:
-        server = self._server(i)
+    def _down_error(self, i: int, err: Exception, what: str, may_exit: bool = True,
+                    server: ServerProcess | None = None) -> UserError:
+        """The error for server i (or the process given: the router) that failed a request."""
+        server = server or self._server(i)
         if server is not None:
             # the socket closes a moment before the process can be reaped (a hung one will not exit)
             deadline = time.monotonic() + (3.0 if may_exit else 0.0)
@@ -185,7 +213,7 @@ class SGLangEngine(RolloutEngine):
                 time.sleep(0.05)
             if not server.alive():
                 return server.crash_error()
-            return UserError(f"SGLang server {i} ({self.urls[i]}) {what}: {err}; log: {server.log_path}")
+            return UserError(f"{server.label} ({server.url}) {what}: {err}; log: {server.log_path}")
         return UserError(f"SGLang server {self.urls[i]} {what}: {err} (is it running? rollout.urls)")
 
     def post(self, i: int, path: str, body: dict, timeout: float | tuple | None = 30.0) -> requests.Response:
@@ -194,34 +222,6 @@ class SGLangEngine(RolloutEngine):
             return self._session().post(self.urls[i] + path, json=body, timeout=timeout)
         except requests.RequestException as err:
             raise self._down_error(i, err, f"unreachable on {path}") from None
-
-    def wait_healthy(self, timeout: float) -> None:
-        """Until every server answers /health_generate with 200; fail early when a launched one exits."""
-        deadline = time.monotonic() + timeout
-        pending = set(range(len(self.urls)))
-        last_err: dict[int, str] = {}
-        while pending:
-            for i in sorted(pending):
-                server = self._server(i)
-                if server is not None and server.proc is not None and not server.alive():
-                    raise server.crash_error("exited during start-up")
-                try:
-                    r = self._session().get(self.urls[i] + "/health_generate", timeout=30)
-                    if r.status_code == 200:
-                        pending.discard(i)
-                        continue
-                    last_err[i] = f"HTTP {r.status_code}"
-                except requests.RequestException as err:
-                    last_err[i] = type(err).__name__
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                i = min(pending)
-                server = self._server(i)
-                where = f"; log: {server.log_path}" if server is not None else ""
-                raise UserError(f"SGLang server {self.urls[i]} not healthy after {timeout:.0f}s "
-                                f"(last: {last_err.get(i, '?')}; raise rollout.sglang.startup_timeout_s?){where}")
-            time.sleep(0.25)
 
     def _get_info(self, i: int, path: str) -> dict:
         """GET /<path>, or its pre-0.5 name /get_<path> where the server does not know the new one."""
@@ -247,6 +247,20 @@ class SGLangEngine(RolloutEngine):
         """Server i's context length; None where /server_info does not say."""
         return context_length(self.server_info(i))
 
+    def _endpoint_context(self, e: int) -> int | None:
+        """The context a request sent to endpoint e must fit: behind the router, the smallest one."""
+        if self.router is None:
+            return self.context_len(e)
+        known = [c for c in (self.context_len(i) for i in self.live) if c is not None]
+        return min(known) if known else None
+
+    def _expected_version(self, e: int) -> str | None:
+        """The weight_version answers from endpoint e must carry (None: not set by this engine)."""
+        if self.router is None:
+            return self._weight_version[e]
+        versions = {self._weight_version[i] for i in self.live}
+        return versions.pop() if len(versions) == 1 else None
+
     def ensure_model(self, model_dir: str | Path, version: int) -> None:
         """Attached servers must serve `model_dir`: reload it where /get_model_info says otherwise."""
         for i in range(len(self.urls)):
@@ -260,7 +274,8 @@ class SGLangEngine(RolloutEngine):
     # -- generation ------------------------------------------------------------------------------
     def _submit(self, req: _Request) -> Future:
         max_new = req.payload["sampling_params"]["max_new_tokens"]
-        req.post = Post(req.server, self.urls[req.server] + "/generate", req.payload, self.read_timeout(max_new))
+        req.post = Post(req.endpoint, self._gen_urls[req.endpoint] + "/generate", req.payload,
+                        self.read_timeout(max_new))
         return self._http.submit(req.post)
 
     def _answer(self, req: _Request, fut: Future) -> dict | None:
@@ -268,7 +283,7 @@ class SGLangEngine(RolloutEngine):
         try:
             result = fut.result()
         except PostFailed as err:
-            if req.server in self._failed and self.cfg.retry_on_other_servers:
+            if req.endpoint in self._failed and self.cfg.retry_on_other_servers:
                 req.lost = True  # its server was reported and left out already
                 return None
             if err.timed_out:
@@ -276,25 +291,34 @@ class SGLangEngine(RolloutEngine):
                         "rollout.sglang.request_timeout_s + request_timeout_per_token_s x max_new_tokens)")
             else:
                 what = "failed during /generate"
-            self._leave_out(req.server, self._down_error(req.server, err, what, may_exit=not err.timed_out))
+            if self.router is not None:  # nothing to retry on here: the router spreads and retries itself
+                raise self._down_error(0, err, f"{what}; servers behind it: {', '.join(self.urls)}",
+                                       may_exit=not err.timed_out, server=self.router) from None
+            self._leave_out(req.endpoint, self._down_error(req.endpoint, err, what, may_exit=not err.timed_out))
             req.lost = True
             return None
         if result is None:
             return None
         status, text = result
         if status != 200:
-            raise UserError(f"SGLang server {self.urls[req.server]} /generate: HTTP {status}: {text[:500]}")
+            raise UserError(f"SGLang server {self._gen_urls[req.endpoint]} /generate: HTTP {status}: {text[:500]}")
         return json.loads(text)
 
     def _abort(self, reqs: Sequence[_Request], all_on_own_servers: bool = False) -> None:
         """Abort these requests by rid; with `all_on_own_servers`, servers this engine launched
-        abort everything instead (SGLang acts on a rid's first abort only, and may miss it)."""
+        abort everything instead (SGLang acts on a rid's first abort only, and may miss it). Behind
+        the router, which forwards no aborts and does not tell where a request went, every server
+        aborts everything (its servers serve this run only)."""
         bodies: list[tuple[int, dict]] = []
-        for server in sorted({r.server for r in reqs} - self._failed):
-            if all_on_own_servers and self._server(server) is not None:
-                bodies.append((server, {"abort_all": True}))
-            else:
-                bodies += [(server, {"rid": r.rid}) for r in reqs if r.server == server]
+        if self.router is not None:
+            if reqs:
+                bodies = [(server, {"abort_all": True}) for server in self.live if server not in self._failed]
+        else:
+            for server in sorted({r.endpoint for r in reqs} - self._failed):
+                if all_on_own_servers and self._server(server) is not None:
+                    bodies.append((server, {"abort_all": True}))
+                else:
+                    bodies += [(server, {"rid": r.rid}) for r in reqs if r.endpoint == server]
         failed: set[int] = set()
         for server, body in bodies:
             if server in failed:
@@ -304,11 +328,11 @@ class SGLangEngine(RolloutEngine):
             except requests.RequestException:
                 failed.add(server)  # the /generate call reports a dead server
 
-    def _apply(self, t: Trajectory, out: dict, params: SamplingParams, version: int, server: int) -> None:
+    def _apply(self, t: Trajectory, out: dict, params: SamplingParams, version: int, endpoint: int) -> None:
         meta = out.get("meta_info") or {}
-        expected, got = self._weight_version[server], meta.get("weight_version")
+        expected, got = self._expected_version(endpoint), meta.get("weight_version")
         if expected is not None and got is not None and str(got) != expected:
-            raise UserError(f"SGLang server {self.urls[server]} answered with weight_version {got!r}, but this "
+            raise UserError(f"SGLang server {self._gen_urls[endpoint]} answered with weight_version {got!r}, but this "
                             f"engine last set {expected!r}: someone else updated its weights (rollout.urls "
                             "servers must serve this run only)")
         apply_output(t, out, params, version)
@@ -331,11 +355,17 @@ class SGLangEngine(RolloutEngine):
         # a group's samples go to one server, which then shares their prompt's prefix cache
         groups: dict[str, int] = {}
         reqs: list[_Request] = []
+        contexts: dict[int, int | None] = {}
         for t in todo:
-            server = self.live[groups.setdefault(t.group_id or t.uid, len(groups)) % len(self.live)]
+            if self.router is not None:
+                endpoint = 0  # the router keeps a prompt's samples together itself (cache_aware)
+            else:
+                endpoint = self.live[groups.setdefault(t.group_id or t.uid, len(groups)) % len(self.live)]
             input_ids = list(t.prompt_ids) + list(t.response_ids)
             max_new = params.max_new_tokens - len(t.response_ids)
-            ctx = self.context_len(server)
+            if endpoint not in contexts:
+                contexts[endpoint] = self._endpoint_context(endpoint)
+            ctx = contexts[endpoint]
             if ctx is not None:
                 max_new = min(max_new, ctx - len(input_ids))
                 if max_new <= 0:  # the context is full: it can never finish
@@ -346,7 +376,7 @@ class SGLangEngine(RolloutEngine):
             sp = sglang_sampling_params(params, max_new, self.stop_token_ids)
             if SEED_KEY in t.meta:  # honoured by SGLang >= 0.5.3 (exactly so with --enable-deterministic-inference)
                 sp["sampling_seed"] = int(t.meta[SEED_KEY])
-            reqs.append(_Request(t, server, generate_payload(input_ids, sp, rid), rid))
+            reqs.append(_Request(t, endpoint, generate_payload(input_ids, sp, rid), rid))
         futures: dict[Future, _Request] = {self._submit(r): r for r in reqs}
         pending = set(futures)
         finished_tokens = 0
@@ -359,12 +389,12 @@ class SGLangEngine(RolloutEngine):
                     req = futures.pop(fut)
                     out = self._answer(req, fut)
                     if out is not None:
-                        self._apply(req.traj, out, params, version, req.server)
+                        self._apply(req.traj, out, params, version, req.endpoint)
                         if req.traj.done:
                             finished_tokens += len(req.traj.response_ids)
                     elif req.lost and not stopping:
                         # its server was left out: the same request, from the start, on another
-                        req.server = self.live[hash(req.rid) % len(self.live)]
+                        req.endpoint = self.live[hash(req.rid) % len(self.live)]
                         req.payload = {**req.payload, "rid": uuid.uuid4().hex}
                         req.rid, req.lost = req.payload["rid"], False
                         new = self._submit(req)
@@ -381,7 +411,7 @@ class SGLangEngine(RolloutEngine):
                 self._check_alive()
         except BaseException:
             sent = [futures[f] for f in pending if not self._http.withdraw(futures[f].post) and not f.done()]
-            self._abort([r for r in sent if r.server in self.live])
+            self._abort(sent)  # servers left out are among the failed: none is asked
             raise
         return trajs
 
@@ -435,8 +465,9 @@ class SGLangEngine(RolloutEngine):
         if self._broadcast is not None:
             self._broadcast.close()
         self._http.close()
-        for server in self.servers:
-            server.stop()
+        for server in [self.router, *self.servers]:
+            if server is not None:
+                server.stop()
         with self._sessions_lock:
             for s in self._sessions:
                 s.close()

@@ -1,10 +1,18 @@
-"""SGLang server processes: the launch command, port checks, start, stop (also at exit and when we die).
+"""SGLang server processes on this node: launch commands, the GPU count, start, health, stop.
 
-`rollout.sglang.num_servers` servers are launched on this node as `python -m sglang.launch_server`
-(or `rollout.sglang.launch_cmd`), on ports base_port + i, each in its own process group with its
-log in `<run_dir>/sglang_server_{i}.log`. A server is stopped with SIGTERM to its group, then
-SIGKILL; every server still running is stopped at interpreter exit, and (Linux, PDEATHSIG) when
-this process dies hard.
+`rollout.sglang.num_servers` servers are launched on the node of rank 0 as
+`python -m sglang.launch_server` (or `rollout.sglang.launch_cmd`), on ports base_port + i, server
+i on GPUs i x tp x dp .. (i + 1) x tp x dp - 1, each in its own process group with its log in
+`<run_dir>/sglang_server_{i}.log`. A recipe whose servers need more GPUs than this node shows is
+refused before anything starts; servers on other nodes are started there and attached with
+`rollout.urls`. Optionally `sglang-router` runs in front of the servers (`rollout.sglang.router`,
+log `<run_dir>/sglang_router.log`) so that generation goes to one URL.
+
+Before the first request, every server (and the router) is polled on GET /health_generate, each
+probe bounded by the time left of `startup_timeout_s`; one that exits or never answers 200 stops
+the run with an error naming it and its log. A server is stopped with SIGTERM to its group, then
+SIGKILL; every one still running is stopped at interpreter exit, and (Linux, PDEATHSIG) when this
+process dies hard.
 """
 
 from __future__ import annotations
@@ -21,13 +29,21 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import requests
+
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import SGLangServer
+from rlrecipe.runs import console
 
 LOG_NAME = "sglang_server_{i}.log"
+ROUTER_LOG_NAME = "sglang_router.log"
+HEALTH_PATH = "/health_generate"  # SGLang answers it once a one-token generation went through
+PROBE_TIMEOUT_S = 30.0  # one health probe at most (SGLang gives up on its own after 20 s)
+WAIT_NOTICE_S = 10.0  # say what is awaited once a start-up takes this long
 
 
 def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
@@ -103,7 +119,12 @@ class ServerProcess:
     cmd: list[str]
     log_path: Path
     env: dict[str, str] | None = None
+    name: str = ""  # as errors call it; default "SGLang server <index>"
     proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        return self.name or f"SGLang server {self.index}"
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +140,7 @@ class ServerProcess:
                     # (PDEATHSIG follows the forking *thread*, so only from the main thread.)
                     preexec_fn=_pdeathsig_hook() if in_main else None)
             except OSError as err:
-                raise UserError(f"cannot start SGLang server {self.index} ({self.cmd[0]}): {err}") from None
+                raise UserError(f"cannot start {self.label} ({self.cmd[0]}): {err}") from None
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -144,7 +165,7 @@ class ServerProcess:
     def crash_error(self, what: str = "exited") -> UserError:
         last = self.log_tail()
         hint = f"; last log line: {last[:300]!r}" if last else ""
-        return UserError(f"SGLang server {self.index} ({self.url}) {what} with code {self.exit_code}{hint}; "
+        return UserError(f"{self.label} ({self.url}) {what} with code {self.exit_code}{hint}; "
                          f"full log: {self.log_path}")
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -193,6 +214,8 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
         raise UserError("rollout.engine=sglang: SGLang is not installed here (GPU machines: "
                         "`make install-gpu`); attach to running servers with rollout.urls, set "
                         "rollout.sglang.launch_cmd, or use rollout.engine=inprocess")
+    if template is None:  # a launch_cmd may not use GPUs at all
+        check_gpus(cfg, visible_gpus())
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
     model = model_arg(model_dir)
     servers: list[ServerProcess] = []
@@ -220,3 +243,110 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
             s.stop()
         raise
     return servers
+
+
+# -- this node's GPUs ------------------------------------------------------------------------------
+def gpus_needed(cfg: SGLangServer) -> int:
+    """GPUs the launched servers take: num_servers x tp_size x dp_size."""
+    return cfg.num_servers * cfg.tp_size * cfg.dp_size
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applied); 0 without CUDA."""
+    import torch  # here: the HTTP client itself stays free of torch
+
+    return torch.cuda.device_count()
+
+
+def check_gpus(cfg: SGLangServer, visible: int) -> None:
+    """Refuse servers that need more GPUs than this node has, before SGLang fails on a missing device."""
+    need = gpus_needed(cfg)
+    if need > visible:
+        raise UserError(f"rollout.sglang: num_servers {cfg.num_servers} x tp_size {cfg.tp_size} x dp_size "
+                        f"{cfg.dp_size} = {need} GPUs, but this node (rank 0, where the run launches its "
+                        f"servers) has {visible}; lower rollout.sglang.num_servers, tp_size or dp_size, or "
+                        "start servers on the other nodes and attach them with rollout.urls (README: "
+                        "Rollout at scale)")
+
+
+# -- the router ------------------------------------------------------------------------------------
+def router_launch_cmd(worker_urls: Sequence[str], cfg: SGLangServer) -> list[str]:
+    """`python -m sglang_router.launch_router ...` in front of `worker_urls`, on host:router_port."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--host", cfg.host, "--port", str(cfg.router_port), "--policy", cfg.router_policy,
+            *cfg.router_extra_args]
+
+
+def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | Path | None,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """Launch sglang-router in front of healthy servers and wait until it routes; stopped on failure."""
+    template = cfg.router_launch_cmd or None
+    if template is None and importlib.util.find_spec("sglang_router") is None:
+        raise UserError("rollout.sglang.router: sglang-router is not installed here (`pip install "
+                        "sglang-router`, part of `make install-gpu`); or set rollout.sglang.router_launch_cmd")
+    if not port_free(cfg.host, cfg.router_port):
+        raise UserError(f"rollout.sglang.router_port: port {cfg.router_port} on {cfg.host} is already in use")
+    if template is None:
+        cmd = router_launch_cmd(worker_urls, cfg)
+    else:
+        cmd = []
+        for part in template:  # "{worker_urls}" stands for one argument per server
+            cmd += list(worker_urls) if part == "{worker_urls}" else fill_placeholders(
+                [part], host=cfg.host, port=cfg.router_port, policy=cfg.router_policy)
+    run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    router = ServerProcess(-1, f"http://{host}:{cfg.router_port}", cmd, run_dir / ROUTER_LOG_NAME,
+                           env={**os.environ, **(env or {})}, name="sglang-router")
+    router.start()
+    try:
+        wait_until_healthy([(router.url, router)], cfg.startup_timeout_s)
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+# -- health ----------------------------------------------------------------------------------------
+def _probe(url: str, time_left: float) -> str | None:
+    """None when `url` answers GET /health_generate with 200 within the time left, else what it did."""
+    try:
+        r = requests.get(url + HEALTH_PATH, timeout=(min(5.0, time_left), min(PROBE_TIMEOUT_S, time_left)))
+    except requests.RequestException as err:
+        return type(err).__name__
+    return None if r.status_code == 200 else f"HTTP {r.status_code}"
+
+
+def wait_until_healthy(servers: Sequence[tuple[str, ServerProcess | None]], timeout: float) -> None:
+    """Until every (url, its process or None when attached) answers /health_generate with 200.
+
+    Probes run side by side, each bounded by the time left, so a server that accepts connections
+    and never answers costs `timeout`, not one probe timeout per server. A launched server that
+    exits fails at once with its exit code and log; one not healthy by the deadline fails with an
+    error naming it (and its log)."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    last: dict[str, str] = {}
+    noticed = False
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(pending)))) as pool:
+        while pending:
+            for _, proc in pending:
+                if proc is not None and proc.proc is not None and not proc.alive():
+                    raise proc.crash_error("exited during start-up")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                url, proc = pending[0]
+                name = f"{proc.label} ({url})" if proc is not None else f"SGLang server {url}"
+                where = f"; log: {proc.log_path}" if proc is not None else ""
+                raise UserError(f"{name} not healthy after {timeout:.0f}s (last: {last.get(url, '?')}; raise "
+                                f"rollout.sglang.startup_timeout_s?){where}")
+            answers = list(pool.map(lambda entry, left=left: _probe(entry[0], left), pending))
+            for (url, _), answer in zip(pending, answers, strict=True):
+                if answer is not None:
+                    last[url] = answer
+            pending = [entry for entry, answer in zip(pending, answers, strict=True) if answer is not None]
+            if pending and not noticed and time.monotonic() > deadline - timeout + WAIT_NOTICE_S:
+                noticed = True
+                console.print(f"waiting for {len(pending)} SGLang server(s) to answer {HEALTH_PATH}, "
+                              f"up to {timeout:.0f}s in all (first: {pending[0][0]})")
+            if pending:
+                time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))

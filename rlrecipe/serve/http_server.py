@@ -10,8 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from rlrecipe.errors import UserError
-from rlrecipe.serve.protocol import BadRequest, GenRequest, build_requests, response_body
+from rlrecipe.serve.protocol import BadRequest, GenRequest, build_requests, health_probe, response_body
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
+
+HEALTH_GENERATE_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT: a probe not answered by then is a 503
 
 
 def make_handler(sched: Scheduler):
@@ -60,14 +62,14 @@ def make_handler(sched: Scheduler):
 
         def do_GET(self):  # noqa: N802 - stdlib naming
             path = self.path.split("?")[0]
-            if path == "/health":
-                self._send(200)
+            if path in ("/health", "/health_generate") and not sched.healthy:
+                self._send(503)  # as SGLang while it warms up or shuts down
+            elif path == "/health":
+                self._send(200)  # as SGLang: no generation (that is /health_generate)
             elif path == "/health_generate":
-                probe = GenRequest(rid=f"HEALTH_CHECK_{time.time()}", input_ids=[0], max_new_tokens=1, temperature=0.0,
-                                   top_p=1.0, top_k=0, stop_ids=frozenset(), return_logprob=False,
-                                   return_text_in_logprobs=False, skip_special_tokens=True, no_stop_trim=False)
+                probe = health_probe()
                 sched.submit([probe])
-                self._send(200 if probe.done.wait(20) and probe.finish.get("type") != "abort" else 503)
+                self._send(200 if probe.done.wait(HEALTH_GENERATE_S) and probe.finish.get("type") != "abort" else 503)
             elif path in ("/model_info", "/get_model_info"):
                 self._send(200, {"model_path": sched.model_path, "tokenizer_path": sched.model_path,
                                  "served_model_name": sched.model_path, "is_generation": True,

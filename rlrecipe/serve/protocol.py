@@ -52,6 +52,13 @@ class GenRequest:
         self.done.set()
 
 
+def health_probe(kind: str = "HEALTH_CHECK") -> GenRequest:
+    """The one-token greedy request SGLang's /health_generate (and warm-up) runs: input_ids [0]."""
+    return GenRequest(rid=f"{kind}_{uuid.uuid4().hex}", input_ids=[0], max_new_tokens=1, temperature=0.0, top_p=1.0,
+                      top_k=0, stop_ids=frozenset(), return_logprob=False, return_text_in_logprobs=False,
+                      skip_special_tokens=True, no_stop_trim=False)
+
+
 def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     sp = dict(sp or {})
     unknown = set(sp) - SAMPLING_KEYS

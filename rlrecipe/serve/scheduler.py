@@ -20,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
-from rlrecipe.serve.protocol import BadRequest, GenRequest
+from rlrecipe.serve.protocol import BadRequest, GenRequest, health_probe
 from rlrecipe.trajectory import SamplingParams, Trajectory
 
 # /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
@@ -54,6 +54,9 @@ class Scheduler:
         self.updates: list[dict] = []
         self.groups: dict[str, object] = {}  # weight update groups joined, by name
         self.stopped = False
+        # set once a first one-token generation went through (SGLang's warm-up): until then, and
+        # once stopped, /health and /health_generate answer 503 as SGLang's do
+        self.ready = threading.Event()
         self._turn = 0
         self._tokens = 0
         self._last_report = time.time()
@@ -61,6 +64,21 @@ class Scheduler:
 
     def start(self) -> None:
         self.thread.start()
+        threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        probe = health_probe("WARMUP")
+        self.submit([probe])
+        probe.done.wait()
+        if probe.finish.get("type") != "abort":
+            self.ready.set()
+        elif not self.stopped:
+            log(f"warm-up generation failed: {probe.finish.get('message')}; /health answers 503")
+
+    @property
+    def healthy(self) -> bool:
+        """What /health reports: warmed up and not shutting down."""
+        return self.ready.is_set() and not self.stopped
 
     def stop(self) -> None:
         with self.cond:

@@ -78,13 +78,16 @@ def results(json_: Annotated[bool, typer.Option("--json", help="print JSON")] = 
 
 def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
           host: Annotated[str, typer.Option()] = "127.0.0.1",
-          dtype: Annotated[str, typer.Option()] = "float32") -> None:
+          dtype: Annotated[str, typer.Option()] = "float32",
+          api_key: Annotated[str | None, typer.Option(envvar="SGLANG_API_KEY", show_envvar=True,
+                                                      help="require `Authorization: Bearer KEY` on all "
+                                                           "but /health (as SGLang's --api-key)")] = None) -> None:
     """Serve a model over the SGLang HTTP API subset, on the in-process engine (CPU)."""
     try:
         from rlrecipe.serve.http_server import serve_forever
     except ImportError as err:
         raise UserError(f"serve is not available: {err}") from None
-    serve_forever(model, host=host, port=port, dtype=dtype)
+    serve_forever(model, host=host, port=port, dtype=dtype, api_key=api_key)
 
 
 def plot(runs: list[Path], out: Annotated[Path, typer.Option()] = Path("plots")) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from rlrecipe.rollout.api_key import auth_headers
+
 CONNECT_TIMEOUT_S = 30.0
 
 
@@ -55,7 +57,7 @@ class HttpPool:
         async def make():
             # the session and semaphores belong to the loop they are made on
             connector = aiohttp.TCPConnector(limit=num_servers * max_concurrency, limit_per_host=max_concurrency)
-            return (aiohttp.ClientSession(connector=connector),
+            return (aiohttp.ClientSession(connector=connector, headers=auth_headers()),
                     [asyncio.Semaphore(max_concurrency) for _ in range(num_servers)])
 
         self._client, self._sems = asyncio.run_coroutine_threadsafe(make(), self._loop).result()

@@ -44,6 +44,7 @@ import requests
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import Recipe, SGLangServer
+from rlrecipe.rollout.api_key import auth_headers
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
 from rlrecipe.rollout.http_pool import HttpPool, Post, PostFailed
 from rlrecipe.rollout.sglang_api import apply_output, context_length, generate_payload, sglang_sampling_params
@@ -168,6 +169,7 @@ class SGLangEngine(RolloutEngine):
         s = getattr(self._local, "session", None)
         if s is None:
             s = self._local.session = requests.Session()
+            s.headers.update(auth_headers())
             with self._sessions_lock:
                 self._sessions.append(s)
         return s

@@ -37,6 +37,7 @@ import requests
 
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import SGLangServer
+from rlrecipe.rollout.api_key import api_key
 from rlrecipe.runs import console
 
 LOG_NAME = "sglang_server_{i}.log"
@@ -53,7 +54,7 @@ def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangS
             "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
             "--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", dtype,
             "--random-seed", str(seed), "--base-gpu-id", str(index * cfg.tp_size * cfg.dp_size),
-            *cfg.extra_args]
+            *(["--api-key", api_key()] if api_key() else []), *cfg.extra_args]
 
 
 def fill_placeholders(template: Sequence[str], **values) -> list[str]:

@@ -10,13 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from rlrecipe.errors import UserError
+from rlrecipe.rollout.api_key import is_authorized
 from rlrecipe.serve.protocol import BadRequest, GenRequest, build_requests, health_probe, response_body
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
 
 HEALTH_GENERATE_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT: a probe not answered by then is a 503
 
 
-def make_handler(sched: Scheduler):
+def make_handler(sched: Scheduler, api_key: str | None = None):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive for the engine's sessions
         server_version = "rlrecipe-serve"
@@ -60,8 +61,18 @@ def make_handler(sched: Scheduler):
                 raise BadRequest("the request body must be a JSON object")
             return body
 
+        def _refused(self, path: str) -> bool:
+            """401 as SGLang's --api-key middleware: every path but /health... needs the bearer key."""
+            if is_authorized(path, self.headers.get("Authorization"), api_key):
+                return False
+            self.close_connection = True  # its body stays unread: the connection cannot carry another
+            self._send(401, {"error": "Unauthorized"})
+            return True
+
         def do_GET(self):  # noqa: N802 - stdlib naming
             path = self.path.split("?")[0]
+            if self._refused(path):
+                return
             if path in ("/health", "/health_generate") and not sched.healthy:
                 self._send(503)  # as SGLang while it warms up or shuts down
             elif path == "/health":
@@ -118,6 +129,8 @@ def make_handler(sched: Scheduler):
 
         def do_POST(self):  # noqa: N802 - stdlib naming
             path = self.path.split("?")[0]
+            if self._refused(path):
+                return
             try:
                 body = self._body()
                 if path in ("/generate", "/generate/"):
@@ -171,7 +184,7 @@ class Server(ThreadingHTTPServer):
 
 def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
                 chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0,
-                join_timeout_s: float = JOIN_TIMEOUT_S) -> tuple[Server, Scheduler]:
+                join_timeout_s: float = JOIN_TIMEOUT_S, api_key: str | None = None) -> tuple[Server, Scheduler]:
     from rlrecipe.modeling import DTYPES, load_tokenizer
     from rlrecipe.rollout.inprocess import InProcessEngine
 
@@ -187,7 +200,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
     sched = Scheduler(engine, tokenizer, str(model), context_len, chunk_tokens=chunk_tokens, seed=seed,
                       join_timeout_s=join_timeout_s)
     try:
-        server = Server((host, port), make_handler(sched))
+        server = Server((host, port), make_handler(sched, api_key))
     except OSError as err:
         raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     log(f"loaded {model} ({dtype}, context {context_len}) in {time.time() - t0:.1f}s")
@@ -196,8 +209,9 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
 
 
 def serve_forever(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
-                  chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0) -> None:
-    server, sched = make_server(model, host, port, dtype, chunk_tokens=chunk_tokens, max_batch=max_batch, seed=seed)
+                  chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0, api_key: str | None = None) -> None:
+    server, sched = make_server(model, host, port, dtype, chunk_tokens=chunk_tokens, max_batch=max_batch, seed=seed,
+                                api_key=api_key)
 
     def _terminate(signum, frame):
         raise SystemExit(0)

@@ -1,0 +1,59 @@
+"""SGLANG_API_KEY: `rlrecipe serve` refuses requests without the bearer key (health checks aside),
+as SGLang's --api-key does, and the client sends the key with every request."""
+
+import requests
+
+from rlrecipe.modeling import load_tokenizer
+from rlrecipe.recipe import SGLangServer
+from rlrecipe.rollout.api_key import is_authorized
+from rlrecipe.rollout.sglang import SGLangEngine
+from rlrecipe.rollout.sglang_server import sglang_launch_cmd
+from rlrecipe.trajectory import SamplingParams, Trajectory
+
+from .test_sglang_client import BOOT_TIMEOUT_S, free_ports, rlrecipe_cmd
+
+KEY = "s3cret-key"
+
+
+def test_who_is_let_in():
+    assert is_authorized("/generate", None, None)  # no key set: everyone
+    assert is_authorized("/health", None, KEY) and is_authorized("/health_generate", None, KEY)
+    assert is_authorized("/generate", f"Bearer {KEY}", KEY)
+    assert not is_authorized("/generate", None, KEY)
+    assert not is_authorized("/update_weights_from_disk", "Bearer wrong", KEY)
+    assert not is_authorized("/generate", KEY, KEY)  # the scheme is part of it
+
+
+def test_launched_sglang_gets_the_key(monkeypatch):
+    cfg = SGLangServer()
+    assert "--api-key" not in sglang_launch_cmd("m", "h", 1, 0, cfg, "bfloat16", 0)
+    monkeypatch.setenv("SGLANG_API_KEY", KEY)
+    cmd = sglang_launch_cmd("m", "h", 1, 0, cfg, "bfloat16", 0)
+    assert cmd[cmd.index("--api-key") + 1] == KEY
+
+
+def test_a_keyed_server_refuses_strangers_and_serves_the_client(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_API_KEY", KEY)  # the launched server and this client both read it
+    tok = load_tokenizer(tiny_model_dir)
+    base = free_ports(1)
+    cfg = SGLangServer(base_port=base, startup_timeout_s=BOOT_TIMEOUT_S,
+                       launch_cmd=[*rlrecipe_cmd(), "serve", "{model}", "--host", "{host}", "--port", "{port}"])
+    eng = SGLangEngine.launch(tiny_model_dir, cfg=cfg, dtype="float32", run_dir=tmp_path, eos_token_id=tok.eos_token_id)
+    url = f"http://127.0.0.1:{base}"
+    try:
+        assert requests.get(url + "/health", timeout=30).status_code == 200  # no key needed
+        body = {"input_ids": tok.encode("Add 1 and 2."), "sampling_params": {"max_new_tokens": 2}}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = requests.post(url + "/generate", json=body, headers=headers, timeout=30)
+            assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"})
+            r = requests.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_model_dir)},
+                              headers=headers, timeout=30)
+            assert r.status_code == 401
+        ok = requests.post(url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
+        trajs = [Trajectory(uid=f"p{i}", group_id="g", prompt_ids=tok.encode(f"Add {i} and 3.")) for i in range(3)]
+        eng.generate(trajs, SamplingParams(max_new_tokens=4))  # the client carries the key
+        assert all(t.done and t.response_ids for t in trajs)
+        eng.update_weights_from_disk(tiny_model_dir, 1)  # a control endpoint, through the client
+    finally:
+        eng.close()

@@ -61,9 +61,41 @@ def environment() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_record(),
         "gpus": gpus,
         "packages": versions,
     }
+
+
+# Settings that change which CPU kernels run, hence the low bits of every float: recorded as set.
+CPU_KERNEL_ENVS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def cpu_record() -> dict[str, Any]:
+    """The CPU and the kernels torch picks on it. Two CPUs that differ here can give different
+    numbers from the same recipe and seed (vector width and BLAS code paths change rounding)."""
+    out: dict[str, Any] = {"model": None, "flags": [], "aten_capability": None, "torch_threads": None,
+                           "env": {k: os.environ[k] for k in CPU_KERNEL_ENVS if k in os.environ}}
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        for line in info.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and out["model"] is None:
+                out["model"] = value.strip()
+            elif key.strip() == "flags":
+                have = set(value.split())
+                out["flags"] = [f for f in ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
+                break
+    except OSError:
+        out["model"] = platform.processor() or None
+    try:
+        import torch
+
+        out["aten_capability"] = torch.backends.cpu.get_cpu_capability()
+        out["torch_threads"] = torch.get_num_threads()
+    except Exception:  # noqa: BLE001 - environment capture must never fail a run
+        pass
+    return out
 
 
 def record_model(run_dir: Path, record: dict[str, Any]) -> None:

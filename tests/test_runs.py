@@ -275,6 +275,12 @@ def test_run_records_and_offline_wandb(tmp_path, monkeypatch):
     env = json.loads((tmp_path / "r" / "env.json").read_text())
     assert env["recipe_sha256"] == recipe.sha256() and env["seed"] == 1 and "commit" in env and "dirty" in env
     assert env["packages"]["torch"] and env["python"]
+    import torch
+
+    cpu = env["cpu"]  # what decides the CPU kernels, hence the numbers across machines
+    assert cpu["aten_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert cpu["torch_threads"] == torch.get_num_threads() and isinstance(cpu["flags"], list)
+    assert cpu["model"]
     assert (tmp_path / "r" / "recipe.sha256").read_text().split()[0] == recipe.sha256()
     assert json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])["loss"] == 1.5
     cost = json.loads((tmp_path / "r" / "run_summary.json").read_text())

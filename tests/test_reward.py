@@ -287,6 +287,20 @@ def test_hard_kill_replaces_a_hung_worker():
         assert g.grade([r"\boxed{\frac{3}{6}}"], [["0.5"]])[0].correct
 
 
+def test_hung_answer_inside_a_batch():
+    # Answers queued behind a hung one are not lost with its worker: they go to the replacement.
+    tower = r"\boxed{9^{9^{9^{9^{9}}}}}"
+    responses = [rf"\boxed{{\frac{{{i}}}{{\sqrt{{4}}}}}}" for i in range(40)]  # math-verify's, not the fast path's
+    answers = [[str(i / 2)] for i in range(40)]
+    responses[5], answers[5] = tower, ["1"]
+    with Grader(timeout=1.0, workers=1, soft_fraction=None) as g:
+        g.start()
+        res = g.grade(responses, answers)
+        assert res[5] == GradeResult("9^{9^{9^{9^{9}}}}", False, True)
+        assert all(r.correct and not r.timed_out for i, r in enumerate(res) if i != 5)
+        assert g.stats["math_verify"] == 40 and g.stats["workers_started"] == 2 and g.stats["timeouts"] == 1
+
+
 def test_crashed_worker_is_replaced():
     with Grader(timeout=30.0, workers=1, soft_fraction=None) as g:
         g.start()

@@ -16,11 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.c3po_compare import compare
+from bench.grading import file_times, rates
 from rlrecipe.algo.packing import allocate_microbatches
 from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe import TrainerSection
-from rlrecipe.reward import Grader
 from rlrecipe.rollout.inprocess import InProcessEngine
 from rlrecipe.sft import build_sft_samples, sft_loss
 from rlrecipe.train.torch_engine import TorchTrainEngine
@@ -149,20 +149,9 @@ def bench_trainer_overhead(repeats: int = 3) -> dict:
     return {"ours_s_per_step": ours, "bare_torch_s_per_step": base, "overhead_ratio": ours / base}
 
 
-def bench_grading(n: int = 400) -> dict:
-    fast = [f"so \\boxed{{{i}}}" for i in range(n)]
-    slow = [f"so \\boxed{{\\frac{{{i}}}{{2}}}}" for i in range(n)]
-    refs = [[str(i / 2)] for i in range(n)]
-    with Grader(timeout=2.0) as g:
-        g.grade(slow[:4], refs[:4])  # start the workers
-        t0 = time.perf_counter()
-        g.grade(fast, [[str(i)] for i in range(n)])
-        fast_rate = n / (time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        res = g.grade(slow, refs)
-        slow_rate = n / (time.perf_counter() - t0)
-    return {"fast_path_answers_per_s": fast_rate, "math_verify_answers_per_s": slow_rate,
-            "math_verify_correct_frac": sum(r.correct for r in res) / n}
+def bench_grading() -> dict:
+    """Answers per second by kind (fast path, short, math-verify only) and `rlrecipe grade` wall times."""
+    return {**rates(), **file_times()}
 
 
 def bench_engine(n: int = 256) -> dict:

@@ -13,6 +13,7 @@ from rlrecipe.reward import (
     GradeResult,
     extract_boxed,
     fast_grade,
+    math_verify_correct,
     normalize_answer,
     reward_of,
 )
@@ -76,16 +77,80 @@ def test_extract_boxed_huge_inputs_return():
     ("71", ["70"], False),
     ("-3", ["3"], False),
     ("4", ["2", "4"], True),
-    ("4", ["2", r"\frac{8}{2}"], None),  # a non-integer reference: math-verify decides
     (r"\text{70}", ["70"], True),
     (r"\left(1,2\right)", ["(1, 2)"], True),
     (r"\dfrac{1}{2}", [r"\frac{1}{2}"], True),
-    ("0.5", [r"\frac12"], None),
     ("7" * 5000, ["7" * 5000], True),  # beyond int()'s digit limit
     ("7" * 5000, ["7" * 4999 + "6"], False),
+    ("4", ["2", r"\sqrt{16}"], None),  # a reference that is no plain number: math-verify decides
 ])
 def test_fast_grade(extracted, answers, expected):
     assert fast_grade(extracted, answers) is expected
+
+
+# Plain numbers compared as exact rationals. Wrong only when math-verify would say so too: it
+# rounds to 6 decimal places when a decimal is involved (0.3333333 counts as 1/3).
+NUMBER_CASES = [
+    ("0.5", [r"\frac12"], True),
+    ("4", ["2", r"\frac{8}{2}"], True),  # 8/2 = 4
+    (r"\frac{1}{2}", ["0.5"], True),
+    ("1/2", [r"\frac{2}{4}"], True),
+    (r"-\frac{3}{4}", ["-0.75"], True),
+    (r"\dfrac{3}{4}", ["3/4"], True),
+    (".5", ["0.50"], True),
+    ("+0.5", [r"\frac{1}{2}"], True),
+    ("-.25", ["-1/4"], True),
+    ("3.0", ["3"], True),
+    ("2.50", [r"\frac{5}{2}"], True),
+    (r"\frac{10}{2}", ["5"], True),
+    (r"\frac{0}{7}", ["0"], True),
+    (r"\frac 3 4", ["0.75"], True),  # spaces dropped: \frac34
+    (r"\frac{1}{3}", ["0.5"], False),
+    (r"\frac{2}{3}", [r"\frac{3}{4}"], False),
+    ("3.5", ["3"], False),
+    ("-0.5", ["0.5"], False),
+    ("0.3", [r"\frac{1}{3}"], False),  # 1/30 apart
+    ("0.333", [r"\frac13"], False),  # 1/3000 apart: rounding to 6 places keeps them apart
+    (r"\frac{7}{3}", ["2.33"], False),
+    ("999999.5", ["999999"], False),
+    ("0.00002", ["0"], False),
+]
+
+NOT_FAST = [  # math-verify decides these
+    ("0.3333333", [r"\frac{1}{3}"]),  # within its rounding: it says correct
+    ("0.00001", ["0"]),  # 1e-5 apart: too close to call here
+    ("12.000001", ["12"]),
+    ("1000000.5", ["1000000"]),  # beyond the range where its 15-digit floats are exact enough
+    (r"\frac{1}{100000000000000000000}", [r"\frac{1}{100000000000000000001}"]),  # relatively too close
+    (r"\frac{1}{0}", ["1"]),
+    ("1,000", ["1000"]),  # a thousands separator, or a pair
+    (r"2\frac{1}{2}", ["2.5"]),  # a mixed number
+    ("1e3", ["1000"]),
+    (r"50\%", ["50"]),
+    ("x=5", ["5"]),
+    ("0.5", ["x"]),
+    (r"\frac{-1}{2}", ["-0.5"]),
+    ("0.7", ["0.5", r"\sqrt{2}"]),  # unequal to 0.5, and \sqrt{2} is math-verify's
+]
+
+
+@pytest.mark.parametrize("extracted, answers, expected", NUMBER_CASES)
+def test_fast_grade_numbers(extracted, answers, expected):
+    assert fast_grade(extracted, answers) is expected
+
+
+@pytest.mark.parametrize("extracted, answers", NOT_FAST)
+def test_fast_grade_leaves_to_math_verify(extracted, answers):
+    assert fast_grade(extracted, answers) is None
+
+
+def test_fast_path_numbers_agree_with_math_verify():
+    # the fast path must not change a verdict, only skip the worker
+    for extracted, answers, expected in NUMBER_CASES:
+        assert math_verify_correct(extracted, answers) is expected, (extracted, answers)
+    # and why a near miss is left alone: math-verify's rounding calls it correct
+    assert math_verify_correct("0.3333333", [r"\frac{1}{3}"]) is True
+    assert fast_grade("0.5", ["0.5", r"\sqrt{2}"]) is True  # one equal reference is enough
 
 
 def test_normalize_answer():
@@ -99,6 +164,8 @@ def test_fast_path_needs_no_pool():
         res = g.grade([r"\boxed{070}", r"\boxed{5}", "no answer", r"\boxed{9}"],
                       [["70"], ["6"], ["1"], ["9"]], truncated=[False, False, False, True])
         assert [r.correct for r in res] == [True, False, False, False]
+        res = g.grade([r"\boxed{\frac{1}{2}}", r"\boxed{0.75}", r"\boxed{2.5}"], [["0.5"], ["3/4"], ["2"]])
+        assert [r.correct for r in res] == [True, True, False]
         assert g.stats["workers_started"] == 0 and g.stats["math_verify"] == 0
 
 
@@ -218,6 +285,20 @@ def test_hard_kill_replaces_a_hung_worker():
         assert first.poll() is not None  # killed
         assert g.stats["workers_started"] == 2
         assert g.grade([r"\boxed{\frac{3}{6}}"], [["0.5"]])[0].correct
+
+
+def test_hung_answer_inside_a_batch():
+    # Answers queued behind a hung one are not lost with its worker: they go to the replacement.
+    tower = r"\boxed{9^{9^{9^{9^{9}}}}}"
+    responses = [rf"\boxed{{\frac{{{i}}}{{\sqrt{{4}}}}}}" for i in range(40)]  # math-verify's, not the fast path's
+    answers = [[str(i / 2)] for i in range(40)]
+    responses[5], answers[5] = tower, ["1"]
+    with Grader(timeout=1.0, workers=1, soft_fraction=None) as g:
+        g.start()
+        res = g.grade(responses, answers)
+        assert res[5] == GradeResult("9^{9^{9^{9^{9}}}}", False, True)
+        assert all(r.correct and not r.timed_out for i, r in enumerate(res) if i != 5)
+        assert g.stats["math_verify"] == 40 and g.stats["workers_started"] == 2 and g.stats["timeouts"] == 1
 
 
 def test_crashed_worker_is_replaced():

@@ -7,6 +7,7 @@ be graded cheaply whenever equality is certain without a computer-algebra system
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from typing import Any
 
 # -- extraction -----------------------------------------------------------------------------
@@ -109,18 +110,82 @@ def _as_int(s: str) -> tuple[str, str] | None:
     return ("" if digits == "0" or m.group(1) != "-" else "-", digits)
 
 
+# A plain number after normalisation: a sign, then 12 / 12.5 / .5 / 3/4 / \frac{3}{4} / \frac34.
+_NUMBER = re.compile(
+    r"^(?P<sign>[+-]?)(?:"
+    r"(?P<whole>\d*)\.(?P<decimals>\d+)"
+    r"|(?P<int>\d+)"
+    r"|(?P<num>\d+)/(?P<den>\d+)"
+    r"|\\frac\{(?P<fnum>\d+)\}\{(?P<fden>\d+)\}"
+    r"|\\frac(?P<dnum>\d)(?P<dden>\d)"
+    r")$")
+_MAX_NUMBER_CHARS = 64  # longer numbers are left to the integer rule above or to math-verify
+# math-verify compares a decimal with another number after rounding both to 6 places (so that
+# 0.333333 counts as 1/3), through 15-digit floats: only a gap wider than any rounding can close,
+# between numbers small enough for those floats, is certainly "different" to it.
+_DECIMAL_GAP = Fraction(1, 10**5)
+_DECIMAL_RANGE = 10**6
+# Exact fractions it compares by evaluating their difference to 15 digits: a relative gap this
+# wide survives that.
+_RELATIVE_GAP = Fraction(1, 10**9)
+
+
+def _as_number(s: str) -> tuple[Fraction, bool] | None:
+    """A plain number as (its exact value, written with a decimal point); None for anything else."""
+    if len(s) > _MAX_NUMBER_CHARS:
+        return None
+    m = _NUMBER.match(s)
+    if not m:
+        return None
+    g = m.groupdict()
+    if g["decimals"] is not None:
+        value, decimal = Fraction(int((g["whole"] or "0") + g["decimals"]), 10 ** len(g["decimals"])), True
+    elif g["int"] is not None:
+        value, decimal = Fraction(int(g["int"])), False
+    else:
+        num, den = next((g[n], g[d]) for n, d in (("num", "den"), ("fnum", "fden"), ("dnum", "dden"))
+                        if g[n] is not None)
+        if int(den) == 0:
+            return None  # 1/0 is no number; math-verify has its own view of it
+        value, decimal = Fraction(int(num), int(den)), False
+    return (-value if g["sign"] == "-" else value), decimal
+
+
+def _surely_apart(a: tuple[Fraction, bool], b: tuple[Fraction, bool]) -> bool:
+    """Two unequal numbers that math-verify would also call different."""
+    (va, a_decimal), (vb, b_decimal) = a, b
+    gap, size = abs(va - vb), max(abs(va), abs(vb))
+    if a_decimal or b_decimal:
+        return gap > _DECIMAL_GAP and size < _DECIMAL_RANGE
+    return gap > size * _RELATIVE_GAP
+
+
 def fast_grade(extracted: str, answers: list[str]) -> bool | None:
-    """True/False when decidable without math-verify; None when math-verify must decide."""
+    r"""True/False when decidable without math-verify; None when math-verify must decide.
+
+    Decided here: equal strings after `normalize_answer`; plain integers (``070 == 70``); plain
+    numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``) equal as exact rationals
+    (``0.5 == \frac{2}{4}``). Wrong only when every reference is a number that math-verify,
+    too, would find different; anything else (``x=5``, ``1,000``, ``\sqrt{2}``, ``50\%``) is
+    math-verify's to decide.
+    """
     x = normalize_answer(extracted)
     refs = [normalize_answer(a) for a in answers]
     if x and x in refs:
         return True
     xi = _as_int(x)
-    if xi is None:
+    if xi is not None:
+        ref_ints = [_as_int(r) for r in refs]
+        if any(ri == xi for ri in ref_ints):
+            return True
+        if all(ri is not None for ri in ref_ints):
+            return False
+    xn = _as_number(x)
+    if xn is None:
         return None
-    ref_ints = [_as_int(r) for r in refs]
-    if any(ri == xi for ri in ref_ints):
+    ref_numbers = [_as_number(r) for r in refs]
+    if any(rn is not None and rn[0] == xn[0] for rn in ref_numbers):
         return True
-    if all(ri is not None for ri in ref_ints):
+    if all(rn is not None and _surely_apart(xn, rn) for rn in ref_numbers):
         return False
     return None

@@ -6,6 +6,12 @@ past the limit is killed (SIGKILL) and replaced, and that answer is graded wrong
 ``timed_out=True``. A worker that crashes is replaced and its answer graded wrong. Nothing a
 response contains can stall or crash the caller.
 
+Each worker holds a short queue of tasks (up to `_MAX_DEPTH`, refilled in one write when half
+empty), so it goes on to its next answer without waiting for the parent; the time limit of an
+answer starts when the worker is free to start it (the answer before it came back). When a
+worker is killed or dies, the answer it was on is graded wrong and the ones queued behind it go
+to another worker.
+
 Workers are fresh interpreters (``python -c 'from rlrecipe.reward.worker import main; main()'``)
 started with `subprocess`, i.e. spawn semantics: nothing of the parent (torch, CUDA, threads,
 the ``__main__`` module) is inherited or re-imported, which a fork or multiprocessing's
@@ -25,17 +31,20 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlrecipe.reward.answers import answer_list, extract_boxed, fast_grade
 from rlrecipe.reward.worker import grade_with_soft_limit
 
-DEFAULT_TIMEOUT = 2.0  # seconds per answer, wall clock, measured from dispatch to a ready worker
+DEFAULT_TIMEOUT = 2.0  # seconds per answer, wall clock, from when a ready worker is free to start it
 _START_TIMEOUT = 120.0  # seconds a new worker may take to import math-verify and report ready
 _MAX_START_FAILURES = 3  # consecutive workers dying before ready -> the environment is broken
 _WORKER_ENTRY = "from rlrecipe.reward.worker import main; main()"
+# Tasks queued in one worker at a time: a worker never waits for its next task (a message round
+# trip through a busy parent), while the end of a call stays balanced between workers.
+_MAX_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,8 @@ def reward_of(result: GradeResult, correct_value: float, wrong_value: float) -> 
 # -- the pool -------------------------------------------------------------------------------
 
 class _Worker:
+    """One worker process, and the tasks sent to it that it has not answered yet (in order)."""
+
     def __init__(self, mem_mb: int | None):
         root = str(Path(__file__).resolve().parents[2])  # the directory holding `rlrecipe/`
         env = dict(os.environ)
@@ -71,8 +82,12 @@ class _Worker:
         self.buf = b""
         self.ready = False
         self.started = time.monotonic()
-        self.task: int | None = None  # task index in flight
-        self.deadline = 0.0
+        self.queued: deque[int] = deque()  # task indices sent and not answered; the first is running
+        self.queued_bytes = 0
+        self.deadline = 0.0  # for the first queued task
+        # Sending never blocks while the worker is busy: what is queued stays within half the
+        # pipe, so a hung worker cannot stall the parent (which must keep the clock).
+        self.pipe_budget = _pipe_size(self.proc.stdin.fileno()) // 2
 
     def send(self, payload: bytes) -> None:
         self.proc.stdin.write(payload)
@@ -107,6 +122,32 @@ class _Worker:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _pipe_size(fd: int) -> int:
+    try:
+        import fcntl
+
+        return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+    except (ImportError, AttributeError, OSError):  # not Linux: POSIX promises at least this much
+        return 4096
+
+
+@dataclass
+class _Batch:
+    """One call's tasks: payloads by index, those not yet sent, and the verdicts so far."""
+
+    payloads: dict[int, bytes]
+    todo: deque[int]
+    out: dict[int, tuple[bool, bool]]
+    timeout: float
+    depth: int  # tasks queued per worker at most
+    retried: set[int] = field(default_factory=set)
+    start_failures: int = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.payloads) - len(self.out)
 
 
 def default_workers() -> int:
@@ -174,7 +215,7 @@ class Grader:
         with self._lock:
             self._own_pool()
             self._grow(self.max_workers if n is None else min(n, self.max_workers))
-            self._run_queue({}, deque(), wait_ready=True)
+            self._run(_Batch({}, deque(), {}, self.timeout, 1), wait_ready=True)
 
     # -- grading
     def grade(self, responses: list[str], answers: list[list[str]], truncated: list[bool] | None = None,
@@ -216,11 +257,11 @@ class Grader:
             self._grow(min(self.max_workers, len(keys)))
             payloads = {i: (json.dumps({"id": i, "x": x, "a": list(a), "soft": soft}) + "\n").encode()
                         for i, (x, a) in enumerate(keys)}
-            out: dict[int, tuple[bool, bool]] = {}
-            self._run_queue(payloads, deque(range(len(keys))), out, timeout)
-        timed_out = sum(1 for _, t in out.values() if t)
-        self.stats["timeouts"] += timed_out
-        return [out[i] for i in range(len(keys))]
+            depth = max(1, min(_MAX_DEPTH, len(keys) // (8 * len(self._workers))))
+            batch = _Batch(payloads, deque(range(len(keys))), {}, timeout, depth)
+            self._run(batch)
+        self.stats["timeouts"] += sum(1 for _, t in batch.out.values() if t)
+        return [batch.out[i] for i in range(len(keys))]
 
     # -- pool internals (called with the lock held)
     def _own_pool(self) -> None:
@@ -232,84 +273,110 @@ class Grader:
             self._workers.append(_Worker(self.mem_mb))
             self.stats["workers_started"] += 1
 
-    def _replace(self, w: _Worker) -> None:
-        w.kill()
-        self._workers[self._workers.index(w)] = _Worker(self.mem_mb)
-        self.stats["workers_started"] += 1
+    def _run(self, batch: _Batch, wait_ready: bool = False) -> None:
+        """Feed the batch's tasks to ready workers until all are answered (or, with none, all are ready).
 
-    def _run_queue(self, payloads: dict[int, bytes], queue: deque, out: dict | None = None,
-                   timeout: float = DEFAULT_TIMEOUT, wait_ready: bool = False) -> None:
-        """Feed queued tasks to ready workers until all are answered (or, with none, all are ready)."""
-        out = {} if out is None else out
-        pending = len(queue)
-        start_failures = 0
-        retried: set[int] = set()
+        Each worker holds up to `batch.depth` tasks and answers them in order; the time limit
+        runs for its first one, from when the worker is free to start it.
+        """
         try:
-            while pending > 0 or (wait_ready and not all(w.ready for w in self._workers)):
+            while batch.pending > 0 or (wait_ready and not all(w.ready for w in self._workers)):
+                for w in list(self._workers):
+                    self._feed(w, batch)
+                if batch.pending == 0 and not wait_ready:
+                    break  # the last tasks were settled while feeding (a worker gone twice)
+                self._wait_for_output(batch)
                 now = time.monotonic()
                 for w in list(self._workers):
-                    if w.ready and w.task is None and queue:
-                        i = queue.popleft()
-                        try:
-                            w.send(payloads[i])
-                        except OSError:  # died while idle (or while reading it): retry once elsewhere
-                            self.stats["crashes"] += 1
-                            self._replace(w)
-                            if i in retried:
-                                out[i] = (False, False)
-                                pending -= 1
-                            else:
-                                retried.add(i)
-                                queue.appendleft(i)
-                            continue
-                        w.task, w.deadline = i, time.monotonic() + timeout
-                # wait for output or the nearest deadline
-                deadlines = [w.deadline for w in self._workers if w.task is not None]
-                deadlines += [w.started + _START_TIMEOUT for w in self._workers if not w.ready]
-                wait = max(0.0, min(deadlines) - now) if deadlines else 0.05
-                sel = selectors.DefaultSelector()
-                for w in self._workers:
-                    if w.task is not None or not w.ready:
-                        sel.register(w.proc.stdout, selectors.EVENT_READ, w)
-                events = sel.select(timeout=min(wait, 1.0)) if sel.get_map() else []
-                sel.close()
-                for key, _ in events:
-                    w = key.data
-                    msgs, eof = w.read_lines()
-                    for msg in msgs:
-                        if msg.get("ready"):
-                            w.ready, start_failures = True, 0
-                        elif msg.get("id") == w.task:
-                            out[w.task] = (bool(msg["ok"]), bool(msg["to"]))
-                            w.task = None
-                            pending -= 1
-                    if eof:
-                        if w.task is not None:  # crashed on this answer: it is wrong
-                            out[w.task] = (False, False)
-                            pending -= 1
-                        elif not w.ready:
-                            start_failures += 1
-                            if start_failures >= _MAX_START_FAILURES:
-                                raise RuntimeError(
-                                    "grading workers exit before becoming ready; check that "
-                                    f"`{sys.executable} -c 'import math_verify'` works")
-                        self.stats["crashes"] += 1
-                        self._replace(w)
-                now = time.monotonic()
-                for w in list(self._workers):
-                    if w.task is not None and now >= w.deadline:
-                        out[w.task] = (False, True)
-                        pending -= 1
-                        self._replace(w)
+                    if w.queued and now >= w.deadline:
+                        self._retire(w, batch, timed_out=True)
                     elif not w.ready and now >= w.started + _START_TIMEOUT:
                         raise RuntimeError(f"a grading worker did not start within {_START_TIMEOUT:.0f} s")
         except BaseException:
             # Interrupted (Ctrl-C) or broken: busy workers hold abandoned tasks; drop them.
             for w in list(self._workers):
-                if w.task is not None or not w.ready:
+                if w.queued or not w.ready:
                     w.kill()
                     self._workers.remove(w)
             raise
+
+    def _feed(self, w: _Worker, batch: _Batch) -> None:
+        """Top up a ready worker's queue (once it is half empty) with one write."""
+        if not w.ready or not batch.todo or len(w.queued) > batch.depth // 2:
+            return
+        chunk, size = [], 0
+        while batch.todo and len(w.queued) + len(chunk) < batch.depth:
+            n = len(batch.payloads[batch.todo[0]])
+            if (w.queued or chunk) and w.queued_bytes + size + n > w.pipe_budget:
+                break  # an idle worker takes any one task: it reads while we write
+            chunk.append(batch.todo.popleft())
+            size += n
+        if not chunk:
+            return
+        try:
+            w.send(b"".join(batch.payloads[i] for i in chunk))
+        except OSError:  # it died (while idle, or on a queued task): retry these once elsewhere
+            for i in reversed(chunk):
+                if i in batch.retried:
+                    batch.out[i] = (False, False)
+                else:
+                    batch.retried.add(i)
+                    batch.todo.appendleft(i)
+            self._collect(w, batch)  # answers it gave before dying still count
+            self.stats["crashes"] += 1
+            self._retire(w, batch, timed_out=False)
+            return
+        if not w.queued:
+            w.deadline = time.monotonic() + batch.timeout
+        w.queued.extend(chunk)
+        w.queued_bytes += size
+
+    def _wait_for_output(self, batch: _Batch) -> None:
+        """Read what workers say until the nearest deadline (at most 1 s); handle exits."""
+        busy = [w for w in self._workers if w.queued or not w.ready]
+        if not busy:
+            return
+        deadlines = [w.deadline if w.queued else w.started + _START_TIMEOUT for w in busy]
+        wait = min(max(0.0, min(deadlines) - time.monotonic()), 1.0)
+        with selectors.DefaultSelector() as sel:
+            for w in busy:
+                sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+            events = sel.select(timeout=wait)
+        for key, _ in events:
+            w = key.data
+            if not self._collect(w, batch):
+                continue
+            # exited: on a task (that answer is wrong), while idle, or before it was ready
+            if not w.ready:
+                batch.start_failures += 1
+                if batch.start_failures >= _MAX_START_FAILURES:
+                    raise RuntimeError(
+                        "grading workers exit before becoming ready; check that "
+                        f"`{sys.executable} -c 'import math_verify'` works")
+            self.stats["crashes"] += 1
+            self._retire(w, batch, timed_out=False)
+
+    def _collect(self, w: _Worker, batch: _Batch) -> bool:
+        """Take the worker's messages; True when its output has ended (it exited)."""
+        msgs, eof = w.read_lines()
+        for msg in msgs:
+            if msg.get("ready"):
+                w.ready, batch.start_failures = True, 0
+            elif w.queued and msg.get("id") == w.queued[0]:
+                i = w.queued.popleft()
+                w.queued_bytes -= len(batch.payloads[i])
+                batch.out[i] = (bool(msg["ok"]), bool(msg["to"]))
+                w.deadline = time.monotonic() + batch.timeout  # the next task's clock starts now
+        return eof
+
+    def _retire(self, w: _Worker, batch: _Batch, timed_out: bool) -> None:
+        """Kill and replace a worker; its running task is graded wrong, the ones behind it go back."""
+        if w.queued:
+            batch.out[w.queued.popleft()] = (False, timed_out)
+            batch.todo.extendleft(reversed(w.queued))
+        w.kill()
+        self._workers[self._workers.index(w)] = _Worker(self.mem_mb)
+        self.stats["workers_started"] += 1
 
 
 _LIVE: weakref.WeakSet[Grader] = weakref.WeakSet()

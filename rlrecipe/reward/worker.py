@@ -17,6 +17,11 @@ import threading
 import time
 from functools import lru_cache
 
+# Run before a worker reports ready: imports, regexes and parser set-up, and sympy's first
+# symbolic simplification (about a second, several on a busy machine), which would otherwise
+# come out of the time limit of the first such answer and could turn a correct one wrong.
+_WARM_UP = [("\\frac{1}{2}", ["0.5"]), ("x^2+2x+1", ["(x+1)^2"])]
+
 
 class _SoftTimeout(BaseException):
     """Raised by SIGALRM inside a worker; a BaseException so math-verify's `except Exception` misses it."""
@@ -97,7 +102,8 @@ def main() -> None:
             resource.setrlimit(resource.RLIMIT_AS, (limit << 20, limit << 20))
     except (ImportError, ValueError, OSError):
         pass
-    math_verify_correct("\\frac{1}{2}", ["0.5"])  # warm-up: imports, regex and parser set-up
+    for extracted, answers in _WARM_UP:
+        math_verify_correct(extracted, answers)
     out.write('{"ready": true}\n')
     for line in sys.stdin.buffer:
         task = json.loads(line)

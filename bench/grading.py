@@ -1,0 +1,86 @@
+r"""Grading throughput: answers per second by kind of answer, and `rlrecipe grade FILE` wall time.
+
+`python -m bench.grading` prints both; `make bench` records them in bench/results.json. Each kind
+is n distinct answers, all correct:
+
+  integers     \boxed{i}            vs  i
+  short        \boxed{\frac{i}{2}}  vs  i/2 written as a decimal (0.5, 1.0, ...)
+  math_verify  \boxed{i\sqrt{2}}    vs  \sqrt{2 i^2}: only math-verify can decide these
+
+Rates are measured on a started pool (`Grader.start()`); file times are whole `rlrecipe grade`
+processes, start-up included. Nothing here asserts a timing: on a shared machine, repeat it, or
+run it beside the code it is compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from rlrecipe.reward import Grader
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = ("integers", "short", "math_verify")
+
+
+def answers(kind: str, n: int) -> tuple[list[str], list[list[str]]]:
+    """(responses, reference answers) of one kind."""
+    if kind == "integers":
+        return [f"so \\boxed{{{i}}}" for i in range(n)], [[str(i)] for i in range(n)]
+    if kind == "short":
+        return [f"so \\boxed{{\\frac{{{i}}}{{2}}}}" for i in range(n)], [[str(i / 2)] for i in range(n)]
+    if kind == "math_verify":
+        return ([f"so \\boxed{{{i}\\sqrt{{2}}}}" for i in range(1, n + 1)],
+                [[f"\\sqrt{{{2 * i * i}}}"] for i in range(1, n + 1)])
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def rates(n: int = 400, workers: int | None = None) -> dict[str, float]:
+    """Answers per second of each kind on a started pool, and the share graded correct."""
+    out: dict[str, float] = {}
+    with Grader(timeout=2.0, workers=workers) as g:
+        g.start()
+        for kind in KINDS:
+            responses, refs = answers(kind, n)
+            t0 = time.perf_counter()
+            res = g.grade(responses, refs)
+            out[f"{kind}_answers_per_s"] = n / (time.perf_counter() - t0)
+            out[f"{kind}_correct_frac"] = sum(r.correct for r in res) / n
+    return out
+
+
+def file_seconds(kind: str, rows: int) -> float:
+    """Wall time of `rlrecipe grade FILE` on `rows` answers of one kind."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{kind}.jsonl"
+        responses, refs = answers(kind, rows)
+        path.write_text("".join(json.dumps({"response": r, "answers": a}) + "\n" for r, a in zip(responses, refs, strict=True)))
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "grade", str(path)], cwd=ROOT, check=True,
+                       capture_output=True)
+        return time.perf_counter() - t0
+
+
+def file_times(sizes: tuple[int, ...] = (160, 800), kinds: tuple[str, ...] = ("short", "math_verify")) -> dict:
+    return {f"grade_file_{kind}_{rows}_rows_s": file_seconds(kind, rows) for kind in kinds for rows in sizes}
+
+
+def main() -> None:
+    results = {**rates(), **file_times()}
+    table = Table(title="grading (one run; repeat on a shared machine)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in results.items():
+        table.add_row(key, f"{value:.3f}" if value < 10 else f"{value:.0f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

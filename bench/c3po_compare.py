@@ -25,7 +25,7 @@ from pathlib import Path
 from rlrecipe.c3po import PromptStream, RolloutPool
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.base import RolloutEngine
-from rlrecipe.trajectory import SamplingParams
+from rlrecipe.trajectory import SamplingParams, Trajectory
 
 QUESTIONS = [  # used when no prompt file is given: short math questions with long-tail answers
     "What is 17 * 23?", "How many positive divisors does 360 have?", "Solve for x: 3x + 7 = 25.",
@@ -35,42 +35,149 @@ QUESTIONS = [  # used when no prompt file is given: short math questions with lo
 ]
 
 
+class RecordingStream:
+    """A prompt stream that remembers every trajectory it hands out, so a run's lengths can be
+    written down afterwards (and its schedule replayed by bench.rollout_projection)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.handed_out: list[Trajectory] = []
+
+    @property
+    def cursor(self) -> int:
+        return self.stream.cursor
+
+    @cursor.setter
+    def cursor(self, value: int) -> None:
+        self.stream.cursor = value
+
+    def next_group(self, n: int) -> list[Trajectory]:
+        group = self.stream.next_group(n)
+        self.handed_out += group
+        return group
+
+
+def engine_counters(engine: RolloutEngine) -> dict:
+    """The engine's cumulative work/seconds counters (in-process and simulated engines), else {}."""
+    counters = getattr(engine, "counters", None)
+    return counters.as_dict() if counters is not None else {}
+
+
+def run_steps(engine: RolloutEngine, cfg: RLSection, stream, params: SamplingParams, n_steps: int, *,
+              clock: Callable[[], float] = time.perf_counter,
+              between_steps: Callable[[int], None] | None = None) -> list[dict]:
+    """Collect `n_steps` rollout steps through the real pool; per step: seconds, tokens trained,
+    trajectories trained, and the engine's counters over the step (when it keeps any)."""
+    pool = RolloutPool(cfg, stream)
+    steps = []
+    for s in range(n_steps):
+        c0, t0 = engine_counters(engine), clock()
+        batch, _ = pool.collect(engine, params, seed=s)
+        seconds = clock() - t0
+        c1 = engine_counters(engine)
+        steps.append({"seconds": seconds, "tokens": sum(len(t.response_ids) for t in batch), "trained": len(batch),
+                      "counters": {k: c1[k] - c0[k] for k in c1}})
+        if between_steps is not None:
+            between_steps(s)
+    return steps
+
+
+def coefficient_of_variation(values: list[float]) -> float:
+    """Population standard deviation over mean (0 for a constant series or fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 / mean if mean else 0.0
+
+
+SPLIT = ("prefill_s", "decode_s", "sample_s", "refill_s")
+
+
+def summarize(sync: list[dict], c3po: list[dict]) -> dict:
+    """Per-step and per-trained-token ratios, forward passes, where the seconds went, and steadiness
+    (coefficient of variation over the steps) of tokens trained and step time, for two equally long
+    series of steps (C3PO++'s first step, filling an empty pool, already left out)."""
+    def total(steps, key):
+        return sum(st[key] for st in steps)
+
+    def counter(steps, key):
+        return sum(st["counters"].get(key, 0) for st in steps)
+
+    n = len(sync)
+    sync_s, c3_s, sync_tok, c3_tok = total(sync, "seconds"), total(c3po, "seconds"), total(sync, "tokens"), total(
+        c3po, "tokens")
+    out = {"sync_rollout_s_per_step": sync_s / n, "c3po_rollout_s_per_step": c3_s / len(c3po),
+           "tokens_per_step_sync": sync_tok / n, "tokens_per_step_c3po": c3_tok / len(c3po),
+           "rollout_speedup_per_step": (sync_s / n) / (c3_s / len(c3po)),
+           "rollout_speedup_per_trained_token": (c3_tok / c3_s) / (sync_tok / sync_s)}
+    sync_fw, c3_fw = counter(sync, "forward_passes"), counter(c3po, "forward_passes")
+    if sync_fw and c3_fw:
+        # forward passes per trained token: what a rollout costs where decoding is memory-bound
+        out.update({"sync_forward_passes_per_step": sync_fw / n, "c3po_forward_passes_per_step": c3_fw / len(c3po),
+                    "forward_pass_ratio_per_trained_token": (sync_fw / sync_tok) / (c3_fw / c3_tok)})
+    for mode, steps, secs in (("sync", sync, sync_s), ("c3po", c3po, c3_s)):
+        if counter(steps, "generate_s"):
+            parts = {k: counter(steps, k) for k in SPLIT}
+            for k, v in parts.items():  # shares of the rollout seconds; "other": the pool, python, waiting
+                out[f"{mode}_share_{k[:-2]}"] = v / secs
+            out[f"{mode}_share_other"] = 1 - sum(parts.values()) / secs
+            out[f"{mode}_reprefilled_tokens_per_step"] = counter(steps, "reprefill_tokens") / len(steps)
+    for mode, steps in (("sync", sync), ("c3po", c3po)):
+        out[f"{mode}_cv_tokens_per_step"] = coefficient_of_variation([st["tokens"] for st in steps])
+        out[f"{mode}_cv_step_s"] = coefficient_of_variation([st["seconds"] for st in steps])
+    return out
+
+
 def compare(engine: RolloutEngine, rows: list[dict], tokenizer, template: str, params: SamplingParams, *,
             steps: int, prompts_per_step: int, samples_per_prompt: int, pool_capacity: int, max_staleness: int = 2,
             between_steps: Callable[[int], None] | None = None) -> dict:
     """Rollout time per step and per trained token, synchronous vs C3PO++ (steady state)."""
-    def passes() -> int:
-        return getattr(engine, "forward_passes", 0)
+    return compare_streams(engine, lambda: PromptStream(rows, tokenizer, template, seed=0), params, steps=steps,
+                           prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
+                           pool_capacity=pool_capacity, max_staleness=max_staleness, between_steps=between_steps)
 
-    def run(cfg: RLSection, n_steps: int, skip_first: bool) -> tuple[float, int, int]:
-        pool = RolloutPool(cfg, PromptStream(rows, tokenizer, template, seed=0))
-        seconds = tokens = forward = 0
-        for s in range(n_steps):
-            t0, p0 = time.perf_counter(), passes()
-            batch, _ = pool.collect(engine, params, seed=s)
-            if s > 0 or not skip_first:  # C3PO++'s first step fills an empty pool; steady state after it
-                seconds += time.perf_counter() - t0
-                tokens += sum(len(t.response_ids) for t in batch)
-                forward += passes() - p0
-            if between_steps is not None:
-                between_steps(s)
-        return seconds, tokens, forward
+
+def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], params: SamplingParams, *,
+                    steps: int, prompts_per_step: int, samples_per_prompt: int, pool_capacity: int,
+                    max_staleness: int = 2, between_steps: Callable[[int], None] | None = None,
+                    clock: Callable[[], float] = time.perf_counter) -> dict:
+    """`compare` over any prompt stream (each mode gets a fresh one from `make_stream`).
+
+    The result also holds `trace`: the settings, every step's seconds/tokens/counters (C3PO++'s
+    first step too, marked warmup) and every trajectory's prompt and response length, enough for
+    bench.rollout_projection to replay both schedules and to calibrate a cost model from them.
+    """
+    trace = {"settings": {"steps": steps, "prompts_per_step": prompts_per_step,
+                          "samples_per_prompt": samples_per_prompt, "pool_capacity": pool_capacity,
+                          "max_staleness": max_staleness, "max_new_tokens": params.max_new_tokens,
+                          "max_batch": getattr(engine, "max_batch", None),
+                          "refill_fraction": getattr(engine, "refill_fraction", None),
+                          # how the engine batches: the in-process engine's slots, or a server's
+                          # continuous batching (see bench.rollout_projection.SimEngine)
+                          "layout": getattr(engine, "layout", "inprocess" if hasattr(engine, "counters") else "server")},
+             "steps": {}, "trajectories": {}}
+
+    def run(mode: str, cfg: RLSection, n_steps: int) -> list[dict]:
+        stream = RecordingStream(make_stream())
+        recs = run_steps(engine, cfg, stream, params, n_steps, clock=clock, between_steps=between_steps)
+        trace["steps"][mode] = recs
+        trace["trajectories"][mode] = [[t.uid, t.group_id, len(t.prompt_ids), len(t.response_ids), t.status.value]
+                                       for t in stream.handed_out]
+        return recs
 
     sync_cfg = RLSection(prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
                          c3po={"enabled": False})
-    sync_s, sync_tok, sync_fw = run(sync_cfg, steps, skip_first=False)
-    budget = max(1, sync_tok // steps)
+    sync = run("sync", sync_cfg, steps)
+    budget = max(1, sum(st["tokens"] for st in sync) // steps)
+    trace["settings"]["token_budget"] = budget
     c3_cfg = RLSection(prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
                        c3po={"enabled": True, "token_budget": budget, "pool_capacity": pool_capacity,
                              "max_staleness": max_staleness})
-    c3_s, c3_tok, c3_fw = run(c3_cfg, steps + 1, skip_first=True)
-    out = {"sync_rollout_s_per_step": sync_s / steps, "c3po_rollout_s_per_step": c3_s / steps,
-           "tokens_per_step_sync": budget, "tokens_per_step_c3po": c3_tok / steps,
-           "rollout_speedup_per_trained_token": (c3_tok / c3_s) / (sync_tok / sync_s)}
-    if sync_fw and c3_fw:
-        # forward passes per trained token: what a rollout costs where decoding is memory-bound
-        out.update({"sync_forward_passes_per_step": sync_fw / steps, "c3po_forward_passes_per_step": c3_fw / steps,
-                    "forward_pass_ratio_per_trained_token": (sync_fw / sync_tok) / (c3_fw / c3_tok)})
+    c3po = run("c3po", c3_cfg, steps + 1)
+    c3po[0]["warmup"] = True  # C3PO++'s first step fills an empty pool; steady state after it
+    out = summarize(sync, c3po[1:])
+    out["tokens_per_step_sync"] = budget  # the budget C3PO++ was given: the synchronous mean, rounded down
+    out["trace"] = trace
     return out
 
 
@@ -115,8 +222,10 @@ def main(argv: list[str] | None = None) -> dict:
         engine.close()
     result.update(model=args.model, server="sglang" if not args.launch_cmd else args.launch_cmd.split()[0])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result), flush=True)
+    Path(args.out).write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "trace"}), flush=True)
+    print(f"written to {args.out} (with per-step timings and lengths: python -m bench.rollout_projection "
+          f"{args.out} --calibrate calibrates a cost model from it)", flush=True)
     return result
 
 

@@ -105,3 +105,45 @@ def test_top_p_and_top_k_filtering():
     assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, 0.5 + 0.3 reaches it
     kept = torch.isfinite(filter_logits(logits, 3, 1.0))
     assert kept.tolist() == [[True, True, True, False]]
+
+
+def _ragged(tok, n=9):
+    # very different lengths: short prompts, long prompts, partial responses, and repeated sequences
+    trajs = [Trajectory(uid=str(i), prompt_ids=tok.encode("Add 3 and 4." + " then add 5" * (i * i % 13)))
+             for i in range(n)]
+    for i, t in enumerate(trajs[::2]):
+        for j in range(11 * i):
+            t.append(tok.encode("0123456789")[j % 10], 0.0, -1)
+    trajs += [Trajectory(uid=f"{t.uid}b", prompt_ids=list(t.prompt_ids)) for t in trajs[1:4]]
+    return trajs
+
+
+def test_packed_prefill_equals_padded_prefill_on_ragged_rows(tiny_model_dir):
+    eng, tok = _engine(tiny_model_dir)
+    rows = _ragged(tok)
+    lens = [len(t.prompt_ids) + len(t.response_ids) for t in rows]
+    assert max(lens) > 5 * min(lens)
+    padded = eng._prefill_padded(rows)
+    before = eng.counters.prefill_tokens
+    packed = eng._prefill_packed(rows)
+    # the repeated sequences are prefilled once
+    assert eng.counters.prefill_tokens - before == sum(len(s) for s in {tuple(t.prompt_ids + t.response_ids)
+                                                                       for t in rows})
+    assert torch.allclose(packed.logits, padded.logits, atol=1e-5)
+    assert torch.equal(packed.mask, padded.mask) and torch.equal(packed.last_pos, padded.last_pos)
+    keep = padded.mask.bool()[:, None, :, None]
+    for a, b in zip(packed.cache.layers, padded.cache.layers, strict=True):
+        assert torch.allclose(a.keys * keep, b.keys * keep, atol=1e-5)
+        assert torch.allclose(a.values * keep, b.values * keep, atol=1e-5)
+
+
+def test_packed_prefill_samples_what_padded_prefill_samples(tiny_model_dir):
+    eng, tok = _engine(tiny_model_dir, max_batch=4)
+    out = {}
+    for packed in (True, False):
+        eng.packed_prefill = packed
+        out[packed] = eng.generate(_ragged(tok), SamplingParams(max_new_tokens=15, greedy=True))
+    assert [t.response_ids for t in out[True]] == [t.response_ids for t in out[False]]
+    gaps = [abs(a - b) for x, y in zip(out[True], out[False], strict=True)
+            for a, b in zip(x.logp_infer, y.logp_infer, strict=True)]
+    assert max(gaps) < 1e-5

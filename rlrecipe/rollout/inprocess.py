@@ -5,14 +5,23 @@ finished, queued trajectories are prefilled on their own and their cache rows jo
 in flight (left-padded to a common width); finished rows leave the cache. A trajectory that
 comes back with a partial response (a C3PO++ resume under new weights) is prefilled from
 prompt + partial response, since its old cache belongs to old weights.
+
+Prefill is packed: the sequences to prefill are laid end to end in one row, positions
+restarting at each, and attended per document, so its cost follows their real tokens and not
+rows x the longest row (C3PO++ re-prefills every resumed rollout after each weight update,
+and those are as long as the rollouts are). Identical sequences (the fresh samples of one
+prompt) are prefilled once. Each sequence's keys and values are then laid into the
+left-padded cache layout that decoding uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from rlrecipe.modeling import load_model, load_weights_into
@@ -41,6 +50,77 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = width - t.shape[dim]
     return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+# -- packed prefill attention ----------------------------------------------------------------
+ATTENTION = "rollout_sdpa"
+
+
+def _prefill_or_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa, except for a packed prefill (called with `cu_seq_lens_q`, flash-attention's
+    varlen convention): one causal SDPA per distinct document length over the documents of that
+    length, stacked, so the cost follows sum L_i^2 and not (sum L_i)^2."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1 or attention_mask is not None or key.shape[2] != query.shape[2]:
+        raise ValueError("a packed prefill is one row, with no mask and no cached past")
+    bounds = cu_seq_lens_q.tolist()
+    by_len: dict[int, list[int]] = {}
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        by_len.setdefault(e - s, []).append(s)
+    q, k, v = query[0], key[0], value[0]  # [H, T, D]
+    out = torch.empty_like(q)
+    gqa = q.shape[0] != k.shape[0]
+    for length, starts in by_len.items():
+        idx = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1)
+        qs, ks, vs = (x[:, idx].unflatten(1, (len(starts), length)).transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out[:, idx] = o.transpose(0, 1).flatten(1, 2)
+    return out.transpose(0, 1).unsqueeze(0), None  # [1, T, H, D]: transformers' layout
+
+
+def register_attention() -> str:
+    """Make `rollout_sdpa` an attention (and mask) implementation transformers' models accept."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _prefill_or_sdpa)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # decoding steps get sdpa's padding mask
+    return ATTENTION
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative work and seconds of one engine (a benchmark takes differences around a step).
+
+    prefill: forward passes over newcomers' prompt + response so far (at the start of a call
+    and at every refill); decode: one-token forward passes over the rows in flight; refill:
+    laying newcomers' cache rows beside those in flight, and compacting; sample: choosing
+    tokens and the per-row bookkeeping of each step.
+    """
+
+    forward_passes: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    refill_s: float = 0.0
+    sample_s: float = 0.0
+    generate_s: float = 0.0
+    prefill_calls: int = 0
+    prefill_rows: int = 0
+    prefill_tokens: int = 0        # tokens run through the model (identical sequences once)
+    reprefill_tokens: int = 0      # of those, response tokens already sampled (resumed rollouts)
+    decode_steps: int = 0
+    decode_rows: int = 0           # sum over decoding steps of the rows in the batch
+    decode_cells: int = 0          # sum over decoding steps of rows x cache width (what attention reads)
+    refill_cells: int = 0          # rows x cache width of each cache rebuilt by a refill or compaction
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) pairs over seed space
@@ -90,16 +170,23 @@ class InProcessEngine(RolloutEngine):
     def __init__(self, model_dir: str | Path, eos_token_id: int, pad_token_id: int, dtype: str = "float32",
                  max_batch: int = 512, refill_fraction: float = 0.25, version: int = 0):
         self.dtype = dtype
-        self.model = load_model(model_dir, dtype).eval()
+        self.model = load_model(model_dir, dtype, register_attention()).eval()
         self.eos = eos_token_id
         self.pad = pad_token_id
         self.max_batch = max_batch
         self.refill_fraction = refill_fraction
         self.version = version
-        # batched forward passes so far: on a GPU, where decoding is memory-bound, their number
-        # (not the batch size) is what a rollout costs; benchmarks report it beside seconds
-        self.forward_passes = 0
+        # work and seconds so far, by phase; benchmarks read them around each step
+        self.counters = EngineCounters()
+        # packed prefill (the default); False: left-padded prefill, kept as the reference it replaces
+        self.packed_prefill = True
         self._scratch = torch.Generator()  # reseeded per token for trajectories with their own seed
+
+    @property
+    def forward_passes(self) -> int:
+        """Batched forward passes so far: on a GPU, where decoding is memory-bound, their number
+        (not the batch size) is what a rollout costs; benchmarks report it beside seconds."""
+        return self.counters.forward_passes
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
@@ -117,6 +204,17 @@ class InProcessEngine(RolloutEngine):
     # -- decoding ---------------------------------------------------------------------------
     @torch.no_grad()
     def _prefill(self, rows: list[Trajectory]) -> _Batch:
+        t0 = time.perf_counter()
+        c = self.counters
+        batch = self._prefill_packed(rows) if self.packed_prefill else self._prefill_padded(rows)
+        c.forward_passes += 1
+        c.prefill_calls += 1
+        c.prefill_rows += len(rows)
+        c.reprefill_tokens += sum(len(t.response_ids) for t in rows)
+        c.prefill_s += time.perf_counter() - t0
+        return batch
+
+    def _prefill_padded(self, rows: list[Trajectory]) -> _Batch:
         seqs = [t.prompt_ids + t.response_ids for t in rows]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
@@ -125,19 +223,59 @@ class InProcessEngine(RolloutEngine):
             ids[i, width - len(s):] = torch.tensor(s)
             mask[i, width - len(s):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        self.forward_passes += 1
+        self.counters.prefill_tokens += ids.numel()
         # only the last position's logits are needed: [rows, V], not [rows, width, V]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(),
                          use_cache=True, logits_to_keep=1)
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1])
 
+    def _prefill_packed(self, rows: list[Trajectory]) -> _Batch:
+        """One row holding each distinct sequence once, attended per sequence; then each trajectory's
+        keys/values are gathered into its left-padded row of the cache."""
+        seqs: dict[tuple[int, ...], int] = {}
+        which = [seqs.setdefault(tuple(t.prompt_ids + t.response_ids), len(seqs)) for t in rows]
+        lens = torch.tensor([len(s) for s in seqs])
+        ends = lens.cumsum(0)
+        starts = ends - lens
+        total = int(ends[-1])
+        ids = torch.tensor([tok for s in seqs for tok in s])[None]
+        pos = (torch.arange(total) - starts.repeat_interleave(lens))[None]
+        self.counters.prefill_tokens += total
+        layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=DynamicCache(), use_cache=True,
+                         attention_mask={lt: None for lt in layer_types},  # no mask: documents come from cu_seq_lens
+                         cu_seq_lens_q=torch.cat([starts[:1], ends]).to(torch.int32), max_length_q=int(lens.max()),
+                         logits_to_keep=ends - 1)
+        # row i, column j of the left-padded layout reads packed position src[i, j]; `total` is a zero column
+        which = torch.tensor(which)
+        row_lens = lens[which]
+        width = int(row_lens.max())
+        col = torch.arange(width)[None]
+        lead = width - row_lens[:, None]
+        src = torch.where(col >= lead, starts[which][:, None] + col - lead, total)
+        flat = src.reshape(-1)
+        cache = out.past_key_values
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                x = getattr(layer, name)[0]  # [H, total, D]
+                x = torch.cat([x, x.new_zeros(x.shape[0], 1, x.shape[2])], dim=1)
+                setattr(layer, name, x[:, flat].unflatten(1, src.shape).transpose(0, 1).contiguous())
+        mask = (col >= lead).long()
+        return _Batch(out.logits[0, which].float(), cache, mask, row_lens - 1)
+
     @torch.no_grad()
     def _step(self, tokens: torch.Tensor, b: _Batch) -> _Batch:
+        t0 = time.perf_counter()
         mask = torch.cat([b.mask, torch.ones((b.mask.shape[0], 1), dtype=b.mask.dtype)], dim=1)
         pos = b.last_pos + 1
-        self.forward_passes += 1
         out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None],
                          past_key_values=b.cache, use_cache=True, logits_to_keep=1)
+        c = self.counters
+        c.forward_passes += 1
+        c.decode_steps += 1
+        c.decode_rows += mask.shape[0]
+        c.decode_cells += mask.numel()
+        c.decode_s += time.perf_counter() - t0
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
@@ -168,6 +306,8 @@ class InProcessEngine(RolloutEngine):
         finished_tokens = 0
         rows: list[Trajectory] = []
         batch: _Batch | None = None
+        c, clock = self.counters, time.perf_counter
+        start = clock()
         while queue or rows:
             live = [i for i, r in enumerate(rows) if r.status == Status.RUNNING]
             free = self.max_batch - len(live)
@@ -175,15 +315,25 @@ class InProcessEngine(RolloutEngine):
                 # only the newcomers are prefilled; the rows in flight keep their cache
                 new = [queue.pop() for _ in range(min(free, len(queue)))]
                 fresh = self._prefill(new)
-                batch = batch.select(live).join(fresh) if live else fresh
+                if live:
+                    t0 = clock()
+                    batch = batch.select(live).join(fresh)
+                    c.refill_s += clock() - t0
+                    c.refill_cells += batch.mask.numel()
+                else:
+                    batch = fresh
                 rows = [rows[i] for i in live] + new
             elif len(live) < len(rows):
                 if not live:
                     rows = []
                     continue
                 if len(live) <= len(rows) // 2:  # compact only when it halves the work
+                    t0 = clock()
                     batch = batch.select(live)
+                    c.refill_s += clock() - t0
+                    c.refill_cells += batch.mask.numel()
                     rows = [rows[i] for i in live]
+            t0 = clock()
             tok, lp = self._sample(batch.logits, params, gen, rows)
             tokens, logps = tok.tolist(), lp.tolist()  # one conversion per step, not one per row
             for i, t in enumerate(rows):
@@ -196,10 +346,12 @@ class InProcessEngine(RolloutEngine):
                     t.status = Status.TRUNCATED
                 if t.done:
                     finished_tokens += len(t.response_ids)
+            c.sample_s += clock() - t0
             if token_budget is not None and finished_tokens >= token_budget:
                 break
             if any(r.status == Status.RUNNING for r in rows):
                 batch = self._step(tok, batch)
             else:
                 rows = []
+        c.generate_s += clock() - start
         return trajs

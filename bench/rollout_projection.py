@@ -1,0 +1,511 @@
+"""C3PO++ vs synchronous rollout projected to a device where it matters, from a measured run.
+
+On a GPU a decoding step costs about the same at batch 8 and batch 256 (reading the weights
+dominates), so a synchronous step that waits for its longest rollouts wastes the device; on the
+CPUs `make bench` runs on, a step's cost grows with its batch, and that waste is small. This
+module times the same rollout schedules with an explicit device cost model instead of a device:
+
+- `CostModel`: seconds of a decoding step as a function of its batch and the context it attends
+  to, seconds of prefill per token, and (for the end to end figure) of training per token. The
+  default is an ASSUMPTION (a 7B model in bf16 on one H100, derived below), loadable from JSON.
+- `SimEngine`: a `RolloutEngine` with the real `generate()` contract (token budget, partial
+  rollouts resuming, continuous batching over `max_batch` slots with refill) whose rows take
+  the lengths of a real run, and which advances a clock by the cost model instead of computing.
+- `project`: the real pool logic (`RolloutPool`) run over it, synchronous and C3PO++ at the same
+  tokens per step, replaying a run that `bench.c3po_compare` recorded (every trajectory's prompt
+  and response length): seconds per step and per trained token, speed-ups, where the seconds go.
+- `calibrate`: least-squares (non-negative) fit of the cost model from the measured per-step
+  seconds of such a run against the simulator's features for the same schedule: from
+  `make bench-sglang` output on a GPU, or from `make bench` on CPU, where the calibrated
+  projection should come back to the measured CPU ratio (a check of the simulator).
+
+    python -m bench.rollout_projection bench/c3po_server.json [--cost cost.json] [--calibrate] [--save-cost out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import zlib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from bench.c3po_compare import coefficient_of_variation, run_steps
+from rlrecipe.recipe import RLSection
+from rlrecipe.rollout.base import RolloutEngine
+from rlrecipe.rollout.inprocess import EngineCounters
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+
+
+@dataclass
+class CostModel:
+    """Seconds of rollout (and training) work, linear in what is done:
+
+    decode step = step_s + row_s * rows in the batch + ctx_s * context tokens the rows attend to
+    prefill call = prefill_call_s + prefill_token_s * tokens prefilled
+    refill = refill_cell_s * cache cells copied (the in-process engine's left-padded cache; 0 on a
+             server's paged cache)
+    training step = train_step_s + train_token_s * response tokens trained
+    """
+
+    step_s: float
+    row_s: float
+    ctx_s: float
+    prefill_call_s: float
+    prefill_token_s: float
+    refill_cell_s: float = 0.0
+    train_step_s: float = 0.0
+    train_token_s: float = 0.0
+    label: str = ""
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> CostModel:
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+
+# The default, an ASSUMPTION: Qwen2.5-7B-like (N = 7.6e9 parameters, 28 layers, 4 KV heads of 128)
+# in bf16 on one H100 SXM (HBM3 3.35 TB/s, about 2.6 TB/s reached; 989 dense bf16 TFLOP/s), served
+# with continuous batching over a paged KV cache.
+# - step_s: a decoding step reads the 15.2 GB of weights once: 15.2e9 B / 2.6e12 B/s = 5.8 ms, plus
+#   about 1.2 ms of scheduling, sampling and launches: 7 ms whatever the batch.
+# - row_s: each row costs 2N = 15.2 GFLOP; at peak that is 15.4 us. Real kernels reach ~60% of
+#   peak but overlap the weight read, so ~15 us per row above the floor; linear in the batch,
+#   this overstates mid-size batches, which understates C3PO++'s gain.
+# - ctx_s: each context token's K and V: 2 x 28 x 4 x 128 x 2 B = 57 KB read per step:
+#   57,344 B / 2.6e12 B/s = 22 ns.
+# - prefill_token_s: 2N FLOP per token at ~55% of peak (large GEMMs): 15.2e9 / 5.4e14 = 28 us;
+#   prefill_call_s: 2 ms per prefill batch (one scheduler iteration).
+# - train_token_s: 8N FLOP per trained token (6N forward and backward, 2N recomputing the old
+#   log-probs) at 40% of peak: 6.1e10 / 4.0e14 = 150 us; train_step_s: 5 s per step for the
+#   optimizer step and pushing 15 GB of weights to the rollout engine.
+H100_7B_ASSUMED = CostModel(
+    step_s=7.0e-3, row_s=1.5e-5, ctx_s=2.2e-8, prefill_call_s=2.0e-3, prefill_token_s=2.8e-5, refill_cell_s=0.0,
+    train_step_s=5.0, train_token_s=1.5e-4,
+    label="ASSUMPTION: 7B model, bf16, one H100 SXM, continuous batching, paged KV (bench/rollout_projection.py)")
+
+# each cost parameter and the simulator counter it multiplies
+FEATURES = {"step_s": "decode_steps", "row_s": "decode_rows", "ctx_s": "decode_cells",
+            "prefill_call_s": "prefill_calls", "prefill_token_s": "prefill_tokens", "refill_cell_s": "refill_cells"}
+# the groups of an engine's own split (seconds counters) that calibrate="components" fits separately
+COMPONENTS = {("decode_s", "sample_s"): ("step_s", "row_s", "ctx_s"),
+              ("prefill_s",): ("prefill_call_s", "prefill_token_s"),
+              ("refill_s",): ("refill_cell_s",)}
+
+
+def rollout_seconds(cost: CostModel, counters: dict) -> float:
+    return sum(getattr(cost, p) * counters.get(f, 0) for p, f in FEATURES.items())
+
+
+# -- where simulated rows get their lengths ---------------------------------------------------
+def _draw(key: str, n: int) -> int:
+    return zlib.crc32(key.encode()) % n
+
+
+class Lengths:
+    """The response length (and how it ends) of each simulated trajectory.
+
+    `known`: uid -> (length, status) of a recorded run (replay). Trajectories not in it (a
+    schedule that drew more prompts than the recorded one) take a recorded group's lengths,
+    chosen by a hash of their group id, or, with `groups` (lists of response lengths, one list
+    per prompt; a flat list is one length per trajectory), a group from those.
+    """
+
+    def __init__(self, max_new_tokens: int, known: dict[str, tuple[int, str]] | None = None,
+                 groups: list[list[int]] | list[int] | None = None):
+        self.max_new_tokens = max_new_tokens
+        self.known = known or {}
+        if groups is None:
+            by_group: dict[str, list[tuple[int, str]]] = {}
+            for uid, v in self.known.items():
+                by_group.setdefault(uid.rsplit("#", 1)[0], []).append(v)
+            self.groups = [g for g in by_group.values()]
+        else:
+            self.groups = [[(int(x), "")] for x in groups] if groups and not isinstance(groups[0], list) else [
+                [(int(x), "") for x in g] for g in groups]
+        if not self.known and not self.groups:
+            raise ValueError("no lengths to simulate with")
+
+    def __call__(self, t: Trajectory) -> tuple[int, str]:
+        if t.uid in self.known:
+            return self.known[t.uid]
+        member = t.uid.rsplit("#", 1)
+        j = int(member[1]) if len(member) == 2 and member[1].isdigit() else _draw(t.uid, 1 << 16)
+        group = self.groups[_draw(member[0], len(self.groups))]
+        return group[j % len(group)]
+
+    def finish_at(self, t: Trajectory) -> int | None:
+        """The response length at which `t` says eos, or None: it runs to max_new_tokens."""
+        length, status = self(t)
+        if status == Status.FINISHED.value or (not status and length < self.max_new_tokens):
+            return length
+        return None
+
+
+class ReplayStream:
+    """Hands out the groups a recorded run drew, in its order (same uids, same prompt lengths); past
+    its end, the recorded groups again under new ids. Prompt tokens are placeholders."""
+
+    def __init__(self, recorded: list[list]):
+        self.groups: list[tuple[str, int]] = []  # group id, prompt length
+        for _, gid, prompt_len, *_ in recorded:
+            if not self.groups or self.groups[-1][0] != gid:
+                self.groups.append((gid, prompt_len))
+        self.cursor = 0
+
+    def next_group(self, n: int) -> list[Trajectory]:
+        lap, i = divmod(self.cursor, len(self.groups))
+        gid, prompt_len = self.groups[i]
+        gid = gid if lap == 0 else f"{gid}~{lap}"
+        self.cursor += 1
+        prompt = [1] * prompt_len
+        return [Trajectory(uid=f"{gid}#{j}", prompt_ids=prompt, group_id=gid) for j in range(n)]
+
+
+class SyntheticStream:
+    """Groups of `prompt_len`-token placeholder prompts, for lengths given as a distribution."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len, self.cursor = prompt_len, 0
+
+    def next_group(self, n: int) -> list[Trajectory]:
+        gid = f"p{self.cursor}"
+        self.cursor += 1
+        return [Trajectory(uid=f"{gid}#{j}", prompt_ids=[1] * self.prompt_len, group_id=gid) for j in range(n)]
+
+
+# -- the simulated engine ---------------------------------------------------------------------
+class SimEngine(RolloutEngine):
+    """Schedules like a rollout engine and advances `clock` by `cost` instead of computing.
+
+    layout "inprocess" is the in-process engine's schedule to the step (refill once a share
+    `refill_fraction` of the slots is free; finished rows stay in the batch until compacting
+    halves it; attention over the left-padded width; joining and compacting copy the cache).
+    layout "server" is a server's continuous batching: a finished row leaves at once, a free slot
+    is refilled at the next step, attention reads each row's own context, nothing is copied.
+    Each prefill runs the distinct prompt + response-so-far sequences of its newcomers.
+    """
+
+    def __init__(self, cost: CostModel, lengths: Lengths, *, eos_token_id: int = 2, max_batch: int | None = None,
+                 refill_fraction: float = 0.25, layout: str = "server", version: int = 0):
+        if layout not in ("server", "inprocess"):
+            raise ValueError(f"layout: server or inprocess, not {layout!r}")
+        self.cost, self.lengths, self.eos = cost, lengths, eos_token_id
+        self.max_batch = max_batch or 1 << 30
+        self.refill_fraction, self.layout, self.version = refill_fraction, layout, version
+        self.counters = EngineCounters()
+
+    @property
+    def forward_passes(self) -> int:
+        return self.counters.forward_passes
+
+    @property
+    def clock(self) -> float:
+        """Simulated seconds so far."""
+        return self.counters.generate_s
+
+    def update_weights_from_disk(self, model_dir, version: int) -> None:
+        self.version = version
+
+    def update_weights_from_state(self, state_dict: dict, version: int) -> None:
+        self.version = version
+
+    def _spend(self, seconds: float, phase: str) -> None:
+        c = self.counters
+        setattr(c, phase, getattr(c, phase) + seconds)
+        c.generate_s += seconds
+
+    def _prefill(self, rows: list[Trajectory]) -> None:
+        c, cost = self.counters, self.cost
+        distinct = {(t.group_id, tuple(t.prompt_ids), t.uid if t.response_ids else None): t.num_tokens for t in rows}
+        tokens = sum(distinct.values())
+        c.forward_passes += 1
+        c.prefill_calls += 1
+        c.prefill_rows += len(rows)
+        c.prefill_tokens += tokens
+        c.reprefill_tokens += sum(len(t.response_ids) for t in rows)
+        self._spend(cost.prefill_call_s + cost.prefill_token_s * tokens, "prefill_s")
+
+    def _copy(self, cache: list[int]) -> None:
+        if self.layout == "inprocess":
+            cells = len(cache) * max(cache)
+            self.counters.refill_cells += cells
+            self._spend(self.cost.refill_cell_s * cells, "refill_s")
+
+    def _decode(self, rows: list[Trajectory], cache: list[int]) -> None:
+        c, cost = self.counters, self.cost
+        for i in range(len(cache)):
+            cache[i] += 1
+        if self.layout == "inprocess":  # every row in the batch, attending over the padded width
+            batch, cells = len(cache), len(cache) * max(cache)
+        else:  # the running rows, each over its own context
+            running = [i for i, t in enumerate(rows) if t.status == Status.RUNNING]
+            batch, cells = len(running), sum(cache[i] for i in running)
+        c.forward_passes += 1
+        c.decode_steps += 1
+        c.decode_rows += batch
+        c.decode_cells += cells
+        self._spend(cost.step_s + cost.row_s * batch + cost.ctx_s * cells, "decode_s")
+
+    def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
+                 token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
+        # the same control flow as InProcessEngine.generate, with work counted instead of done
+        queue = [t for t in trajs if not t.done and t.status != Status.ABORTED]
+        queue.reverse()
+        for t in queue:
+            t.status = Status.RUNNING
+            if len(t.response_ids) >= params.max_new_tokens:
+                t.status = Status.TRUNCATED
+        queue = [t for t in queue if t.status == Status.RUNNING]
+        server = self.layout == "server"
+        refill_at = 1 if server else max(1, int(self.refill_fraction * self.max_batch))
+        other = 0 if self.eos != 0 else 1  # the token a row says when it does not end
+        finished_tokens = 0
+        rows: list[Trajectory] = []
+        cache: list[int] = []  # each row's cache length
+        while queue or rows:
+            live = [i for i, r in enumerate(rows) if r.status == Status.RUNNING]
+            free = self.max_batch - len(live)
+            if queue and (not live or free >= refill_at):
+                new = [queue.pop() for _ in range(min(free, len(queue)))]
+                self._prefill(new)
+                rows = [rows[i] for i in live] + new
+                cache = [cache[i] for i in live] + [t.num_tokens for t in new]
+                if live:
+                    self._copy(cache)
+            elif len(live) < len(rows):
+                if not live:
+                    rows, cache = [], []
+                    continue
+                if server or len(live) <= len(rows) // 2:
+                    rows, cache = [rows[i] for i in live], [cache[i] for i in live]
+                    self._copy(cache)
+            for t in rows:
+                if t.status != Status.RUNNING:
+                    continue
+                eos_at = self.lengths.finish_at(t)
+                ends = eos_at is not None and len(t.response_ids) + 1 >= eos_at
+                t.append(self.eos if ends else other, 0.0, self.version)
+                if ends:
+                    t.status = Status.FINISHED
+                elif len(t.response_ids) >= params.max_new_tokens:
+                    t.status = Status.TRUNCATED
+                if t.done:
+                    finished_tokens += len(t.response_ids)
+            if token_budget is not None and finished_tokens >= token_budget:
+                break
+            if any(r.status == Status.RUNNING for r in rows):
+                self._decode(rows, cache)
+            else:
+                rows, cache = [], []
+        return trajs
+
+
+# -- running schedules ------------------------------------------------------------------------
+def _configs(settings: dict) -> tuple[RLSection, RLSection]:
+    common = {"prompts_per_step": settings["prompts_per_step"], "samples_per_prompt": settings["samples_per_prompt"]}
+    sync = RLSection(**common, c3po={"enabled": False})
+    c3po = RLSection(**common, c3po={"enabled": True, "token_budget": settings["token_budget"],
+                                     "pool_capacity": settings["pool_capacity"],
+                                     "max_staleness": settings["max_staleness"]})
+    return sync, c3po
+
+
+def _known(recorded: list[list]) -> dict[str, tuple[int, str]]:
+    """uid -> (final length, status) of the trajectories a run finished; the others (still in flight
+    or dropped when it ended) never finish within it."""
+    return {uid: (n, status) if status in (Status.FINISHED.value, Status.TRUNCATED.value) else (1 << 30, "")
+            for uid, _, _, n, status in recorded}
+
+
+def simulate(trace: dict, cost: CostModel, *, layout: str | None = None, max_batch: int | None = None,
+             groups: list | None = None, prompt_len: int | None = None) -> dict[str, list[dict]]:
+    """Per-step records (as bench.c3po_compare.run_steps gives them, seconds simulated) of both modes.
+
+    Replays the recorded trajectories' lengths (or, with `groups`, draws lengths from them and
+    uses `prompt_len`-token prompts); `layout`/`max_batch` default to the recorded engine's."""
+    settings = trace["settings"]
+    layout = layout or settings.get("layout") or "server"
+    max_batch = max_batch or settings.get("max_batch")
+    params = SamplingParams(max_new_tokens=settings["max_new_tokens"])
+    out = {}
+    for mode, cfg in zip(("sync", "c3po"), _configs(settings), strict=True):
+        recorded = trace["trajectories"][mode]
+        if groups is None:
+            lengths, stream = Lengths(params.max_new_tokens, known=_known(recorded)), ReplayStream(recorded)
+        else:
+            lengths = Lengths(params.max_new_tokens, groups=groups)
+            stream = SyntheticStream(prompt_len or round(sum(r[2] for r in recorded) / len(recorded)))
+        engine = SimEngine(cost, lengths, max_batch=max_batch, layout=layout,
+                           refill_fraction=settings.get("refill_fraction") or 0.25)
+        n = settings["steps"] + (1 if mode == "c3po" else 0)
+        out[mode] = run_steps(engine, cfg, stream, params, n, clock=lambda e=engine: e.clock)
+        if mode == "c3po":
+            out[mode][0]["warmup"] = True
+    return out
+
+
+def _steady(steps: list[dict]) -> list[dict]:
+    return [s for s in steps if not s.get("warmup")]
+
+
+def report(steps: dict[str, list[dict]], cost: CostModel) -> dict:
+    """Seconds per step and per trained token, speed-ups (rollout, and end to end with the train
+    model), where the rollout seconds go, and steadiness, from per-step records of both modes."""
+    out = {}
+    per = {}
+    for mode in ("sync", "c3po"):
+        st = _steady(steps[mode])
+        secs, tokens = sum(s["seconds"] for s in st), sum(s["tokens"] for s in st)
+        train = len(st) * cost.train_step_s + cost.train_token_s * tokens
+        per[mode] = (secs / len(st), secs / tokens, (secs + train) / tokens)
+        out[f"{mode}_s_per_step"] = secs / len(st)
+        out[f"{mode}_ms_per_1k_trained_tokens"] = 1e6 * secs / tokens
+        c = {k: sum(s["counters"].get(k, 0) for s in st) for k in ("prefill_s", "decode_s", "refill_s")}
+        for k, v in c.items():
+            out[f"{mode}_share_{k[:-2]}"] = v / secs if secs else 0.0
+        out[f"{mode}_cv_tokens_per_step"] = coefficient_of_variation([s["tokens"] for s in st])
+        out[f"{mode}_cv_step_s"] = coefficient_of_variation([s["seconds"] for s in st])
+    out["speedup_per_step"] = per["sync"][0] / per["c3po"][0]
+    out["speedup_per_trained_token"] = per["sync"][1] / per["c3po"][1]
+    if cost.train_step_s or cost.train_token_s:
+        out["end_to_end_speedup_per_trained_token"] = per["sync"][2] / per["c3po"][2]
+    return out
+
+
+def project(trace: dict, cost: CostModel, **kw) -> dict:
+    """`report` of `simulate`: the projection of a recorded run under `cost`."""
+    return report(simulate(trace, cost, **kw), cost)
+
+
+# -- calibration ------------------------------------------------------------------------------
+def nnls(rows: list[list[float]], y: list[float], iters: int = 200) -> list[float]:
+    """Non-negative least squares, min |A x - y| with x >= 0 (Lawson-Hanson active set), columns
+    scaled to unit norm first so features of very different sizes are treated alike."""
+    import torch
+
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(y, dtype=torch.float64)
+    scale = a.norm(dim=0)
+    scale[scale == 0] = 1
+    a = a / scale
+    n = a.shape[1]
+    x = torch.zeros(n, dtype=torch.float64)
+    passive = torch.zeros(n, dtype=torch.bool)
+    for _ in range(iters):
+        w = a.T @ (b - a @ x)
+        candidates = (~passive) & (w > 1e-12 * max(1.0, float(w.abs().max())))
+        if not candidates.any():
+            break
+        passive[int(torch.where(candidates, w, torch.full_like(w, -torch.inf)).argmax())] = True
+        while True:
+            z = torch.zeros(n, dtype=torch.float64)
+            z[passive] = torch.linalg.lstsq(a[:, passive], b[:, None]).solution[:, 0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = float((x[neg] / (x[neg] - z[neg])).min())
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return (x / scale).tolist()
+
+
+def fit(samples: list[tuple[dict, float]], params: tuple[str, ...]) -> dict[str, float]:
+    """Least-squares (non-negative) values of `params` from (counters, seconds) samples."""
+    rows = [[float(c.get(FEATURES[p], 0)) for p in params] for c, _ in samples]
+    return dict(zip(params, nnls(rows, [s for _, s in samples]), strict=True))
+
+
+def calibrate(trace: dict, *, by: str = "total", layout: str | None = None) -> tuple[CostModel, dict]:
+    """Fit a cost model to a recorded run: the simulator replays both schedules (features per
+    step), and the measured per-step seconds are fitted to them. by "total": each step's wall
+    seconds (all a server run gives); by "components": the engine's own per-step split
+    (decode + sampling, prefill, refill seconds), each fitted to its own features.
+
+    Returns the model and a check: whether the replayed schedule matched the recorded one where
+    the run kept counters, and how well the fit reproduces the measured steps."""
+    layout = layout or trace["settings"].get("layout") or "server"
+    zero = CostModel(0, 0, 0, 0, 0)
+    replay = simulate(trace, zero, layout=layout)
+    measured = trace["steps"]
+    params = tuple(p for p in FEATURES if layout == "inprocess" or p != "refill_cell_s")
+    pairs = [(sim["counters"], real) for mode in ("sync", "c3po")
+             for sim, real in zip(replay[mode], measured[mode], strict=True)]
+    # where the run kept its engine's counters, how far the replayed schedule is from it
+    kept = [(sim, real["counters"]) for sim, real in pairs if real.get("counters")]
+    check = {f"replay_gap_{k}": max(abs(sim.get(k, 0) - real.get(k, 0)) / max(1, real.get(k, 0))
+                                    for sim, real in kept)
+             for k in ("forward_passes", "decode_rows", "decode_cells", "prefill_tokens", "refill_cells")} if kept else {}
+    values: dict[str, float] = {}
+    if by == "components":
+        for secs, group in COMPONENTS.items():
+            group = tuple(p for p in group if p in params)
+            if group:
+                values.update(fit([(sim, sum(real["counters"][k] for k in secs)) for sim, real in pairs], group))
+    else:
+        values = fit([(sim, real["seconds"]) for sim, real in pairs], params)
+    cost = replace(zero, **values, label=f"calibrated ({by}) from a measured run, layout {layout}")
+    predicted = [rollout_seconds(cost, sim) for sim, _ in pairs]
+    actual = [real["seconds"] for _, real in pairs]
+    mean = sum(actual) / len(actual)
+    ss_res = sum((p - a) ** 2 for p, a in zip(predicted, actual, strict=True))
+    ss_tot = sum((a - mean) ** 2 for a in actual) or 1.0
+    check.update(r2_step_seconds=1 - ss_res / ss_tot,
+                 max_rel_error_step_seconds=max(abs(p - a) / a for p, a in zip(predicted, actual, strict=True)))
+    return cost, check
+
+
+def fit_train_model(rows: list[dict]) -> tuple[float, float]:
+    """(train_step_s, train_token_s) from RL metrics rows (train_s, tokens_trained)."""
+    x = nnls([[1.0, float(r["tokens_trained"])] for r in rows], [r["train_s"] for r in rows])
+    return x[0], x[1]
+
+
+def measured_ratio(trace: dict) -> float:
+    """Measured s/trained-token, sync over C3PO++, from the recorded steps."""
+    def per_token(steps):
+        st = _steady(steps)
+        return sum(s["seconds"] for s in st) / sum(s["tokens"] for s in st)
+    return per_token(trace["steps"]["sync"]) / per_token(trace["steps"]["c3po"])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", help="a bench.c3po_compare result with its trace (bench/c3po_server.json, or "
+                                "bench/results.json's c3po_vs_sync)")
+    ap.add_argument("--cost", help="cost model JSON (CostModel fields); default: the H100 / 7B assumption")
+    ap.add_argument("--calibrate", action="store_true", help="fit the cost model to this run's step times first")
+    ap.add_argument("--by", default="total", choices=("total", "components"))
+    ap.add_argument("--save-cost", help="write the (calibrated) cost model here")
+    ap.add_argument("--layout", choices=("server", "inprocess"), help="default: the recorded engine's")
+    ap.add_argument("--max-batch", type=int, help="slots of the projected engine; default: the recorded engine's")
+    ap.add_argument("--lengths", help="JSON list of response lengths (or of lists, one per prompt) to draw from "
+                                      "instead of replaying the run's")
+    args = ap.parse_args(argv)
+    data = json.loads(Path(args.run).read_text())
+    trace = data.get("trace") or data.get("c3po_vs_sync", {}).get("trace")
+    if trace is None:
+        raise SystemExit(f"{args.run}: no trace (per-step timings and lengths); rerun bench.c3po_compare")
+    cost = CostModel.from_json(args.cost) if args.cost else H100_7B_ASSUMED
+    out: dict = {}
+    if args.calibrate:
+        fitted, check = calibrate(trace, by=args.by, layout=args.layout)
+        cost = replace(fitted, train_step_s=cost.train_step_s, train_token_s=cost.train_token_s)
+        out["calibration"] = {**asdict(fitted), **check}
+    groups = json.loads(Path(args.lengths).read_text()) if args.lengths else None
+    out["cost_model"] = cost.label
+    out["projected"] = project(trace, cost, layout=args.layout, max_batch=args.max_batch, groups=groups)
+    out["measured_speedup_per_trained_token"] = measured_ratio(trace)
+    if args.save_cost:
+        cost.to_json(args.save_cost)
+    print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()

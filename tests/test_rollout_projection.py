@@ -1,0 +1,200 @@
+"""The rollout simulator behind the C3PO++ projection: hand-computed schedules, the in-process
+engine's semantics on the same lengths, calibration, and the steadiness measure."""
+
+import zlib
+from dataclasses import asdict
+
+import pytest
+
+from bench.c3po_compare import coefficient_of_variation, compare_streams
+from bench.rollout_projection import (
+    CostModel,
+    Lengths,
+    SimEngine,
+    SyntheticStream,
+    calibrate,
+    project,
+    simulate,
+)
+from rlrecipe.c3po import PromptStream, RolloutPool
+from rlrecipe.modeling import load_tokenizer
+from rlrecipe.recipe import RLSection
+from rlrecipe.rollout.base import SEED_KEY
+from rlrecipe.rollout.inprocess import InProcessEngine
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+
+WORK = ("forward_passes", "decode_steps", "decode_rows", "decode_cells", "prefill_calls", "prefill_rows",
+        "prefill_tokens", "reprefill_tokens", "refill_cells")
+
+
+def _rows(lengths, prompt_len=3):
+    return [Trajectory(uid=f"g{i}#0", group_id=f"g{i}", prompt_ids=[5 + i] * prompt_len) for i in range(len(lengths))]
+
+
+@pytest.mark.parametrize("layout, clock", [
+    # server: slots refill at once and a finished row leaves at once. Prefill A, B (6 tokens, 0.06);
+    # steps with 2, 1 (A ended at 2), then C joins (0.03): 2, 2, 1 (B ended at 5), then C alone for
+    # 5 more steps: 1.2 + 1.1 + 1.2 + 1.2 + 1.1 + 5 x 1.1 = 11.3; 11.3 + 0.09
+    ("server", 11.39),
+    # in-process: a finished row stays in the batch until compacting halves it, so the steps
+    # after A and B end still carry 2 rows: 5 x 1.2 + 5 x 1.1 = 11.5; 11.5 + 0.09
+    ("inprocess", 11.59),
+])
+def test_simulated_clock_matches_a_hand_computed_schedule(layout, clock):
+    cost = CostModel(step_s=1.0, row_s=0.1, ctx_s=0.0, prefill_call_s=0.0, prefill_token_s=0.01)
+    trajs = _rows([2, 5, 9])
+    lengths = Lengths(100, known={t.uid: (n, "finished") for t, n in zip(trajs, [2, 5, 9], strict=True)})
+    eng = SimEngine(cost, lengths, max_batch=2, layout=layout)
+    eng.generate(trajs, SamplingParams(max_new_tokens=100))
+    assert eng.clock == pytest.approx(clock)
+    assert [len(t.response_ids) for t in trajs] == [2, 5, 9]
+    assert all(t.status == Status.FINISHED and t.response_ids[-1] == eng.eos for t in trajs)
+    assert eng.counters.decode_steps == 10 and eng.counters.prefill_tokens == 9
+
+
+def test_lengths_past_max_new_tokens_truncate_and_the_budget_interrupts():
+    cost = CostModel(step_s=1.0, row_s=0.0, ctx_s=0.0, prefill_call_s=0.0, prefill_token_s=0.0)
+    trajs = _rows([3, 50, 4])
+    eng = SimEngine(cost, Lengths(10, known={"g0#0": (3, ""), "g1#0": (50, ""), "g2#0": (4, "")}), max_batch=8)
+    eng.generate(trajs, SamplingParams(max_new_tokens=10), token_budget=7)
+    assert [t.status for t in trajs] == [Status.FINISHED, Status.RUNNING, Status.FINISHED]
+    assert [len(t.response_ids) for t in trajs] == [3, 4, 4]
+    eng.version = 1
+    eng.generate(trajs, SamplingParams(max_new_tokens=10))
+    assert trajs[1].status == Status.TRUNCATED and len(trajs[1].response_ids) == 10
+    assert trajs[1].versions == [0] * 4 + [1] * 6
+    assert eng.counters.reprefill_tokens == 4  # the resumed row re-prefills its 4 tokens
+
+
+def _seeded(trajs):
+    for t in trajs:  # each draws from its own (seed, position) stream: lengths do not depend on batching
+        t.meta[SEED_KEY] = zlib.crc32(t.uid.encode())
+    return trajs
+
+
+def _engine_with_ragged_lengths(model_dir, max_batch):
+    """The tiny model, sampling, with as 'eos' a token it first says at many different positions, so
+    rows end at different lengths (the untrained model never says its real eos)."""
+    tok = load_tokenizer(model_dir)
+    eng = InProcessEngine(model_dir, tok.eos_token_id, tok.pad_token_id, max_batch=max_batch)
+    probe = _seeded([Trajectory(uid=str(i), prompt_ids=tok.encode(f"Add {i * 37} and {10 ** (i % 7)}."))
+                     for i in range(16)])
+    eng.generate(probe, SamplingParams(max_new_tokens=30))
+    firsts: dict[int, set] = {}
+    for t in probe:
+        for v in set(t.response_ids):
+            firsts.setdefault(v, set()).add(t.response_ids.index(v))
+    eng.eos = max(firsts, key=lambda v: len(firsts[v]))
+    return eng, tok
+
+
+def _prompts(tok, n):
+    trajs = [Trajectory(uid=f"q{i}#0", group_id=f"q{i}", prompt_ids=tok.encode(f"Add {i * 37} and {10 ** (i % 7)}."))
+             for i in range(n)]
+    for i, t in enumerate(trajs):  # some start with a partial response of their own
+        for j in range((i * 5) % 9):
+            t.append(tok.encode("0123456789")[(i + j) % 10], 0.0, -1)
+    return _seeded(trajs)
+
+
+class _SeededStream:
+    def __init__(self, stream):
+        self.stream = stream
+
+    @property
+    def cursor(self):
+        return self.stream.cursor
+
+    def next_group(self, n):
+        return _seeded(self.stream.next_group(n))
+
+
+def test_budget_interrupt_and_resume_follow_the_inprocess_engine(tiny_model_dir):
+    eng, tok = _engine_with_ragged_lengths(tiny_model_dir, max_batch=4)
+    params = SamplingParams(max_new_tokens=30)
+    reference = eng.generate(_prompts(tok, 14), params)
+    known = {t.uid: (len(t.response_ids), t.status.value) for t in reference}
+    assert len({n for n, _ in known.values()}) >= 3 and any(s == "finished" for _, s in known.values())
+    sim = SimEngine(CostModel(1e-3, 1e-4, 1e-7, 1e-3, 1e-5, 1e-8), Lengths(30, known=known), max_batch=4,
+                    layout="inprocess", eos_token_id=eng.eos)
+    real, simulated = _prompts(tok, 14), _prompts(tok, 14)
+    for call, budget in enumerate([40, 25, None]):
+        before = {e: asdict(e.counters) for e in (eng, sim)}
+        eng.generate(real, params, token_budget=budget, seed=call)
+        sim.generate(simulated, params, token_budget=budget, seed=call)
+        assert [(t.status, len(t.response_ids)) for t in real] == [(t.status, len(t.response_ids)) for t in simulated]
+        assert budget is None or any(t.status == Status.RUNNING for t in real)  # the budget interrupted
+        for k in WORK:
+            assert getattr(eng.counters, k) - before[eng][k] == getattr(sim.counters, k) - before[sim][k], k
+        eng.version = sim.version = call + 1
+    assert any(t.versions[-1] == 2 and t.versions[0] < 2 for t in real)  # some were resumed under a new version
+    assert all(t.done for t in real)
+
+
+def test_pool_over_the_simulator_makes_the_engines_steps(tiny_model_dir):
+    eng, tok = _engine_with_ragged_lengths(tiny_model_dir, max_batch=6)
+    params = SamplingParams(max_new_tokens=30)
+    rows = [{"id": f"p{i}", "prompt": f"Add {i * 37} and {10 ** (i % 7)}.", "answers": ["0"]} for i in range(40)]
+    stream = _SeededStream(PromptStream(rows, tok, "plain", seed=0))
+    reference = [t for _ in range(30) for t in stream.next_group(1)]
+    eng.generate(reference, params)
+    known = {t.uid: (len(t.response_ids), t.status.value) for t in reference}
+    cfg = RLSection(prompts_per_step=4, samples_per_prompt=1,
+                    c3po={"enabled": True, "token_budget": 40, "pool_capacity": 8, "max_staleness": 1})
+    sim = SimEngine(CostModel(0, 0, 0, 0, 0), Lengths(30, known=known), max_batch=6, layout="inprocess",
+                    eos_token_id=eng.eos)
+    pools = [RolloutPool(cfg, _SeededStream(PromptStream(rows, tok, "plain", seed=0))) for _ in range(2)]
+    before = asdict(eng.counters)
+    for step in range(3):
+        got = [pool.collect(e, params, seed=step)[0] for pool, e in zip(pools, (eng, sim), strict=True)]
+        assert [(t.uid, len(t.response_ids), t.status) for t in got[0]] == [
+            (t.uid, len(t.response_ids), t.status) for t in got[1]]
+        assert [t.uid for t in pools[0].in_flight] == [t.uid for t in pools[1].in_flight]
+    for k in WORK:
+        assert getattr(eng.counters, k) - before[k] == getattr(sim.counters, k), k
+    assert sim.counters.reprefill_tokens > 0  # rollouts carried over and resumed
+
+
+def _recorded(cost, layout="server", max_batch=12):
+    """A bench.c3po_compare run over the simulator: step seconds are the cost model's exactly."""
+    lengths = Lengths(40, groups=[[3, 9, 14, 40], [5, 6, 30, 33], [2, 2, 3, 8], [20, 25, 40, 12], [7, 18, 11, 16]])
+    eng = SimEngine(cost, lengths, max_batch=max_batch, layout=layout)
+    return compare_streams(eng, lambda: SyntheticStream(prompt_len=6), SamplingParams(max_new_tokens=40), steps=6,
+                           prompts_per_step=5, samples_per_prompt=4, pool_capacity=24, clock=lambda: eng.clock)
+
+
+def test_replay_reproduces_the_recorded_run_and_projects_it():
+    cost = CostModel(step_s=7e-3, row_s=1.5e-5, ctx_s=2e-8, prefill_call_s=2e-3, prefill_token_s=3e-5,
+                     train_step_s=1.0, train_token_s=1e-4)
+    result = _recorded(cost)
+    trace = result["trace"]
+    replay = simulate(trace, cost)
+    for mode in ("sync", "c3po"):
+        assert [s["seconds"] for s in replay[mode]] == pytest.approx([s["seconds"] for s in trace["steps"][mode]])
+        assert [s["tokens"] for s in replay[mode]] == [s["tokens"] for s in trace["steps"][mode]]
+    proj = project(trace, cost)
+    assert proj["speedup_per_trained_token"] == pytest.approx(result["rollout_speedup_per_trained_token"])
+    assert proj["sync_cv_tokens_per_step"] == pytest.approx(result["sync_cv_tokens_per_step"])
+    assert 0 < proj["end_to_end_speedup_per_trained_token"]
+    assert proj["c3po_share_prefill"] + proj["c3po_share_decode"] + proj["c3po_share_refill"] == pytest.approx(1)
+    # lengths from a distribution instead of the recorded ones
+    drawn = project(trace, cost, groups=[[4, 30], [10, 12, 40]], prompt_len=6)
+    assert drawn["sync_s_per_step"] > 0 and drawn["c3po_s_per_step"] > 0
+
+
+@pytest.mark.parametrize("layout, by", [("server", "total"), ("inprocess", "total"), ("inprocess", "components")])
+def test_calibration_recovers_known_parameters(layout, by):
+    truth = CostModel(step_s=7e-3, row_s=1.5e-5, ctx_s=2e-7, prefill_call_s=2e-3, prefill_token_s=3e-5,
+                      refill_cell_s=4e-7 if layout == "inprocess" else 0.0)
+    trace = _recorded(truth, layout=layout, max_batch=7)["trace"]
+    fitted, check = calibrate(trace, by=by)
+    for name in ("step_s", "row_s", "ctx_s", "prefill_call_s", "prefill_token_s", "refill_cell_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+    assert check["r2_step_seconds"] == pytest.approx(1)
+    assert check["replay_gap_decode_rows"] == 0 and check["replay_gap_prefill_tokens"] == 0
+
+
+def test_coefficient_of_variation_by_hand():
+    # mean 2.5; population variance (2.25 + 0.25 + 0.25 + 2.25) / 4 = 1.25; sqrt(1.25) / 2.5
+    assert coefficient_of_variation([1, 2, 3, 4]) == pytest.approx(1.25 ** 0.5 / 2.5)
+    assert coefficient_of_variation([5, 5, 5]) == 0 and coefficient_of_variation([7]) == 0

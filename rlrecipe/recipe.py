@@ -4,6 +4,9 @@ A recipe is a YAML file whose top-level keys are the sections below. Loading res
 `--set a.b.c=value` overrides, validates types, rejects unknown keys, and computes a
 sha256 over the canonical resolved form so that every reported number can be pinned to
 exactly the configuration that produced it.
+
+It is one file on purpose (over 500 lines): every section and its cross-field checks live where
+a reader of a recipe looks them up, and the sha256 covers exactly what is defined here.
 """
 
 from __future__ import annotations

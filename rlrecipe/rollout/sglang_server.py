@@ -35,10 +35,10 @@ from pathlib import Path
 
 import requests
 
+from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import SGLangServer
 from rlrecipe.rollout.api_key import api_key
-from rlrecipe.runs import console
 
 LOG_NAME = "sglang_server_{i}.log"
 ROUTER_LOG_NAME = "sglang_router.log"

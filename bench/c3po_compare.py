@@ -70,13 +70,16 @@ def run_steps(engine: RolloutEngine, cfg: RLSection, stream, params: SamplingPar
     trajectories trained, and the engine's counters over the step (when it keeps any)."""
     pool = RolloutPool(cfg, stream)
     steps = []
+    events = getattr(engine, "events", None)  # an engine's own record of each prefill/step/refill, if it keeps one
     for s in range(n_steps):
-        c0, t0 = engine_counters(engine), clock()
+        c0, n0, t0 = engine_counters(engine), len(events or ()), clock()
         batch, _ = pool.collect(engine, params, seed=s)
         seconds = clock() - t0
         c1 = engine_counters(engine)
         steps.append({"seconds": seconds, "tokens": sum(len(t.response_ids) for t in batch), "trained": len(batch),
                       "counters": {k: c1[k] - c0[k] for k in c1}})
+        if events is not None:
+            steps[-1]["events"] = events[n0:]
         if between_steps is not None:
             between_steps(s)
     return steps
@@ -156,6 +159,9 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
                           # continuous batching (see bench.rollout_projection.SimEngine)
                           "layout": getattr(engine, "layout", "inprocess" if hasattr(engine, "counters") else "server")},
              "steps": {}, "trajectories": {}}
+
+    if hasattr(engine, "events") and engine.events is None:
+        engine.events = []  # keep the engine's events for the run (calibration one event at a time)
 
     def run(mode: str, cfg: RLSection, n_steps: int) -> list[dict]:
         stream = RecordingStream(make_stream())

@@ -73,28 +73,33 @@ class CostModel:
 # with continuous batching over a paged KV cache.
 # - step_s: a decoding step reads the 15.2 GB of weights once: 15.2e9 B / 2.6e12 B/s = 5.8 ms, plus
 #   about 1.2 ms of scheduling, sampling and launches: 7 ms whatever the batch.
-# - row_s: each row costs 2N = 15.2 GFLOP; at peak that is 15.4 us. Real kernels reach ~60% of
-#   peak but overlap the weight read, so ~15 us per row above the floor; linear in the batch,
-#   this overstates mid-size batches, which understates C3PO++'s gain.
+# - row_s: each row adds 2N = 15.2 GFLOP (15.4 us at peak). The GEMMs of a large decoding batch
+#   reach ~75% of peak and overlap the weight read, so ~20 us per row above the floor; linear in
+#   the batch, this overstates mid-size batches, which understates C3PO++'s gain.
 # - ctx_s: each context token's K and V: 2 x 28 x 4 x 128 x 2 B = 57 KB read per step:
 #   57,344 B / 2.6e12 B/s = 22 ns.
-# - prefill_token_s: 2N FLOP per token at ~55% of peak (large GEMMs): 15.2e9 / 5.4e14 = 28 us;
-#   prefill_call_s: 2 ms per prefill batch (one scheduler iteration).
+# - prefill_token_s: the same 2N FLOP per token at ~70% of peak (large GEMMs; attention is small
+#   at these lengths): 15.2e9 / 6.9e14 = 22 us; prefill_call_s: 2 ms per prefill batch (one
+#   scheduler iteration). So re-prefilling a resumed rollout costs about what decoding its
+#   tokens cost above the floor: C3PO++ pays it after every weight update.
 # - train_token_s: 8N FLOP per trained token (6N forward and backward, 2N recomputing the old
 #   log-probs) at 40% of peak: 6.1e10 / 4.0e14 = 150 us; train_step_s: 5 s per step for the
 #   optimizer step and pushing 15 GB of weights to the rollout engine.
 H100_7B_ASSUMED = CostModel(
-    step_s=7.0e-3, row_s=1.5e-5, ctx_s=2.2e-8, prefill_call_s=2.0e-3, prefill_token_s=2.8e-5, refill_cell_s=0.0,
+    step_s=7.0e-3, row_s=2.0e-5, ctx_s=2.2e-8, prefill_call_s=2.0e-3, prefill_token_s=2.2e-5, refill_cell_s=0.0,
     train_step_s=5.0, train_token_s=1.5e-4,
     label="ASSUMPTION: 7B model, bf16, one H100 SXM, continuous batching, paged KV (bench/rollout_projection.py)")
 
 # each cost parameter and the simulator counter it multiplies
 FEATURES = {"step_s": "decode_steps", "row_s": "decode_rows", "ctx_s": "decode_cells",
             "prefill_call_s": "prefill_calls", "prefill_token_s": "prefill_tokens", "refill_cell_s": "refill_cells"}
-# the groups of an engine's own split (seconds counters) that calibrate="components" fits separately
+# the groups of an engine's own split (seconds counters, and event phases) that calibrate fits
+# separately with by="components" (per step) and by="events" (per prefill, decoding step, refill)
 COMPONENTS = {("decode_s", "sample_s"): ("step_s", "row_s", "ctx_s"),
               ("prefill_s",): ("prefill_call_s", "prefill_token_s"),
               ("refill_s",): ("refill_cell_s",)}
+PHASES = {"decode": ("step_s", "row_s", "ctx_s"), "prefill": ("prefill_call_s", "prefill_token_s"),
+          "refill": ("refill_cell_s",)}
 
 
 def rollout_seconds(cost: CostModel, counters: dict) -> float:
@@ -198,6 +203,7 @@ class SimEngine(RolloutEngine):
         self.max_batch = max_batch or 1 << 30
         self.refill_fraction, self.layout, self.version = refill_fraction, layout, version
         self.counters = EngineCounters()
+        self.events: list | None = None  # as InProcessEngine.events: [phase, seconds, {counter: amount}]
 
     @property
     def forward_passes(self) -> int:
@@ -214,10 +220,12 @@ class SimEngine(RolloutEngine):
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:
         self.version = version
 
-    def _spend(self, seconds: float, phase: str) -> None:
+    def _spend(self, seconds: float, phase: str, work: dict) -> None:
         c = self.counters
         setattr(c, phase, getattr(c, phase) + seconds)
         c.generate_s += seconds
+        if self.events is not None:
+            self.events.append([phase[:-2], seconds, work])
 
     def _prefill(self, rows: list[Trajectory]) -> None:
         c, cost = self.counters, self.cost
@@ -228,13 +236,14 @@ class SimEngine(RolloutEngine):
         c.prefill_rows += len(rows)
         c.prefill_tokens += tokens
         c.reprefill_tokens += sum(len(t.response_ids) for t in rows)
-        self._spend(cost.prefill_call_s + cost.prefill_token_s * tokens, "prefill_s")
+        self._spend(cost.prefill_call_s + cost.prefill_token_s * tokens, "prefill_s",
+                    {"prefill_calls": 1, "prefill_tokens": tokens})
 
     def _copy(self, cache: list[int]) -> None:
         if self.layout == "inprocess":
             cells = len(cache) * max(cache)
             self.counters.refill_cells += cells
-            self._spend(self.cost.refill_cell_s * cells, "refill_s")
+            self._spend(self.cost.refill_cell_s * cells, "refill_s", {"refill_cells": cells})
 
     def _decode(self, rows: list[Trajectory], cache: list[int]) -> None:
         c, cost = self.counters, self.cost
@@ -249,7 +258,8 @@ class SimEngine(RolloutEngine):
         c.decode_steps += 1
         c.decode_rows += batch
         c.decode_cells += cells
-        self._spend(cost.step_s + cost.row_s * batch + cost.ctx_s * cells, "decode_s")
+        self._spend(cost.step_s + cost.row_s * batch + cost.ctx_s * cells, "decode_s",
+                    {"decode_steps": 1, "decode_rows": batch, "decode_cells": cells})
 
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
                  token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
@@ -425,7 +435,9 @@ def calibrate(trace: dict, *, by: str = "total", layout: str | None = None) -> t
     """Fit a cost model to a recorded run: the simulator replays both schedules (features per
     step), and the measured per-step seconds are fitted to them. by "total": each step's wall
     seconds (all a server run gives); by "components": the engine's own per-step split
-    (decode + sampling, prefill, refill seconds), each fitted to its own features.
+    (decode + sampling, prefill, refill seconds), each fitted to its own features; by "events":
+    each prefill, decoding step and refill the engine recorded, fitted to its own work, so the
+    step totals (and the sync / C3PO++ ratio) stay out of the fit and test it.
 
     Returns the model and a check: whether the replayed schedule matched the recorded one where
     the run kept counters, and how well the fit reproduces the measured steps."""
@@ -442,7 +454,16 @@ def calibrate(trace: dict, *, by: str = "total", layout: str | None = None) -> t
                                     for sim, real in kept)
              for k in ("forward_passes", "decode_rows", "decode_cells", "prefill_tokens", "refill_cells")} if kept else {}
     values: dict[str, float] = {}
-    if by == "components":
+    if by == "events":
+        events = [e for mode in ("sync", "c3po") for st in measured[mode] for e in st.get("events", ())]
+        if not events:
+            raise ValueError("by='events' needs a run whose engine kept its events (the in-process engine does)")
+        for phase, group in PHASES.items():
+            group = tuple(p for p in group if p in params)
+            samples = [(work, secs) for ph, secs, work in events if ph == phase]
+            if group and samples:
+                values.update(fit(samples, group))
+    elif by == "components":
         for secs, group in COMPONENTS.items():
             group = tuple(p for p in group if p in params)
             if group:
@@ -480,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 "bench/results.json's c3po_vs_sync)")
     ap.add_argument("--cost", help="cost model JSON (CostModel fields); default: the H100 / 7B assumption")
     ap.add_argument("--calibrate", action="store_true", help="fit the cost model to this run's step times first")
-    ap.add_argument("--by", default="total", choices=("total", "components"))
+    ap.add_argument("--by", default="total", choices=("total", "components", "events"))
     ap.add_argument("--save-cost", help="write the (calibrated) cost model here")
     ap.add_argument("--layout", choices=("server", "inprocess"), help="default: the recorded engine's")
     ap.add_argument("--max-batch", type=int, help="slots of the projected engine; default: the recorded engine's")

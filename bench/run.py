@@ -53,12 +53,47 @@ def ensure_inputs() -> None:
 
 
 def bench_c3po(steps: int = 6) -> dict:
-    """Synchronous batches vs C3PO++ with the same tokens trained per step (same weights, no update)."""
+    """Synchronous batches vs C3PO++ with the same tokens trained per step (same weights; between
+    steps the weights are pushed again under the next version, so partial rollouts re-prefill as
+    in training). Also: where each mode's rollout seconds go, and steadiness over the steps."""
     tok = load_tokenizer(MODEL)
     engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="bfloat16", max_batch=1024)
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
     return compare(engine, load_rows(str(DATA / "rl.jsonl"), "rl"), tok, "plain",
                    SamplingParams(temperature=1.0, max_new_tokens=160), steps=steps, prompts_per_step=64,
-                   samples_per_prompt=8, pool_capacity=1024)
+                   samples_per_prompt=8, pool_capacity=1024,
+                   between_steps=lambda s: engine.update_weights_from_state(state, s + 1))
+
+
+def bench_prefill(repeats: int = 3) -> dict:
+    """Packed vs left-padded prefill (same engine, same rows, alternating), on what C3PO++
+    re-prefills after a weight update: the rollouts a budgeted call left unfinished, prompt +
+    partial response, as long as their rollouts got; and on a fresh step's prompts (n samples each)."""
+    tok = load_tokenizer(MODEL)
+    engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="bfloat16", max_batch=1024)
+    from rlrecipe.c3po import PromptStream
+
+    stream = PromptStream(load_rows(str(DATA / "rl.jsonl"), "rl"), tok, "plain", seed=1)
+    fresh = [t for _ in range(64) for t in stream.next_group(8)]
+    pool = [t for _ in range(128) for t in stream.next_group(8)]
+    engine.generate(pool, SamplingParams(temperature=1.0, max_new_tokens=160), token_budget=40_000, seed=0)
+    resumed = [t for t in pool if not t.done][:512]
+    out = {}
+    for name, rows in (("resume", resumed), ("fresh", fresh)):
+        lens = [t.num_tokens for t in rows]
+        times = {"packed": 0.0, "padded": 0.0}
+        for r in range(repeats + 1):  # the first round warms up
+            for mode in times:
+                engine.packed_prefill = mode == "packed"
+                t0 = time.perf_counter()
+                engine._prefill(rows)
+                if r:
+                    times[mode] += time.perf_counter() - t0
+        out.update({f"{name}_rows": len(rows), f"{name}_real_tokens": sum(lens),
+                    f"{name}_padded_tokens": len(rows) * max(lens),
+                    f"{name}_packed_s": times["packed"] / repeats, f"{name}_padded_s": times["padded"] / repeats,
+                    f"{name}_packed_speedup": times["padded"] / times["packed"]})
+    return out
 
 
 def bench_c3po_end_to_end(steps: int = 5) -> dict:
@@ -66,7 +101,7 @@ def bench_c3po_end_to_end(steps: int = 5) -> dict:
     from rlrecipe.recipe import load_recipe
     from rlrecipe.rl import run_rl
 
-    per_token = {}
+    per_token, steps_kept = {}, {}
     for mode, enabled in (("sync", False), ("c3po", True)):
         loaded = load_recipe("recipes/tiny_rl.yaml", [
             f"run.name=bench-rl-{mode}", f"run.init_from={MODEL}", f"rl.steps={steps}", "eval.benchmarks=[]",
@@ -76,9 +111,38 @@ def bench_c3po_end_to_end(steps: int = 5) -> dict:
                 (Path(".cache/bench-runs") / f"bench-rl-{mode}" / "metrics.jsonl").read_text().splitlines()]
         rows = rows[1:]  # the first C3PO++ step fills an empty pool
         per_token[mode] = sum(r["rollout_s"] + r["train_s"] for r in rows) / sum(r["tokens_trained"] for r in rows)
+        steps_kept[mode] = [{k: r[k] for k in ("rollout_s", "train_s", "tokens_trained")} for r in rows]
     return {"sync_s_per_1k_trained_tokens": 1000 * per_token["sync"],
             "c3po_s_per_1k_trained_tokens": 1000 * per_token["c3po"],
-            "end_to_end_speedup": per_token["sync"] / per_token["c3po"]}
+            "end_to_end_speedup": per_token["sync"] / per_token["c3po"], "steps": steps_kept}
+
+
+def bench_projection(c3po: dict, end_to_end: dict | None) -> dict:
+    """The measured C3PO++ run's schedules timed by cost models (bench/rollout_projection.py):
+    calibrated on this CPU run (a check of the simulator: it should give back the measured
+    ratio), and projected to a GPU (bench/cost_model.json if present, e.g. calibrated from
+    `make bench-sglang`; else the default, an ASSUMPTION)."""
+    from dataclasses import replace
+
+    from bench.rollout_projection import H100_7B_ASSUMED, CostModel, calibrate, fit_train_model, project
+
+    trace = c3po["trace"]
+    out: dict = {}
+    train = (0.0, 0.0)
+    if end_to_end:  # the CPU train-time model: train_s of the end-to-end runs against tokens trained
+        train = fit_train_model(end_to_end["steps"]["sync"] + end_to_end["steps"]["c3po"])
+        out["cpu_train_step_s"], out["cpu_train_ms_per_1k_tokens"] = train[0], 1e6 * train[1]
+    for by in ("events", "components", "total"):
+        cost, check = calibrate(trace, by=by, layout="inprocess")
+        cost = replace(cost, train_step_s=train[0], train_token_s=train[1])
+        out[f"cpu_{by}"] = {**project(trace, cost, layout="inprocess"), **check,
+                            **{k: v for k, v in vars(cost).items() if k != "label"}}
+    path = Path("bench/cost_model.json")
+    gpu = CostModel.from_json(path) if path.exists() else H100_7B_ASSUMED
+    out["gpu_cost_model"] = gpu.label or str(path)
+    out["gpu"] = project(trace, gpu, layout="server")
+    return out
+
 
 
 def _sft_samples(n: int = 256):
@@ -202,15 +266,48 @@ def bench_logprob_memory() -> dict:
             "plan_logprob_mib_at_4096": logprob_bytes(dims, 4096, chunk, 4) / 2**20}
 
 
+def c3po_table(results: dict) -> Table:
+    """C3PO++ vs synchronous: measured on this CPU beside the replayed and projected numbers."""
+    m, p = results["c3po_vs_sync"], results["c3po_projection"]
+    e2e = results.get("c3po_vs_sync_end_to_end", {})
+    cols = [("measured (this CPU)", m), ("replay, fit per event", p["cpu_events"]),
+            ("replay, fit to step totals", p["cpu_total"]), ("projected GPU", p["gpu"])]
+    table = Table(title=f"C3PO++ vs synchronous rollout, same tokens per step; projected GPU: {p['gpu_cost_model']}")
+    table.add_column("measure")
+    for name, _ in cols:
+        table.add_column(name, justify="right")
+    rows = [("speed-up per step", ("rollout_speedup_per_step", "speedup_per_step")),
+            ("speed-up per trained token", ("rollout_speedup_per_trained_token", "speedup_per_trained_token")),
+            ("end to end speed-up per trained token", ("end_to_end_speedup_per_trained_token",)),
+            ("sync rollout s/step", ("sync_rollout_s_per_step", "sync_s_per_step")),
+            ("C3PO++ rollout s/step", ("c3po_rollout_s_per_step", "c3po_s_per_step")),
+            ("C3PO++ share prefill", ("c3po_share_prefill",)), ("C3PO++ share decode", ("c3po_share_decode",)),
+            ("C3PO++ share sampling", ("c3po_share_sample",)), ("C3PO++ share refill", ("c3po_share_refill",)),
+            ("C3PO++ share other", ("c3po_share_other",)),
+            ("sync share prefill", ("sync_share_prefill",)), ("sync share decode", ("sync_share_decode",)),
+            ("CV tokens/step sync", ("sync_cv_tokens_per_step",)), ("CV tokens/step C3PO++", ("c3po_cv_tokens_per_step",)),
+            ("CV step time sync", ("sync_cv_step_s",)), ("CV step time C3PO++", ("c3po_cv_step_s",))]
+    for label, keys in rows:
+        cells = []
+        for name, vals in cols:
+            v = next((vals[k] for k in keys if k in vals), None)
+            if v is None and name.startswith("measured") and keys[0] == "end_to_end_speedup_per_trained_token":
+                v = e2e.get("end_to_end_speedup")  # tiny_rl.yaml's own settings, not this schedule
+            cells.append("" if v is None else f"{v:.3f}")
+        table.add_row(label, *cells)
+    return table
+
+
 def main() -> None:
     ensure_inputs()
     results = {}
     for name, fn in [("c3po_vs_sync", bench_c3po), ("c3po_vs_sync_end_to_end", bench_c3po_end_to_end),
-                     ("packed_vs_padded", bench_packing),
+                     ("prefill_packed_vs_padded", bench_prefill), ("packed_vs_padded", bench_packing),
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
                      ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory)]:
         console.print(f"[bold]bench[/] {name} ...")
         results[name] = fn()
+    results["c3po_projection"] = bench_projection(results["c3po_vs_sync"], results["c3po_vs_sync_end_to_end"])
     results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "time": time.time()}
     OUT.write_text(json.dumps(results, indent=2))
     table = Table(title="rlrecipe bench (ratios from one run, same machine)")
@@ -218,11 +315,14 @@ def main() -> None:
     table.add_column("measure")
     table.add_column("value", justify="right")
     for name, vals in results.items():
-        if name == "env":
+        if name in ("env", "c3po_projection"):
             continue
         for k, v in vals.items():
+            if isinstance(v, (dict, list)):
+                continue  # traces and per-step records: in results.json
             table.add_row(name, k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(table)
+    console.print(c3po_table(results))
     console.print(f"written to {OUT}")
 
 

@@ -147,3 +147,16 @@ def test_packed_prefill_samples_what_padded_prefill_samples(tiny_model_dir):
     gaps = [abs(a - b) for x, y in zip(out[True], out[False], strict=True)
             for a, b in zip(x.logp_infer, y.logp_infer, strict=True)]
     assert max(gaps) < 1e-5
+
+
+def test_packed_prefill_attention_is_per_document_in_every_band():
+    # lengths sorted as the engine packs them: equal-length runs (a view) and ragged bands (padded)
+    lens = [3, 3, 3, 7, 8, 9, 9, 20, 24, 25, 60]
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, sum(lens), 8), torch.randn(1, 2, sum(lens), 8), torch.randn(1, 2, sum(lens), 8)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    out, _ = inprocess._prefill_or_sdpa(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
+                                                               is_causal=True, scale=0.3, enable_gqa=True)
+        assert torch.allclose(out[0, s:e], ref[0].transpose(0, 1), atol=1e-6)

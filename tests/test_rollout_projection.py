@@ -182,7 +182,8 @@ def test_replay_reproduces_the_recorded_run_and_projects_it():
     assert drawn["sync_s_per_step"] > 0 and drawn["c3po_s_per_step"] > 0
 
 
-@pytest.mark.parametrize("layout, by", [("server", "total"), ("inprocess", "total"), ("inprocess", "components")])
+@pytest.mark.parametrize("layout, by", [("server", "total"), ("inprocess", "total"), ("inprocess", "components"),
+                                        ("inprocess", "events"), ("server", "events")])
 def test_calibration_recovers_known_parameters(layout, by):
     truth = CostModel(step_s=7e-3, row_s=1.5e-5, ctx_s=2e-7, prefill_call_s=2e-3, prefill_token_s=3e-5,
                       refill_cell_s=4e-7 if layout == "inprocess" else 0.0)

@@ -54,14 +54,21 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 
 # -- packed prefill attention ----------------------------------------------------------------
 ATTENTION = "rollout_sdpa"
+PAD_RATIO = 1.25  # a packed prefill attends documents in bands whose longest is at most this x the shortest
 
 
 def _prefill_or_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' sdpa, except for a packed prefill (called with `cu_seq_lens_q`, flash-attention's
-    varlen convention): one causal SDPA per distinct document length over the documents of that
-    length, stacked, so the cost follows sum L_i^2 and not (sum L_i)^2."""
+    varlen convention): causal attention within each document only.
+
+    Documents are attended in batches of similar length (the engine packs them sorted by length):
+    each batch right-padded to its longest, at most PAD_RATIO times its shortest, one causal SDPA
+    call each. A real query at position i sees keys 0..i only, all of its own document, so the
+    padding past a document's end is never attended to and the result is exact; attention costs
+    sum L_i^2 within that bound, and the number of calls stays small (one per length band) where
+    a call per document would cost more in overhead than in arithmetic on CPU."""
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -70,18 +77,37 @@ def _prefill_or_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if query.shape[0] != 1 or attention_mask is not None or key.shape[2] != query.shape[2]:
         raise ValueError("a packed prefill is one row, with no mask and no cached past")
     bounds = cu_seq_lens_q.tolist()
-    by_len: dict[int, list[int]] = {}
-    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
-        by_len.setdefault(e - s, []).append(s)
+    docs = list(zip(bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)], strict=True))
+    bands: list[list[tuple[int, int]]] = []  # runs of consecutive documents, longest <= PAD_RATIO x shortest
+    for d in docs:
+        if bands and max(bands[-1][-1][1], d[1]) <= PAD_RATIO * min(bands[-1][0][1], d[1]):
+            bands[-1].append(d)
+        else:
+            bands.append([d])
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
-    out = torch.empty_like(q)
     gqa = q.shape[0] != k.shape[0]
-    for length, starts in by_len.items():
-        idx = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1)
-        qs, ks, vs = (x[:, idx].unflatten(1, (len(starts), length)).transpose(0, 1) for x in (q, k, v))
+    out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]: transformers' layout, batch dim aside
+    for band in bands:
+        start, longest = band[0][0], max(n for _, n in band)
+        if all(n == longest for _, n in band):  # contiguous, equal lengths: a view, no copy
+            qs, ks, vs = (x[:, start:start + len(band) * longest].unflatten(1, (len(band), longest)).transpose(0, 1)
+                          for x in (q, k, v))
+        else:
+            starts = torch.tensor([s for s, _ in band])[:, None]
+            lens = torch.tensor([n for _, n in band])[:, None]
+            cols = torch.arange(longest)[None]
+            idx = (starts + torch.minimum(cols, lens - 1)).reshape(-1)  # past the end: repeat (never attended)
+            qs, ks, vs = (x.index_select(1, idx).unflatten(1, (len(band), longest)).transpose(0, 1)
+                          for x in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)
-        out[:, idx] = o.transpose(0, 1).flatten(1, 2)
-    return out.transpose(0, 1).unsqueeze(0), None  # [1, T, H, D]: transformers' layout
+        o = o.transpose(1, 2)  # [documents, longest, H, D]
+        tokens = sum(n for _, n in band)
+        if tokens == o.shape[0] * longest:
+            out[start:start + tokens] = o.reshape(tokens, *o.shape[2:])
+        else:  # the band's real positions, in packed order
+            doc, pos = torch.nonzero(cols < lens, as_tuple=True)
+            out[start:start + tokens] = o[doc, pos]
+    return out.unsqueeze(0), None  # [1, T, H, D]
 
 
 def register_attention() -> str:
@@ -180,6 +206,9 @@ class InProcessEngine(RolloutEngine):
         self.counters = EngineCounters()
         # packed prefill (the default); False: left-padded prefill, kept as the reference it replaces
         self.packed_prefill = True
+        # set to a list to also keep every prefill, decoding step and refill as [phase, seconds,
+        # {work counter: amount}] (what a cost model is calibrated on, one event at a time)
+        self.events: list | None = None
         self._scratch = torch.Generator()  # reseeded per token for trajectories with their own seed
 
     @property
@@ -206,12 +235,16 @@ class InProcessEngine(RolloutEngine):
     def _prefill(self, rows: list[Trajectory]) -> _Batch:
         t0 = time.perf_counter()
         c = self.counters
+        tokens = c.prefill_tokens
         batch = self._prefill_packed(rows) if self.packed_prefill else self._prefill_padded(rows)
         c.forward_passes += 1
         c.prefill_calls += 1
         c.prefill_rows += len(rows)
         c.reprefill_tokens += sum(len(t.response_ids) for t in rows)
-        c.prefill_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        c.prefill_s += dt
+        if self.events is not None:
+            self.events.append(["prefill", dt, {"prefill_calls": 1, "prefill_tokens": c.prefill_tokens - tokens}])
         return batch
 
     def _prefill_padded(self, rows: list[Trajectory]) -> _Batch:
@@ -230,15 +263,16 @@ class InProcessEngine(RolloutEngine):
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1])
 
     def _prefill_packed(self, rows: list[Trajectory]) -> _Batch:
-        """One row holding each distinct sequence once, attended per sequence; then each trajectory's
-        keys/values are gathered into its left-padded row of the cache."""
-        seqs: dict[tuple[int, ...], int] = {}
-        which = [seqs.setdefault(tuple(t.prompt_ids + t.response_ids), len(seqs)) for t in rows]
-        lens = torch.tensor([len(s) for s in seqs])
+        """One row holding each distinct sequence once (sorted by length), attended per sequence; then
+        each trajectory's keys/values are gathered into its left-padded row of the cache."""
+        distinct = sorted({tuple(t.prompt_ids + t.response_ids) for t in rows}, key=len)  # equal lengths adjacent
+        seqs = {s: i for i, s in enumerate(distinct)}
+        which = [seqs[tuple(t.prompt_ids + t.response_ids)] for t in rows]
+        lens = torch.tensor([len(s) for s in distinct])
         ends = lens.cumsum(0)
         starts = ends - lens
         total = int(ends[-1])
-        ids = torch.tensor([tok for s in seqs for tok in s])[None]
+        ids = torch.tensor([tok for s in distinct for tok in s])[None]
         pos = (torch.arange(total) - starts.repeat_interleave(lens))[None]
         self.counters.prefill_tokens += total
         layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
@@ -246,20 +280,20 @@ class InProcessEngine(RolloutEngine):
                          attention_mask={lt: None for lt in layer_types},  # no mask: documents come from cu_seq_lens
                          cu_seq_lens_q=torch.cat([starts[:1], ends]).to(torch.int32), max_length_q=int(lens.max()),
                          logits_to_keep=ends - 1)
-        # row i, column j of the left-padded layout reads packed position src[i, j]; `total` is a zero column
+        # row i, column j of the left-padded layout reads packed position src[i, j]; the padding reads
+        # position 0, whatever it holds: the mask keeps decoding steps from attending to it
         which = torch.tensor(which)
         row_lens = lens[which]
         width = int(row_lens.max())
         col = torch.arange(width)[None]
         lead = width - row_lens[:, None]
-        src = torch.where(col >= lead, starts[which][:, None] + col - lead, total)
+        src = torch.where(col >= lead, starts[which][:, None] + col - lead, 0)
         flat = src.reshape(-1)
         cache = out.past_key_values
         for layer in cache.layers:
             for name in ("keys", "values"):
                 x = getattr(layer, name)[0]  # [H, total, D]
-                x = torch.cat([x, x.new_zeros(x.shape[0], 1, x.shape[2])], dim=1)
-                setattr(layer, name, x[:, flat].unflatten(1, src.shape).transpose(0, 1).contiguous())
+                setattr(layer, name, x.index_select(1, flat).unflatten(1, src.shape).transpose(0, 1))
         mask = (col >= lead).long()
         return _Batch(out.logits[0, which].float(), cache, mask, row_lens - 1)
 
@@ -293,6 +327,12 @@ class InProcessEngine(RolloutEngine):
                 tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
+    def _refilled(self, seconds: float, batch: _Batch) -> None:
+        self.counters.refill_s += seconds
+        self.counters.refill_cells += batch.mask.numel()
+        if self.events is not None:
+            self.events.append(["refill", seconds, {"refill_cells": batch.mask.numel()}])
+
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
                  token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
         gen = torch.Generator().manual_seed(0 if seed is None else seed)
@@ -318,8 +358,7 @@ class InProcessEngine(RolloutEngine):
                 if live:
                     t0 = clock()
                     batch = batch.select(live).join(fresh)
-                    c.refill_s += clock() - t0
-                    c.refill_cells += batch.mask.numel()
+                    self._refilled(clock() - t0, batch)
                 else:
                     batch = fresh
                 rows = [rows[i] for i in live] + new
@@ -330,8 +369,7 @@ class InProcessEngine(RolloutEngine):
                 if len(live) <= len(rows) // 2:  # compact only when it halves the work
                     t0 = clock()
                     batch = batch.select(live)
-                    c.refill_s += clock() - t0
-                    c.refill_cells += batch.mask.numel()
+                    self._refilled(clock() - t0, batch)
                     rows = [rows[i] for i in live]
             t0 = clock()
             tok, lp = self._sample(batch.logits, params, gen, rows)
@@ -346,11 +384,16 @@ class InProcessEngine(RolloutEngine):
                     t.status = Status.TRUNCATED
                 if t.done:
                     finished_tokens += len(t.response_ids)
-            c.sample_s += clock() - t0
+            sampled = clock() - t0
+            c.sample_s += sampled
             if token_budget is not None and finished_tokens >= token_budget:
                 break
             if any(r.status == Status.RUNNING for r in rows):
+                t0 = clock()
                 batch = self._step(tok, batch)
+                if self.events is not None:  # one decoding step: its sampling and its forward pass
+                    self.events.append(["decode", sampled + clock() - t0, {
+                        "decode_steps": 1, "decode_rows": batch.mask.shape[0], "decode_cells": batch.mask.numel()}])
             else:
                 rows = []
         c.generate_s += clock() - start

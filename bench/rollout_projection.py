@@ -352,10 +352,9 @@ def simulate(trace: dict, cost: CostModel, *, layout: str | None = None, max_bat
             stream = SyntheticStream(prompt_len or round(sum(r[2] for r in recorded) / len(recorded)))
         engine = SimEngine(cost, lengths, max_batch=max_batch, layout=layout,
                            refill_fraction=settings.get("refill_fraction") or 0.25)
-        n = settings["steps"] + (1 if mode == "c3po" else 0)
-        out[mode] = run_steps(engine, cfg, stream, params, n, clock=lambda e=engine: e.clock)
-        if mode == "c3po":
-            out[mode][0]["warmup"] = True
+        # as recorded: one uncounted step first (sets the budget, or fills the pool), then `steps`
+        out[mode] = run_steps(engine, cfg, stream, params, settings["steps"] + 1, clock=lambda e=engine: e.clock)
+        out[mode][0]["warmup"] = True
     return out
 
 

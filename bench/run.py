@@ -337,7 +337,7 @@ def main() -> None:
     results = {}
     for name, fn in [("c3po_vs_sync", bench_c3po), ("c3po_vs_sync_end_to_end", bench_c3po_end_to_end),
                      ("prefill_packed_vs_padded",
-                      lambda: bench_prefill(int(results["c3po_vs_sync"]["tokens_per_step_sync"]))),
+                      lambda: bench_prefill(results["c3po_vs_sync"]["token_budget"])),
                      ("packed_vs_padded", bench_packing),
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
                      ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory)]:

@@ -38,10 +38,15 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
-# C3PO++ vs synchronous rollout on a real SGLang server (GPU machine): where the speed-up shows
+# C3PO++ vs synchronous rollout on a real SGLang server (GPU machine): where the speed-up shows.
+# Then a cost model is fitted to its step times (bench/cost_model.json), which `make bench`
+# uses for its GPU projection in place of the default assumption. A few steps cannot separate
+# every parameter: the per-step, per-row and per-prefill-token costs are fitted, the others
+# keep the assumption's values (see the fit's condition number).
 BENCH_MODEL ?= Qwen/Qwen2.5-1.5B-Instruct
 bench-sglang: $(STAMP)
 	$(BIN)/python -m bench.c3po_compare --model $(BENCH_MODEL)
+	$(BIN)/python -m bench.rollout_projection bench/c3po_server.json --calibrate --params step_s,row_s,prefill_token_s --save-cost bench/cost_model.json
 
 reproduce-aime: $(STAMP)
 	$(BIN)/python -m scripts.reproduce

@@ -8,7 +8,8 @@ serve` on CPU.
     python -m bench.c3po_compare --model MODEL [--prompts RL.jsonl] [--launch-cmd "rlrecipe serve {model} --host {host} --port {port}"]
 
 The synchronous mode generates prompts_per_step x samples_per_prompt and waits for all of them;
-C3PO++ generates under a token budget equal to the synchronous mean tokens per step. Between
+C3PO++ generates under a token budget equal to what a first synchronous step trained; the two
+modes then alternate step by step (a machine whose load drifts weighs on both alike). Between
 steps the engine's weights are reloaded (same weights, next version) as after a training step: a
 server flushes its prefix cache, and partial rollouts re-prefill, as they would in training.
 """
@@ -63,26 +64,41 @@ def engine_counters(engine: RolloutEngine) -> dict:
     return counters.as_dict() if counters is not None else {}
 
 
+class StepRunner:
+    """Collects rollout steps of one mode through the real pool and records each: seconds, tokens
+    trained, trajectories trained, and the engine's counters (and events) over the step."""
+
+    def __init__(self, engine: RolloutEngine, cfg: RLSection, stream, params: SamplingParams, *,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.engine, self.params, self.clock = engine, params, clock
+        self.pool = RolloutPool(cfg, stream)
+        self.steps: list[dict] = []
+
+    def step(self) -> dict:
+        engine, clock = self.engine, self.clock
+        events = getattr(engine, "events", None)  # the engine's own record of each prefill/step/refill, if kept
+        c0, n0, t0 = engine_counters(engine), len(events or ()), clock()
+        batch, _ = self.pool.collect(engine, self.params, seed=len(self.steps))
+        seconds = clock() - t0
+        c1 = engine_counters(engine)
+        rec = {"seconds": seconds, "tokens": sum(len(t.response_ids) for t in batch), "trained": len(batch),
+               "counters": {k: c1[k] - c0[k] for k in c1}}
+        if events is not None:
+            rec["events"] = events[n0:]
+        self.steps.append(rec)
+        return rec
+
+
 def run_steps(engine: RolloutEngine, cfg: RLSection, stream, params: SamplingParams, n_steps: int, *,
               clock: Callable[[], float] = time.perf_counter,
               between_steps: Callable[[int], None] | None = None) -> list[dict]:
-    """Collect `n_steps` rollout steps through the real pool; per step: seconds, tokens trained,
-    trajectories trained, and the engine's counters over the step (when it keeps any)."""
-    pool = RolloutPool(cfg, stream)
-    steps = []
-    events = getattr(engine, "events", None)  # an engine's own record of each prefill/step/refill, if it keeps one
+    """`n_steps` steps of one mode, one after the other (see StepRunner)."""
+    runner = StepRunner(engine, cfg, stream, params, clock=clock)
     for s in range(n_steps):
-        c0, n0, t0 = engine_counters(engine), len(events or ()), clock()
-        batch, _ = pool.collect(engine, params, seed=s)
-        seconds = clock() - t0
-        c1 = engine_counters(engine)
-        steps.append({"seconds": seconds, "tokens": sum(len(t.response_ids) for t in batch), "trained": len(batch),
-                      "counters": {k: c1[k] - c0[k] for k in c1}})
-        if events is not None:
-            steps[-1]["events"] = events[n0:]
+        runner.step()
         if between_steps is not None:
             between_steps(s)
-    return steps
+    return runner.steps
 
 
 def coefficient_of_variation(values: list[float]) -> float:
@@ -146,8 +162,11 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
                     clock: Callable[[], float] = time.perf_counter) -> dict:
     """`compare` over any prompt stream (each mode gets a fresh one from `make_stream`).
 
-    The result also holds `trace`: the settings, every step's seconds/tokens/counters (C3PO++'s
-    first step too, marked warmup) and every trajectory's prompt and response length, enough for
+    Each mode runs one uncounted step first (the synchronous one sets C3PO++'s token budget; C3PO++'s
+    fills its empty pool), then the modes alternate step by step, `steps` each.
+
+    The result also holds `trace`: the settings, every step's seconds/tokens/counters (the first
+    ones too, marked warmup) and every trajectory's prompt and response length, enough for
     bench.rollout_projection to replay both schedules and to calibrate a cost model from them.
     """
     trace = {"settings": {"steps": steps, "prompts_per_step": prompts_per_step,
@@ -162,27 +181,37 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
 
     if hasattr(engine, "events") and engine.events is None:
         engine.events = []  # keep the engine's events for the run (calibration one event at a time)
+    common = {"prompts_per_step": prompts_per_step, "samples_per_prompt": samples_per_prompt}
+    streams = {mode: RecordingStream(make_stream()) for mode in ("sync", "c3po")}
+    pushes = 0
 
-    def run(mode: str, cfg: RLSection, n_steps: int) -> list[dict]:
-        stream = RecordingStream(make_stream())
-        recs = run_steps(engine, cfg, stream, params, n_steps, clock=clock, between_steps=between_steps)
-        trace["steps"][mode] = recs
-        trace["trajectories"][mode] = [[t.uid, t.group_id, len(t.prompt_ids), len(t.response_ids), t.status.value]
-                                       for t in stream.handed_out]
-        return recs
+    def step(runner: StepRunner, warmup: bool = False) -> dict:
+        nonlocal pushes
+        rec = runner.step()
+        if warmup:
+            rec["warmup"] = True
+        if between_steps is not None:
+            between_steps(pushes)
+            pushes += 1
+        return rec
 
-    sync_cfg = RLSection(prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
-                         c3po={"enabled": False})
-    sync = run("sync", sync_cfg, steps)
-    budget = max(1, sum(st["tokens"] for st in sync) // steps)
+    sync = StepRunner(engine, RLSection(**common, c3po={"enabled": False}), streams["sync"], params, clock=clock)
+    # a first synchronous step (not counted) sets C3PO++'s budget: the tokens one synchronous step trains
+    budget = max(1, step(sync, warmup=True)["tokens"])
     trace["settings"]["token_budget"] = budget
-    c3_cfg = RLSection(prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
-                       c3po={"enabled": True, "token_budget": budget, "pool_capacity": pool_capacity,
-                             "max_staleness": max_staleness})
-    c3po = run("c3po", c3_cfg, steps + 1)
-    c3po[0]["warmup"] = True  # C3PO++'s first step fills an empty pool; steady state after it
-    out = summarize(sync, c3po[1:])
-    out["tokens_per_step_sync"] = budget  # the budget C3PO++ was given: the synchronous mean, rounded down
+    c3po = StepRunner(engine, RLSection(**common, c3po={"enabled": True, "token_budget": budget,
+                                                        "pool_capacity": pool_capacity, "max_staleness": max_staleness}),
+                      streams["c3po"], params, clock=clock)
+    step(c3po, warmup=True)  # C3PO++'s first step fills an empty pool; steady state after it
+    for _ in range(steps):  # alternating, so a machine whose load drifts weighs on both modes alike
+        step(sync)
+        step(c3po)
+    for mode, runner in (("sync", sync), ("c3po", c3po)):
+        trace["steps"][mode] = runner.steps
+        trace["trajectories"][mode] = [[t.uid, t.group_id, len(t.prompt_ids), len(t.response_ids), t.status.value]
+                                       for t in streams[mode].handed_out]
+    out = summarize(sync.steps[1:], c3po.steps[1:])
+    out["token_budget"] = budget
     out["trace"] = trace
     return out
 

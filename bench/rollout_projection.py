@@ -352,10 +352,9 @@ def simulate(trace: dict, cost: CostModel, *, layout: str | None = None, max_bat
             stream = SyntheticStream(prompt_len or round(sum(r[2] for r in recorded) / len(recorded)))
         engine = SimEngine(cost, lengths, max_batch=max_batch, layout=layout,
                            refill_fraction=settings.get("refill_fraction") or 0.25)
-        n = settings["steps"] + (1 if mode == "c3po" else 0)
-        out[mode] = run_steps(engine, cfg, stream, params, n, clock=lambda e=engine: e.clock)
-        if mode == "c3po":
-            out[mode][0]["warmup"] = True
+        # as recorded: one uncounted step first (sets the budget, or fills the pool), then `steps`
+        out[mode] = run_steps(engine, cfg, stream, params, settings["steps"] + 1, clock=lambda e=engine: e.clock)
+        out[mode][0]["warmup"] = True
     return out
 
 
@@ -425,13 +424,30 @@ def nnls(rows: list[list[float]], y: list[float], iters: int = 200) -> list[floa
     return (x / scale).tolist()
 
 
-def fit(samples: list[tuple[dict, float]], params: tuple[str, ...]) -> dict[str, float]:
-    """Least-squares (non-negative) values of `params` from (counters, seconds) samples."""
+def fit(samples: list[tuple[dict, float]], params: tuple[str, ...], held: CostModel | None = None) -> dict[str, float]:
+    """Least-squares (non-negative) values of `params` from (counters, seconds) samples; the other
+    parameters keep their values in `held` (their share of the seconds is taken off first)."""
     rows = [[float(c.get(FEATURES[p], 0)) for p in params] for c, _ in samples]
-    return dict(zip(params, nnls(rows, [s for _, s in samples]), strict=True))
+    rest = [s - (sum(getattr(held, p) * c.get(f, 0) for p, f in FEATURES.items() if p not in params) if held else 0)
+            for c, s in samples]
+    return dict(zip(params, nnls(rows, rest), strict=True))
 
 
-def calibrate(trace: dict, *, by: str = "total", layout: str | None = None) -> tuple[CostModel, dict]:
+def condition_number(samples: list[tuple[dict, float]], params: tuple[str, ...]) -> float:
+    """Of the column-normalised feature matrix: large (say > 100) when these samples cannot tell
+    the parameters apart, e.g. steps that all look alike; fit fewer parameters then."""
+    import torch
+
+    a = torch.tensor([[float(c.get(FEATURES[p], 0)) for p in params] for c, _ in samples], dtype=torch.float64)
+    a = a[:, a.norm(dim=0) > 0]
+    if a.shape[1] == 0:
+        return float("inf")
+    sv = torch.linalg.svdvals(a / a.norm(dim=0))
+    return float(sv[0] / sv[-1]) if sv[-1] > 0 else float("inf")
+
+
+def calibrate(trace: dict, *, by: str = "total", layout: str | None = None, params: tuple[str, ...] | None = None,
+              held: CostModel | None = None) -> tuple[CostModel, dict]:
     """Fit a cost model to a recorded run: the simulator replays both schedules (features per
     step), and the measured per-step seconds are fitted to them. by "total": each step's wall
     seconds (all a server run gives); by "components": the engine's own per-step split
@@ -439,13 +455,18 @@ def calibrate(trace: dict, *, by: str = "total", layout: str | None = None) -> t
     each prefill, decoding step and refill the engine recorded, fitted to its own work, so the
     step totals (and the sync / C3PO++ ratio) stay out of the fit and test it.
 
-    Returns the model and a check: whether the replayed schedule matched the recorded one where
-    the run kept counters, and how well the fit reproduces the measured steps."""
+    `params`: the parameters to fit (default: all that the layout has); the others keep their
+    values in `held` (default 0). Few, similar steps (a short server run) cannot separate many
+    parameters: the check's condition number says so, and fitting fewer is then the remedy.
+
+    Returns the model and a check: how far the replayed schedule is from the recorded one where
+    the run kept counters, how well the fit reproduces the measured steps, and the conditioning."""
     layout = layout or trace["settings"].get("layout") or "server"
     zero = CostModel(0, 0, 0, 0, 0)
+    held = held or zero
     replay = simulate(trace, zero, layout=layout)
     measured = trace["steps"]
-    params = tuple(p for p in FEATURES if layout == "inprocess" or p != "refill_cell_s")
+    params = tuple(p for p in (params or FEATURES) if layout == "inprocess" or p != "refill_cell_s")
     pairs = [(sim["counters"], real) for mode in ("sync", "c3po")
              for sim, real in zip(replay[mode], measured[mode], strict=True)]
     # where the run kept its engine's counters, how far the replayed schedule is from it
@@ -462,15 +483,20 @@ def calibrate(trace: dict, *, by: str = "total", layout: str | None = None) -> t
             group = tuple(p for p in group if p in params)
             samples = [(work, secs) for ph, secs, work in events if ph == phase]
             if group and samples:
-                values.update(fit(samples, group))
+                values.update(fit(samples, group, held))
+                check[f"condition_number_{phase}"] = condition_number(samples, group)
     elif by == "components":
         for secs, group in COMPONENTS.items():
             group = tuple(p for p in group if p in params)
             if group:
-                values.update(fit([(sim, sum(real["counters"][k] for k in secs)) for sim, real in pairs], group))
+                samples = [(sim, sum(real["counters"][k] for k in secs)) for sim, real in pairs]
+                values.update(fit(samples, group, held))
+                check[f"condition_number_{secs[0][:-2]}"] = condition_number(samples, group)
     else:
-        values = fit([(sim, real["seconds"]) for sim, real in pairs], params)
-    cost = replace(zero, **values, label=f"calibrated ({by}) from a measured run, layout {layout}")
+        samples = [(sim, real["seconds"]) for sim, real in pairs]
+        values = fit(samples, params, held)
+        check["condition_number"] = condition_number(samples, params)
+    cost = replace(held, **values, label=f"calibrated ({by}; {', '.join(values)}) from a measured run, layout {layout}")
     predicted = [rollout_seconds(cost, sim) for sim, _ in pairs]
     actual = [real["seconds"] for _, real in pairs]
     mean = sum(actual) / len(actual)
@@ -502,6 +528,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cost", help="cost model JSON (CostModel fields); default: the H100 / 7B assumption")
     ap.add_argument("--calibrate", action="store_true", help="fit the cost model to this run's step times first")
     ap.add_argument("--by", default="total", choices=("total", "components", "events"))
+    ap.add_argument("--params", help="comma-separated parameters to fit (default: all); the others keep the "
+                                     "values of --cost (or of the default assumption)")
     ap.add_argument("--save-cost", help="write the (calibrated) cost model here")
     ap.add_argument("--layout", choices=("server", "inprocess"), help="default: the recorded engine's")
     ap.add_argument("--max-batch", type=int, help="slots of the projected engine; default: the recorded engine's")
@@ -515,8 +543,13 @@ def main(argv: list[str] | None = None) -> dict:
     cost = CostModel.from_json(args.cost) if args.cost else H100_7B_ASSUMED
     out: dict = {}
     if args.calibrate:
-        fitted, check = calibrate(trace, by=args.by, layout=args.layout)
-        cost = replace(fitted, train_step_s=cost.train_step_s, train_token_s=cost.train_token_s)
+        params = tuple(args.params.split(",")) if args.params else None
+        fitted, check = calibrate(trace, by=args.by, layout=args.layout, params=params,
+                                  held=cost if params else None)
+        source = data.get("model") or data.get("c3po_vs_sync", {}).get("model") or ""
+        cost = replace(fitted, train_step_s=cost.train_step_s, train_token_s=cost.train_token_s,
+                       label=f"{fitted.label}: {args.run} {source}; train model from "
+                             f"{args.cost or 'the default assumption'}")
         out["calibration"] = {**asdict(fitted), **check}
     groups = json.loads(Path(args.lengths).read_text()) if args.lengths else None
     out["cost_model"] = cost.label

@@ -65,32 +65,42 @@ def bench_c3po(steps: int = 6) -> dict:
                    between_steps=lambda s: engine.update_weights_from_state(state, s + 1))
 
 
-def bench_prefill(repeats: int = 3) -> dict:
-    """Packed vs left-padded prefill (same engine, same rows, alternating), on what C3PO++
-    re-prefills after a weight update: the rollouts a budgeted call left unfinished, prompt +
-    partial response, as long as their rollouts got; and on a fresh step's prompts (n samples each)."""
+def bench_prefill(budget: int = 25_000, repeats: int = 3) -> dict:
+    """Packed vs left-padded prefill (same engine, same rows, alternating): of what a C3PO++ step
+    prefills first after a weight update (the pool's unfinished rollouts, prompt + partial
+    response, plus fresh groups up to capacity; settings of bench_c3po, two steps in), and of a
+    synchronous step's fresh prompts (8 samples of each)."""
+    from rlrecipe.c3po import PromptStream, RolloutPool
+    from rlrecipe.recipe import RLSection
+
     tok = load_tokenizer(MODEL)
     engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="bfloat16", max_batch=1024)
-    from rlrecipe.c3po import PromptStream
-
-    stream = PromptStream(load_rows(str(DATA / "rl.jsonl"), "rl"), tok, "plain", seed=1)
+    rows = load_rows(str(DATA / "rl.jsonl"), "rl")
+    cfg = RLSection(prompts_per_step=64, samples_per_prompt=8,
+                    c3po={"enabled": True, "token_budget": budget, "pool_capacity": 1024, "max_staleness": 2})
+    pool = RolloutPool(cfg, PromptStream(rows, tok, "plain", seed=0))
+    for step in range(2):
+        pool.collect(engine, SamplingParams(temperature=1.0, max_new_tokens=160), seed=step)
+    resume = list(pool.in_flight)
+    while len(resume) + 8 <= 1024:
+        resume += pool.stream.next_group(8)
+    stream = PromptStream(rows, tok, "plain", seed=1)
     fresh = [t for _ in range(64) for t in stream.next_group(8)]
-    pool = [t for _ in range(128) for t in stream.next_group(8)]
-    engine.generate(pool, SamplingParams(temperature=1.0, max_new_tokens=160), token_budget=40_000, seed=0)
-    resumed = [t for t in pool if not t.done][:512]
     out = {}
-    for name, rows in (("resume", resumed), ("fresh", fresh)):
-        lens = [t.num_tokens for t in rows]
+    for name, batch in (("c3po_resume", resume[:1024]), ("sync_fresh", fresh)):
+        lens = [t.num_tokens for t in batch]
         times = {"packed": 0.0, "padded": 0.0}
         for r in range(repeats + 1):  # the first round warms up
             for mode in times:
                 engine.packed_prefill = mode == "packed"
                 t0 = time.perf_counter()
-                engine._prefill(rows)
+                engine._prefill(batch)
                 if r:
                     times[mode] += time.perf_counter() - t0
-        out.update({f"{name}_rows": len(rows), f"{name}_real_tokens": sum(lens),
-                    f"{name}_padded_tokens": len(rows) * max(lens),
+        out.update({f"{name}_rows": len(batch), f"{name}_resumed_rows": sum(bool(t.response_ids) for t in batch),
+                    f"{name}_real_tokens": sum(lens), f"{name}_padded_tokens": len(batch) * max(lens),
+                    f"{name}_distinct_tokens": sum(len(q) for q in {tuple(t.prompt_ids + t.response_ids)
+                                                                    for t in batch}),
                     f"{name}_packed_s": times["packed"] / repeats, f"{name}_padded_s": times["padded"] / repeats,
                     f"{name}_packed_speedup": times["padded"] / times["packed"]})
     return out
@@ -270,6 +280,11 @@ def c3po_table(results: dict) -> Table:
     """C3PO++ vs synchronous: measured on this CPU beside the replayed and projected numbers."""
     m, p = results["c3po_vs_sync"], results["c3po_projection"]
     e2e = results.get("c3po_vs_sync_end_to_end", {})
+    # measured: the engine's own split (decoding steps counted with their sampling, as the
+    # replays' cost model counts them); "other" is the pool and python between phases
+    for mode in ("sync", "c3po"):
+        if f"{mode}_share_decode" in m:
+            m = {**m, f"{mode}_share_decode": m[f"{mode}_share_decode"] + m[f"{mode}_share_sample"]}
     cols = [("measured (this CPU)", m), ("replay, fit per event", p["cpu_events"]),
             ("replay, fit to step totals", p["cpu_total"]), ("projected GPU", p["gpu"])]
     table = Table(title=f"C3PO++ vs synchronous rollout, same tokens per step; projected GPU: {p['gpu_cost_model']}")
@@ -279,14 +294,18 @@ def c3po_table(results: dict) -> Table:
     rows = [("speed-up per step", ("rollout_speedup_per_step", "speedup_per_step")),
             ("speed-up per trained token", ("rollout_speedup_per_trained_token", "speedup_per_trained_token")),
             ("end to end speed-up per trained token", ("end_to_end_speedup_per_trained_token",)),
+            ("forward passes per trained token, sync / C3PO++", ("forward_pass_ratio_per_trained_token",)),
             ("sync rollout s/step", ("sync_rollout_s_per_step", "sync_s_per_step")),
             ("C3PO++ rollout s/step", ("c3po_rollout_s_per_step", "c3po_s_per_step")),
-            ("C3PO++ share prefill", ("c3po_share_prefill",)), ("C3PO++ share decode", ("c3po_share_decode",)),
-            ("C3PO++ share sampling", ("c3po_share_sample",)), ("C3PO++ share refill", ("c3po_share_refill",)),
-            ("C3PO++ share other", ("c3po_share_other",)),
-            ("sync share prefill", ("sync_share_prefill",)), ("sync share decode", ("sync_share_decode",)),
+            ("C3PO++ share prefill", ("c3po_share_prefill",)),
+            ("C3PO++ share decoding steps (with sampling)", ("c3po_share_decode",)),
+            ("C3PO++ share refill (cache joins)", ("c3po_share_refill",)), ("C3PO++ share other", ("c3po_share_other",)),
+            ("sync share prefill", ("sync_share_prefill",)),
+            ("sync share decoding steps (with sampling)", ("sync_share_decode",)),
             ("CV tokens/step sync", ("sync_cv_tokens_per_step",)), ("CV tokens/step C3PO++", ("c3po_cv_tokens_per_step",)),
-            ("CV step time sync", ("sync_cv_step_s",)), ("CV step time C3PO++", ("c3po_cv_step_s",))]
+            ("CV step time sync", ("sync_cv_step_s",)), ("CV step time C3PO++", ("c3po_cv_step_s",)),
+            ("fit: R^2 of measured step seconds", ("r2_step_seconds",)),
+            ("fit: condition number (decode, or all)", ("condition_number_decode", "condition_number"))]
     for label, keys in rows:
         cells = []
         for name, vals in cols:
@@ -295,6 +314,10 @@ def c3po_table(results: dict) -> Table:
                 v = e2e.get("end_to_end_speedup")  # tiny_rl.yaml's own settings, not this schedule
             cells.append("" if v is None else f"{v:.3f}")
         table.add_row(label, *cells)
+    table.caption = ("measured: wall seconds on this machine, the two modes one after the other; replays: the same "
+                     "schedules (every trajectory's recorded length, the real pool) timed by a cost model fitted "
+                     "to this run's events or step totals; projected GPU: the same lengths under continuous "
+                     "batching, timed by the cost model named above. Measured end to end: tiny_rl.yaml's settings.")
     return table
 
 
@@ -302,7 +325,9 @@ def main() -> None:
     ensure_inputs()
     results = {}
     for name, fn in [("c3po_vs_sync", bench_c3po), ("c3po_vs_sync_end_to_end", bench_c3po_end_to_end),
-                     ("prefill_packed_vs_padded", bench_prefill), ("packed_vs_padded", bench_packing),
+                     ("prefill_packed_vs_padded",
+                      lambda: bench_prefill(results["c3po_vs_sync"]["token_budget"])),
+                     ("packed_vs_padded", bench_packing),
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
                      ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory)]:
         console.print(f"[bold]bench[/] {name} ...")

@@ -26,7 +26,7 @@ def test_c3po_bench_runs_against_a_server(tmp_path, tiny_model_dir):
                     "--max-new-tokens", "24", "--out", str(out)], cwd=REPO, check=True, timeout=300,
                    capture_output=True)
     result = json.loads(out.read_text())
-    # C3PO++ collects until the budget (the synchronous mean) is reached, so it trains at least as much
-    assert result["tokens_per_step_c3po"] >= result["tokens_per_step_sync"] > 0
+    # C3PO++ collects until the budget (what a synchronous step trained) is reached
+    assert result["tokens_per_step_c3po"] >= result["token_budget"] > 0 and result["tokens_per_step_sync"] > 0
     assert result["rollout_speedup_per_trained_token"] > 0 and result["sync_rollout_s_per_step"] > 0
     assert "forward_pass_ratio_per_trained_token" not in result  # a server does not count its passes

@@ -199,3 +199,12 @@ def test_coefficient_of_variation_by_hand():
     # mean 2.5; population variance (2.25 + 0.25 + 0.25 + 2.25) / 4 = 1.25; sqrt(1.25) / 2.5
     assert coefficient_of_variation([1, 2, 3, 4]) == pytest.approx(1.25 ** 0.5 / 2.5)
     assert coefficient_of_variation([5, 5, 5]) == 0 and coefficient_of_variation([7]) == 0
+
+
+def test_calibration_of_some_parameters_holds_the_others():
+    truth = CostModel(step_s=7e-3, row_s=1.5e-5, ctx_s=2e-7, prefill_call_s=2e-3, prefill_token_s=3e-5)
+    trace = _recorded(truth)["trace"]
+    fitted, check = calibrate(trace, params=("step_s", "row_s"), held=truth)
+    assert (fitted.step_s, fitted.row_s) == pytest.approx((truth.step_s, truth.row_s), rel=1e-6)
+    assert (fitted.ctx_s, fitted.prefill_token_s) == (truth.ctx_s, truth.prefill_token_s)
+    assert 1 <= check["condition_number"] < float("inf")

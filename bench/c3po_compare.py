@@ -58,6 +58,30 @@ class RecordingStream:
         return group
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def recorded_lengths(trajs: list[Trajectory]) -> list[list]:
+    """[uid, group id, prompt length, response length, status, shared] per trajectory, where shared
+    lists how many first response tokens it has in common with each earlier member of its group
+    (an engine prefills identical sequences once: a replay needs to know which partial responses
+    were identical)."""
+    out, earlier = [], {}
+    for t in trajs:
+        group = earlier.setdefault(t.group_id, [])
+        out.append([t.uid, t.group_id, len(t.prompt_ids), len(t.response_ids), t.status.value,
+                    [_common_prefix(t.response_ids, o.response_ids) if o.prompt_ids == t.prompt_ids else -1
+                     for o in group]])
+        group.append(t)
+    return out
+
+
 def engine_counters(engine: RolloutEngine) -> dict:
     """The engine's cumulative work/seconds counters (in-process and simulated engines), else {}."""
     counters = getattr(engine, "counters", None)
@@ -208,8 +232,7 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
         step(c3po)
     for mode, runner in (("sync", sync), ("c3po", c3po)):
         trace["steps"][mode] = runner.steps
-        trace["trajectories"][mode] = [[t.uid, t.group_id, len(t.prompt_ids), len(t.response_ids), t.status.value]
-                                       for t in streams[mode].handed_out]
+        trace["trajectories"][mode] = recorded_lengths(streams[mode].handed_out)
     out = summarize(sync.steps[1:], c3po.steps[1:])
     out["token_budget"] = budget
     out["trace"] = trace

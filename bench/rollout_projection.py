@@ -42,7 +42,9 @@ class CostModel:
     """Seconds of rollout (and training) work, linear in what is done:
 
     decode step = step_s + row_s * rows in the batch + ctx_s * context tokens the rows attend to
-    prefill call = prefill_call_s + prefill_token_s * tokens prefilled
+    prefill call = prefill_call_s + prefill_token_s * tokens prefilled (identical sequences once)
+                   + prefill_cell_s * rows x width of the cache it lays out (the in-process
+                   engine's left-padded cache; 0 on a server's paged cache)
     refill = refill_cell_s * cache cells copied (the in-process engine's left-padded cache; 0 on a
              server's paged cache)
     training step = train_step_s + train_token_s * response tokens trained
@@ -53,6 +55,7 @@ class CostModel:
     ctx_s: float
     prefill_call_s: float
     prefill_token_s: float
+    prefill_cell_s: float = 0.0
     refill_cell_s: float = 0.0
     train_step_s: float = 0.0
     train_token_s: float = 0.0
@@ -82,23 +85,26 @@ class CostModel:
 #   at these lengths): 15.2e9 / 6.9e14 = 22 us; prefill_call_s: 2 ms per prefill batch (one
 #   scheduler iteration). So re-prefilling a resumed rollout costs about what decoding its
 #   tokens cost above the floor: C3PO++ pays it after every weight update.
+# - prefill_cell_s, refill_cell_s: 0, a paged KV cache is written in place, never re-laid out.
 # - train_token_s: 8N FLOP per trained token (6N forward and backward, 2N recomputing the old
 #   log-probs) at 40% of peak: 6.1e10 / 4.0e14 = 150 us; train_step_s: 5 s per step for the
 #   optimizer step and pushing 15 GB of weights to the rollout engine.
 H100_7B_ASSUMED = CostModel(
-    step_s=7.0e-3, row_s=2.0e-5, ctx_s=2.2e-8, prefill_call_s=2.0e-3, prefill_token_s=2.2e-5, refill_cell_s=0.0,
+    step_s=7.0e-3, row_s=2.0e-5, ctx_s=2.2e-8, prefill_call_s=2.0e-3, prefill_token_s=2.2e-5, prefill_cell_s=0.0,
+    refill_cell_s=0.0,
     train_step_s=5.0, train_token_s=1.5e-4,
     label="ASSUMPTION: 7B model, bf16, one H100 SXM, continuous batching, paged KV (bench/rollout_projection.py)")
 
 # each cost parameter and the simulator counter it multiplies
 FEATURES = {"step_s": "decode_steps", "row_s": "decode_rows", "ctx_s": "decode_cells",
-            "prefill_call_s": "prefill_calls", "prefill_token_s": "prefill_tokens", "refill_cell_s": "refill_cells"}
+            "prefill_call_s": "prefill_calls", "prefill_token_s": "prefill_tokens", "prefill_cell_s": "prefill_cells",
+            "refill_cell_s": "refill_cells"}
 # the groups of an engine's own split (seconds counters, and event phases) that calibrate fits
 # separately with by="components" (per step) and by="events" (per prefill, decoding step, refill)
 COMPONENTS = {("decode_s", "sample_s"): ("step_s", "row_s", "ctx_s"),
-              ("prefill_s",): ("prefill_call_s", "prefill_token_s"),
+              ("prefill_s",): ("prefill_call_s", "prefill_token_s", "prefill_cell_s"),
               ("refill_s",): ("refill_cell_s",)}
-PHASES = {"decode": ("step_s", "row_s", "ctx_s"), "prefill": ("prefill_call_s", "prefill_token_s"),
+PHASES = {"decode": ("step_s", "row_s", "ctx_s"), "prefill": ("prefill_call_s", "prefill_token_s", "prefill_cell_s"),
           "refill": ("refill_cell_s",)}
 
 
@@ -114,6 +120,8 @@ def _draw(key: str, n: int) -> int:
 class Lengths:
     """The response length (and how it ends) of each simulated trajectory.
 
+    `shared`: uid -> {uid: first response tokens in common}, for members of one group whose
+    responses began alike (a replay prefills identical partial responses once, as the engines do).
     `known`: uid -> (length, status) of a recorded run (replay). Trajectories not in it (a
     schedule that drew more prompts than the recorded one) take a recorded group's lengths,
     chosen by a hash of their group id, or, with `groups` (lists of response lengths, one list
@@ -121,9 +129,10 @@ class Lengths:
     """
 
     def __init__(self, max_new_tokens: int, known: dict[str, tuple[int, str]] | None = None,
-                 groups: list[list[int]] | list[int] | None = None):
+                 groups: list[list[int]] | list[int] | None = None, shared: dict[str, dict[str, int]] | None = None):
         self.max_new_tokens = max_new_tokens
         self.known = known or {}
+        self.shared = shared or {}
         if groups is None:
             by_group: dict[str, list[tuple[int, str]]] = {}
             for uid, v in self.known.items():
@@ -142,6 +151,22 @@ class Lengths:
         j = int(member[1]) if len(member) == 2 and member[1].isdigit() else _draw(t.uid, 1 << 16)
         group = self.groups[_draw(member[0], len(self.groups))]
         return group[j % len(group)]
+
+    def same_so_far(self, a: Trajectory, b: Trajectory) -> bool:
+        """Whether a and b (one prompt) hold the same response so far."""
+        n = len(a.response_ids)
+        if n != len(b.response_ids):
+            return False
+        common = self.shared.get(a.uid, {}).get(b.uid, self.shared.get(b.uid, {}).get(a.uid, 0))
+        return common >= n
+
+    def token(self, t: Trajectory) -> int:
+        """A placeholder for t's next token: the same as the earliest group member's whose response
+        began alike at least this far, else t's own (so a recorded replay re-records the same
+        sharing, and responses that did not share differ)."""
+        n = len(t.response_ids)
+        owner = next((other for other, common in self.shared.get(t.uid, {}).items() if common > n), t.uid)
+        return 3 + zlib.crc32(f"{owner}:{n}".encode()) % (1 << 30)
 
     def finish_at(self, t: Trajectory) -> int | None:
         """The response length at which `t` says eos, or None: it runs to max_new_tokens."""
@@ -229,15 +254,21 @@ class SimEngine(RolloutEngine):
 
     def _prefill(self, rows: list[Trajectory]) -> None:
         c, cost = self.counters, self.cost
-        distinct = {(t.group_id, tuple(t.prompt_ids), t.uid if t.response_ids else None): t.num_tokens for t in rows}
-        tokens = sum(distinct.values())
+        distinct: dict[tuple, list[Trajectory]] = {}  # (group, prompt, length so far) -> distinct sequences
+        for t in rows:
+            same = distinct.setdefault((t.group_id, tuple(t.prompt_ids), len(t.response_ids)), [])
+            if not any(self.lengths.same_so_far(t, o) for o in same):
+                same.append(t)
+        tokens = sum(t.num_tokens for seqs in distinct.values() for t in seqs)
+        cells = len(rows) * max(t.num_tokens for t in rows)
         c.forward_passes += 1
         c.prefill_calls += 1
         c.prefill_rows += len(rows)
         c.prefill_tokens += tokens
+        c.prefill_cells += cells
         c.reprefill_tokens += sum(len(t.response_ids) for t in rows)
-        self._spend(cost.prefill_call_s + cost.prefill_token_s * tokens, "prefill_s",
-                    {"prefill_calls": 1, "prefill_tokens": tokens})
+        self._spend(cost.prefill_call_s + cost.prefill_token_s * tokens + cost.prefill_cell_s * cells, "prefill_s",
+                    {"prefill_calls": 1, "prefill_tokens": tokens, "prefill_cells": cells})
 
     def _copy(self, cache: list[int]) -> None:
         if self.layout == "inprocess":
@@ -273,7 +304,6 @@ class SimEngine(RolloutEngine):
         queue = [t for t in queue if t.status == Status.RUNNING]
         server = self.layout == "server"
         refill_at = 1 if server else max(1, int(self.refill_fraction * self.max_batch))
-        other = 0 if self.eos != 0 else 1  # the token a row says when it does not end
         finished_tokens = 0
         rows: list[Trajectory] = []
         cache: list[int] = []  # each row's cache length
@@ -299,7 +329,8 @@ class SimEngine(RolloutEngine):
                     continue
                 eos_at = self.lengths.finish_at(t)
                 ends = eos_at is not None and len(t.response_ids) + 1 >= eos_at
-                t.append(self.eos if ends else other, 0.0, self.version)
+                token = self.lengths.token(t)
+                t.append(self.eos if ends else token if token != self.eos else token + 1, 0.0, self.version)
                 if ends:
                     t.status = Status.FINISHED
                 elif len(t.response_ids) >= params.max_new_tokens:
@@ -329,7 +360,20 @@ def _known(recorded: list[list]) -> dict[str, tuple[int, str]]:
     """uid -> (final length, status) of the trajectories a run finished; the others (still in flight
     or dropped when it ended) never finish within it."""
     return {uid: (n, status) if status in (Status.FINISHED.value, Status.TRUNCATED.value) else (1 << 30, "")
-            for uid, _, _, n, status in recorded}
+            for uid, _, _, n, status, *_ in recorded}
+
+
+def _shared(recorded: list[list]) -> dict[str, dict[str, int]]:
+    """uid -> {uid of an earlier member of its group: first response tokens they have in common}
+    (-1: a different prompt)."""
+    members: dict[str, list[str]] = {}
+    out = {}
+    for uid, gid, *rest in recorded:
+        group = members.setdefault(gid, [])
+        if len(rest) > 3:
+            out[uid] = dict(zip(group, rest[3], strict=False))
+        group.append(uid)
+    return out
 
 
 def simulate(trace: dict, cost: CostModel, *, layout: str | None = None, max_batch: int | None = None,
@@ -346,7 +390,8 @@ def simulate(trace: dict, cost: CostModel, *, layout: str | None = None, max_bat
     for mode, cfg in zip(("sync", "c3po"), _configs(settings), strict=True):
         recorded = trace["trajectories"][mode]
         if groups is None:
-            lengths, stream = Lengths(params.max_new_tokens, known=_known(recorded)), ReplayStream(recorded)
+            lengths = Lengths(params.max_new_tokens, known=_known(recorded), shared=_shared(recorded))
+            stream = ReplayStream(recorded)
         else:
             lengths = Lengths(params.max_new_tokens, groups=groups)
             stream = SyntheticStream(prompt_len or round(sum(r[2] for r in recorded) / len(recorded)))
@@ -466,14 +511,15 @@ def calibrate(trace: dict, *, by: str = "total", layout: str | None = None, para
     held = held or zero
     replay = simulate(trace, zero, layout=layout)
     measured = trace["steps"]
-    params = tuple(p for p in (params or FEATURES) if layout == "inprocess" or p != "refill_cell_s")
+    params = tuple(p for p in (params or FEATURES) if layout == "inprocess" or p not in ("refill_cell_s", "prefill_cell_s"))
     pairs = [(sim["counters"], real) for mode in ("sync", "c3po")
              for sim, real in zip(replay[mode], measured[mode], strict=True)]
     # where the run kept its engine's counters, how far the replayed schedule is from it
     kept = [(sim, real["counters"]) for sim, real in pairs if real.get("counters")]
     check = {f"replay_gap_{k}": max(abs(sim.get(k, 0) - real.get(k, 0)) / max(1, real.get(k, 0))
                                     for sim, real in kept)
-             for k in ("forward_passes", "decode_rows", "decode_cells", "prefill_tokens", "refill_cells")} if kept else {}
+             for k in ("forward_passes", "decode_rows", "decode_cells", "prefill_tokens", "prefill_cells",
+                       "refill_cells")} if kept else {}
     values: dict[str, float] = {}
     if by == "events":
         events = [e for mode in ("sync", "c3po") for st in measured[mode] for e in st.get("events", ())]

@@ -314,7 +314,7 @@ def c3po_table(results: dict) -> Table:
                 v = e2e.get("end_to_end_speedup")  # tiny_rl.yaml's own settings, not this schedule
             cells.append("" if v is None else f"{v:.3f}")
         table.add_row(label, *cells)
-    table.caption = ("measured: wall seconds on this machine, the two modes one after the other; replays: the same "
+    table.caption = ("measured: wall seconds on this machine, the two modes alternating step by step; replays: the same "
                      "schedules (every trajectory's recorded length, the real pool) timed by a cost model fitted "
                      "to this run's events or step totals; projected GPU: the same lengths under continuous "
                      "batching, timed by the cost model named above. Measured end to end: tiny_rl.yaml's settings.")

@@ -24,7 +24,7 @@ from rlrecipe.rollout.inprocess import InProcessEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 WORK = ("forward_passes", "decode_steps", "decode_rows", "decode_cells", "prefill_calls", "prefill_rows",
-        "prefill_tokens", "reprefill_tokens", "refill_cells")
+        "prefill_tokens", "prefill_cells", "reprefill_tokens", "refill_cells")
 
 
 def _rows(lengths, prompt_len=3):
@@ -64,6 +64,20 @@ def test_lengths_past_max_new_tokens_truncate_and_the_budget_interrupts():
     assert trajs[1].status == Status.TRUNCATED and len(trajs[1].response_ids) == 10
     assert trajs[1].versions == [0] * 4 + [1] * 6
     assert eng.counters.reprefill_tokens == 4  # the resumed row re-prefills its 4 tokens
+
+
+def test_resumed_rows_with_the_same_partial_response_are_prefilled_once():
+    cost = CostModel(step_s=0.0, row_s=0.0, ctx_s=0.0, prefill_call_s=0.0, prefill_token_s=1.0)
+    group = [Trajectory(uid=f"g#{j}", group_id="g", prompt_ids=[7] * 4) for j in range(3)]
+    for t in group:
+        t.response_ids = [3] * 5
+    # g#1 began like g#0 for 6 tokens, g#2 for 2 only
+    lengths = Lengths(40, known={t.uid: (20, "finished") for t in group}, shared={"g#1": {"g#0": 6}, "g#2": {
+        "g#0": 2, "g#1": 2}})
+    eng = SimEngine(cost, lengths, max_batch=8)
+    eng.generate(group, SamplingParams(max_new_tokens=40), token_budget=1)
+    assert eng.counters.prefill_tokens == 2 * 9  # g#0 and g#1 hold the same 5 tokens; g#2 differs
+    assert eng.counters.prefill_cells == 3 * 9
 
 
 def _seeded(trajs):
@@ -185,11 +199,12 @@ def test_replay_reproduces_the_recorded_run_and_projects_it():
 @pytest.mark.parametrize("layout, by", [("server", "total"), ("inprocess", "total"), ("inprocess", "components"),
                                         ("inprocess", "events"), ("server", "events")])
 def test_calibration_recovers_known_parameters(layout, by):
+    inprocess = layout == "inprocess"
     truth = CostModel(step_s=7e-3, row_s=1.5e-5, ctx_s=2e-7, prefill_call_s=2e-3, prefill_token_s=3e-5,
-                      refill_cell_s=4e-7 if layout == "inprocess" else 0.0)
+                      prefill_cell_s=5e-7 if inprocess else 0.0, refill_cell_s=4e-7 if inprocess else 0.0)
     trace = _recorded(truth, layout=layout, max_batch=7)["trace"]
     fitted, check = calibrate(trace, by=by)
-    for name in ("step_s", "row_s", "ctx_s", "prefill_call_s", "prefill_token_s", "refill_cell_s"):
+    for name in ("step_s", "row_s", "ctx_s", "prefill_call_s", "prefill_token_s", "prefill_cell_s", "refill_cell_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
     assert check["r2_step_seconds"] == pytest.approx(1)
     assert check["replay_gap_decode_rows"] == 0 and check["replay_gap_prefill_tokens"] == 0

@@ -140,6 +140,7 @@ class EngineCounters:
     prefill_rows: int = 0
     prefill_tokens: int = 0        # tokens run through the model (identical sequences once)
     reprefill_tokens: int = 0      # of those, response tokens already sampled (resumed rollouts)
+    prefill_cells: int = 0         # rows x width of the caches prefills laid out
     decode_steps: int = 0
     decode_rows: int = 0           # sum over decoding steps of the rows in the batch
     decode_cells: int = 0          # sum over decoding steps of rows x cache width (what attention reads)
@@ -241,10 +242,12 @@ class InProcessEngine(RolloutEngine):
         c.prefill_calls += 1
         c.prefill_rows += len(rows)
         c.reprefill_tokens += sum(len(t.response_ids) for t in rows)
+        c.prefill_cells += batch.mask.numel()
         dt = time.perf_counter() - t0
         c.prefill_s += dt
         if self.events is not None:
-            self.events.append(["prefill", dt, {"prefill_calls": 1, "prefill_tokens": c.prefill_tokens - tokens}])
+            self.events.append(["prefill", dt, {"prefill_calls": 1, "prefill_tokens": c.prefill_tokens - tokens,
+                                                "prefill_cells": batch.mask.numel()}])
         return batch
 
     def _prefill_padded(self, rows: list[Trajectory]) -> _Batch:

@@ -20,12 +20,13 @@ from rlrecipe.trajectory import Status, Trajectory
 from rlrecipe.trajectory_store import load_trajectories, save_trajectories
 
 
-def synthetic(n: int, seed: int = 0) -> list[Trajectory]:
+def synthetic(n: int, seed: int = 0, prompt_tokens: int = 1024) -> list[Trajectory]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
         length = rng.randint(2048, 27648)
-        out.append(Trajectory(uid=f"p{i}", prompt_ids=[rng.randrange(152064) for _ in range(1024)], group_id=f"g{i // 16}",
+        out.append(Trajectory(uid=f"p{i}", prompt_ids=[rng.randrange(152064) for _ in range(prompt_tokens)],
+                              group_id=f"g{i // 16}",
                               answers=["42"], response_ids=[rng.randrange(152064) for _ in range(length)],
                               logp_infer=[-rng.random() * 3 for _ in range(length)], versions=[7] * length,
                               status=Status.RUNNING, age=1))

@@ -30,9 +30,10 @@ from rlrecipe.runs import Run
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
-from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
+from rlrecipe.train.launch import broadcast_batch_from_rank_zero, broadcast_from_rank_zero, is_rank_zero
 from rlrecipe.train.reference import make_reference
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory_arrays import TrajectoryBatch, as_batch
 
 POOL_FILE = "pool.safetensors"
 
@@ -46,21 +47,23 @@ def grade(batch: list[Trajectory], tokenizer, grader: Grader, cfg: RLSection) ->
 
 def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer, grader: Grader, cfg: RLSection,
                    seed: int):
-    """Rank 0's share of a step: roll out under the budget, then grade."""
+    """Rank 0's share of a step: roll out under the budget, grade, pack the batch into arrays (the
+    pool keeps the Trajectory objects)."""
     batch, roll = pool.collect(engine, params, seed=seed)
     t0 = time.time()
     grade(batch, tokenizer, grader, cfg)
     roll.extra = {"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
                   "prompts_skipped_too_long": pool.stream.skipped_too_long,
                   "graded": len(batch), "grade_s": time.time() - t0}  # grade_s is part of rollout_s
-    return batch, roll
+    return TrajectoryBatch.from_trajectories(batch), roll
 
 
-def recompute_old_logprobs(trainer, batch: list[Trajectory], reference=None
+def recompute_old_logprobs(trainer, batch: TrajectoryBatch | list[Trajectory], reference=None
                            ) -> tuple[list[TrainSample], list[torch.Tensor], list[torch.Tensor]]:
     """logp_train_old and entropies under the trainer's current weights; with a reference policy
     (train/reference.py, for the KL penalty) also each sample's field logp_ref."""
-    samples = [TrainSample(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in batch]
+    batch = as_batch(batch)
+    samples = [TrainSample(batch.input_ids(i), batch.prompt_length(i)) for i in range(len(batch))]
     out = trainer.compute_logprobs(samples)
     if reference is not None:
         for s, lr in zip(samples, reference.logprobs(samples), strict=True):
@@ -68,21 +71,21 @@ def recompute_old_logprobs(trainer, batch: list[Trajectory], reference=None
     return samples, [lp for lp, _ in out], [en for _, en in out]
 
 
-def attach_ppo_fields(samples: list[TrainSample], batch: list[Trajectory], logp_old: list[torch.Tensor],
-                      cfg: RLSection) -> dict[str, float]:
+def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch | list[Trajectory],
+                      logp_old: list[torch.Tensor], cfg: RLSection) -> dict[str, float]:
     """Advantages, IcePop/TIS weights and what the V3.2 mask needs, as per-token fields of each
     sample (beside a logp_ref that `recompute_old_logprobs` put there)."""
     if cfg.kl_coef > 0 and any("logp_ref" not in s.fields for s in samples):
         raise ValueError("rl.kl_coef > 0 needs reference log-probs: pass a ReferencePolicy "
                          "(train/reference.py make_reference) to recompute_old_logprobs")
-    lengths = [len(t.response_ids) for t in batch]
-    adv = sequence_advantages([t.reward for t in batch], lengths, [t.group_id for t in batch], cfg.adv_norm)
+    batch = as_batch(batch)
+    adv = sequence_advantages(batch.rewards, batch.response_lengths, batch.group_ids, cfg.adv_norm)
     adv = scale_negative_advantages(adv, cfg.negative_adv_scale)
     masked = total = 0
     abs_gap = kl = adv_sum = 0.0
     ice = cfg.icepop
-    for i, (s, a, lo, t) in enumerate(zip(samples, adv, logp_old, batch, strict=True)):
-        li = torch.tensor(t.logp_infer)
+    for i, (s, a, lo) in enumerate(zip(samples, adv, logp_old, strict=True)):
+        li = batch.logp_infer(i)  # a float32 view into the batch's array
         w, m = mismatch_weights(lo, li, ice.mode, ice.alpha, ice.beta, ice.tis_cap)
         s.fields.update({"logp_old": lo, "adv": torch.full_like(lo, a), "weight": w, "logp_infer": li,
                          "seq": torch.full(lo.shape, i, dtype=torch.long)})
@@ -174,19 +177,21 @@ def _remedy_metrics(totals: dict[str, float], steps: int, loss_scale: float | No
     return out
 
 
-def rollout_metrics(batch: list[Trajectory], entropy: list[torch.Tensor], version: int) -> dict[str, float]:
-    lengths = [len(t.response_ids) for t in batch]
-    staleness = [version - v for t in batch for v in t.versions]
+def rollout_metrics(batch: TrajectoryBatch | list[Trajectory], entropy: list[torch.Tensor],
+                    version: int) -> dict[str, float]:
+    batch = as_batch(batch)
+    lengths = batch.response_lengths
+    staleness = version - batch.arrays["versions"].long()  # per token; int64 so the sum cannot overflow
     return {
-        "reward_mean": sum(t.reward for t in batch) / len(batch),
-        "accuracy": sum(bool(t.correct) for t in batch) / len(batch),
+        "reward_mean": sum(batch.rewards) / len(batch),
+        "accuracy": sum(bool(c) for c in batch.correct) / len(batch),
         "response_len_mean": sum(lengths) / len(batch),
         "response_len_max": max(lengths),
-        "truncated_frac": sum(t.status == Status.TRUNCATED for t in batch) / len(batch),
+        "truncated_frac": sum(s == Status.TRUNCATED for s in batch.statuses) / len(batch),
         "entropy": float(torch.cat(entropy).mean()),
         "tokens_trained": sum(lengths),
-        "staleness_max": max(staleness),
-        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": int(staleness.max()),
+        "staleness_mean": int(staleness.sum()) / staleness.numel(),
     }
 
 
@@ -197,7 +202,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
     -> validate.
 
     With several DeepSpeed ranks, rank 0 owns the rollout engine, the pool and the grader and
-    hands each graded batch to every rank; all ranks train on it together."""
+    hands each graded batch to every rank as arrays (a TrajectoryBatch); all ranks train on it together."""
     stage = start_stage(loaded, "rl", resume, overwrite)
     recipe, run, tokenizer, cfg = stage.recipe, stage.run, stage.tokenizer, stage.recipe.rl
     lead = is_rank_zero()
@@ -219,7 +224,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
             for step in range(start, cfg.steps):
                 timer = StepTimer()
                 with timer("rollout_s"):
-                    batch, roll = broadcast_from_rank_zero(partial(
+                    batch, roll = broadcast_batch_from_rank_zero(partial(
                         collect_graded, pool, engine, params, tokenizer, grader, cfg, seed=recipe.run.seed * 100003 + step))
                 with timer("train_s"):
                     samples, logp_old, entropy = recompute_old_logprobs(trainer, batch, reference)

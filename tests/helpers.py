@@ -1,11 +1,15 @@
-"""Shared test helpers: tiny recipes written to tmp dirs."""
+"""Shared test helpers: tiny recipes written to tmp dirs, bounded subprocess runs."""
 
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
+
+REPO = Path(__file__).resolve().parents[1]
 
 TINY_MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
               "max_position_embeddings": 256}
@@ -49,6 +53,23 @@ def kill_once_checkpointed(cmd: list[str], env: dict, checkpoint: Path, limit_s:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
+
+
+def run_bounded(cmd: list[str], cwd: Path | None = None, timeout_s: float = 240) -> str:
+    """Run a command in its own process group; kill the whole group on timeout; return its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+    env.pop("RLRECIPE_LAUNCHED", None)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout_s}s: {cmd}\n{log[-4000:]}")
+    assert proc.returncode == 0, f"failed ({proc.returncode}): {cmd}\n{log[-6000:]}"
+    return log
 
 
 R1_BOS, R1_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

@@ -12,19 +12,16 @@ This file is also the worker: torchrun runs it with a JSON spec as its argument.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # subprocess-heavy: `make test-fast` leaves it out
+from tests.helpers import run_bounded
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # subprocess-heavy: `make test-fast` leaves it out
 
 TRAINER = dict(lr=1e-2, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, adam_betas=(0.9, 0.95),
                adam_eps=1e-8, grad_clip=1.0, max_tokens_per_microbatch=40)
@@ -34,7 +31,6 @@ STEPS = 3
 PARTITION_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 LOSS_RTOL = 1e-4  # DeepSpeed vs torch engine, float32; observed: loss 3e-7, grad norm 3e-6 (relative)
 WEIGHT_ATOL = 5e-4  # after 3 AdamW steps at lr 1e-2 (one step moves a weight by ~1e-2); observed 6e-5
-TIMEOUT_S = 240
 
 
 def batch(step: int) -> list:
@@ -96,23 +92,6 @@ def worker(spec: dict) -> None:
 
 
 # -- helpers for the tests ------------------------------------------------------------------------
-def run_bounded(cmd: list[str], cwd: Path | None = None) -> str:
-    """Run a command in its own process group; kill the whole group on timeout; return its output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
-    env.pop("RLRECIPE_LAUNCHED", None)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"timed out after {TIMEOUT_S}s: {cmd}\n{log[-4000:]}")
-    assert proc.returncode == 0, f"failed ({proc.returncode}): {cmd}\n{log[-6000:]}"
-    return log
-
-
 def torchrun(spec: dict, nproc: int = 2) -> dict:
     """This file as the worker, under torchrun with `nproc` processes (nproc 0: plain python, no torchrun)."""
     launcher = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -57,8 +57,20 @@ def allocate_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in ffd]
 
 
-def pack(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate sequences into input_ids [1, T] and position_ids [1, T] restarting per sequence."""
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)[None]
+def pack(seqs: list[list[int] | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate sequences (lists or 1-D integer tensors) into input_ids [1, T] and position_ids
+    [1, T] restarting per sequence."""
+    ids = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs])[None]
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
     return ids, pos
+
+
+def response_rows(samples) -> torch.Tensor:
+    """Positions, in the `pack`ed row of these samples (TrainSample: input_ids, start), of the hidden
+    states that predict each response token: a token at position t is predicted at t - 1."""
+    rows, offset = [], 0
+    for s in samples:
+        rows.append(torch.arange(offset + s.start - 1, offset + len(s.input_ids) - 1))
+        offset += len(s.input_ids)
+    return torch.cat(rows)
+

@@ -17,9 +17,11 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, d
 
 @dataclass
 class TrainSample:
-    """A prompt + response sequence; per-token fields cover the response tokens (input_ids[start:])."""
+    """A prompt + response sequence; per-token fields cover the response tokens (input_ids[start:]).
 
-    input_ids: list[int]
+    input_ids: a list, or a 1-D integer tensor (RL's batch arrays: no per-token Python objects)."""
+
+    input_ids: list[int] | torch.Tensor
     start: int
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
 

@@ -28,7 +28,8 @@ directory and every rank reads its own back on resume. Resume with the same npro
 Rank 0 alone writes run records (recipe, env.json, metrics.jsonl, W&B, checkpoint markers)
 and prints; the other ranks compute and join collective checkpoint saves
 (`rlrecipe.rank_run.make_run` returns a `Run` that does this). In RL, rank 0 also owns the
-rollout engine, the prompt pool and the grader, and broadcasts each graded batch to every rank.
+rollout engine, the prompt pool and the grader, and broadcasts each graded batch to every rank as
+flat arrays (`broadcast_batch_from_rank_zero`), not as pickled Python lists.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, RecipeError, TrainerSection
+
+if TYPE_CHECKING:
+    from rlrecipe.trajectory_arrays import TrajectoryBatch
 
 LAUNCHED_ENV = "RLRECIPE_LAUNCHED"
 NODE_RANK_ENVS = ("RLRECIPE_NODE_RANK", "NODE_RANK", "SLURM_NODEID")
@@ -146,6 +150,73 @@ def broadcast_from_rank_zero(fn: Callable[[], T]) -> T:
     if status != "ok":
         raise SystemExit(1)
     return value
+
+
+# Under nccl, tensors travel through a buffer on the GPU this many bytes at a time, so a multi-GiB
+# batch never needs its whole size free on the device (the model and optimizer are already there).
+DEVICE_CHUNK_BYTES = 64 * 2**20
+
+
+def broadcast_arrays_from_rank_zero(fn: Callable[[], tuple[dict, T]]) -> tuple[dict, T]:
+    """As `broadcast_from_rank_zero`, for a result `(tensors, small)`: a dict of named CPU tensors,
+    sent with `torch.distributed.broadcast` as raw bytes, and a small picklable value sent with
+    their names, shapes and dtypes through `broadcast_object_list`. Every rank gets CPU tensors
+    (rank 0 its own). The error behaviour is `broadcast_from_rank_zero`'s: fn runs inside it."""
+    import torch
+
+    d = _dist()
+    if d is None or d.get_world_size() == 1:
+        return fn()
+    lead = d.get_rank() == 0
+    held: dict = {}
+
+    def describe():
+        tensors, small = fn()
+        held.update(tensors)
+        return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, small
+
+    layout, small = broadcast_from_rank_zero(describe)
+    tensors = held if lead else {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
+    staging = None
+    if d.get_backend() == "nccl":  # nccl moves CUDA tensors only; gloo broadcasts the CPU tensors in place
+        largest = max((t.numel() * t.element_size() for t in tensors.values()), default=0)
+        staging = torch.empty(max(1, min(DEVICE_CHUNK_BYTES, largest)), dtype=torch.uint8,
+                              device=torch.device("cuda", torch.cuda.current_device()))
+    for name in layout:  # dict order: the same on every rank
+        t = tensors[name]
+        if t.numel():
+            _broadcast_bytes(t.contiguous().view(-1).view(torch.uint8), staging, lead)
+    return tensors, small
+
+
+def _broadcast_bytes(data, staging, lead: bool) -> None:
+    """Rank 0's `data` (a flat uint8 CPU tensor) into every rank's `data`, directly or through the
+    device buffer `staging`."""
+    d = _dist()
+    if staging is None:
+        d.broadcast(data, src=0)
+        return
+    for start in range(0, data.numel(), staging.numel()):
+        n = min(staging.numel(), data.numel() - start)
+        chunk = staging[:n]
+        if lead:
+            chunk.copy_(data[start:start + n])
+        d.broadcast(chunk, src=0)
+        if not lead:
+            data[start:start + n].copy_(chunk)
+
+
+def broadcast_batch_from_rank_zero(fn: Callable[[], tuple[TrajectoryBatch, T]]) -> tuple[TrajectoryBatch, T]:
+    """Rank 0's `(batch, small)` from `fn` on every rank: the batch's arrays by tensor broadcast, its
+    uids and group ids and `small` pickled. No rank unpickles per-token Python lists."""
+    from rlrecipe.trajectory_arrays import TrajectoryBatch
+
+    def parts():
+        batch, small = fn()
+        return batch.arrays, (batch.uids, batch.group_ids, small)
+
+    arrays, (uids, group_ids, small) = broadcast_arrays_from_rank_zero(parts)
+    return TrajectoryBatch(arrays, uids, group_ids), small
 
 
 # -- relaunch under torchrun ---------------------------------------------------------------------

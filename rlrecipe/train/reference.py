@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rlrecipe.algo.packing import allocate_microbatches, pack
+from rlrecipe.algo.packing import allocate_microbatches, pack, response_rows
 from rlrecipe.modeling import load_model
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.logprobs import response_logprobs
@@ -44,16 +44,10 @@ class ReferencePolicy:
         out: list[torch.Tensor | None] = [None] * len(samples)
         for mb in allocate_microbatches([len(s.input_ids) for s in samples], self.max_tokens):
             ids, pos = pack([samples[i].input_ids for i in mb])
-            rows, targets, offset = [], [], 0
-            for i in mb:  # the token at position t is predicted by the hidden state at t - 1
-                s = samples[i]
-                rows.append(torch.arange(offset + s.start - 1, offset + len(s.input_ids) - 1))
-                targets.append(torch.tensor(s.input_ids[s.start:]))
-                offset += len(s.input_ids)
-            with self._autocast():
-                logp, _ = response_logprobs(self.model, ids.to(self.device), pos.to(self.device),
-                                            torch.cat(rows).to(self.device), torch.cat(targets).to(self.device),
-                                            self.temperature, self.chunk_tokens)
+            rows = response_rows([samples[i] for i in mb])
+            with self._autocast():  # the token at position t is predicted by the hidden state at t - 1
+                logp, _ = response_logprobs(self.model, ids.to(self.device), pos.to(self.device), rows.to(self.device),
+                                            ids[0, rows + 1].to(self.device), self.temperature, self.chunk_tokens)
             for i, lp in zip(mb, logp.split([samples[i].num_response for i in mb]), strict=True):
                 out[i] = lp.cpu()
         return out  # type: ignore[return-value]

@@ -18,7 +18,7 @@ from transformers.optimization import (
     get_cosine_with_min_lr_schedule_with_warmup,
 )
 
-from rlrecipe.algo.packing import allocate_microbatches, pack
+from rlrecipe.algo.packing import allocate_microbatches, pack, response_rows
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
@@ -99,17 +99,12 @@ class TorchTrainEngine:
 
         Never materialises the micro-batch's full logits (see `train/logprobs.py`)."""
         ids, pos = pack([s.input_ids for s in samples])
-        # the token at position t is predicted by the hidden state at t - 1
-        offsets, rows, targets = 0, [], []
-        for s in samples:
-            n = len(s.input_ids)
-            rows.append(torch.arange(offsets + s.start - 1, offsets + n - 1))
-            targets.append(torch.tensor(s.input_ids[s.start:]))
-            offsets += n
+        rows = response_rows(samples)
         with self._autocast():
-            return response_logprobs(self.model, ids.to(self.device), pos.to(self.device),
-                                     torch.cat(rows).to(self.device), torch.cat(targets).to(self.device),
-                                     self.temperature, self.cfg.logprob_chunk_tokens, with_entropy)
+            # the token at position t is predicted by the hidden state at t - 1
+            return response_logprobs(self.model, ids.to(self.device), pos.to(self.device), rows.to(self.device),
+                                     ids[0, rows + 1].to(self.device), self.temperature,
+                                     self.cfg.logprob_chunk_tokens, with_entropy)
 
     def microbatches(self, samples: list[TrainSample]) -> list[list[TrainSample]]:
         bins = allocate_microbatches([len(s.input_ids) for s in samples], self.cfg.max_tokens_per_microbatch)

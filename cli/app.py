@@ -8,6 +8,7 @@ import typer
 from rlrecipe.cli import data as data_cmd
 from rlrecipe.cli import grade as grade_cmd
 from rlrecipe.cli import plan as plan_cmd
+from rlrecipe.cli import servers as servers_cmd
 from rlrecipe.cli import stages
 
 from rlrecipe.console import console
@@ -19,6 +20,7 @@ app.add_typer(data_cmd.app, name="data")
 stages.register(app)
 app.command()(plan_cmd.plan)
 app.command()(grade_cmd.grade)
+app.command(name="rollout-servers")(servers_cmd.rollout_servers)
 
 
 def main() -> None:

@@ -90,8 +90,19 @@ def check_data(loaded: LoadedRecipe, stage: str) -> None:
         raise UserError(f"{train}: no rows; the {stage} stage needs at least one")
 
 
+def check_rollout_servers(loaded: LoadedRecipe, stage: str) -> None:
+    """Servers spread over nodes are started there: the run must be told where (before it loads a model)."""
+    ro = loaded.recipe.rollout
+    if stage == "rl" and ro.engine == "sglang" and ro.sglang.nodes > 1 and not ro.urls:
+        raise RecipeError(f"{loaded.path}: rollout.urls: empty, but rollout.sglang.nodes is {ro.sglang.nodes}, so the "
+                          "run launches no SGLang servers; start each node's share with `rlrecipe rollout-servers "
+                          f"{loaded.path} --node N --urls-out FILE` and pass --set \"rollout.urls=$(cat FILE)\"")
+
+
 def check_stage_inputs(loaded: LoadedRecipe, stage: str) -> None:
-    """Model and data of a training stage (`sft` or `rl`), before its run directory is touched."""
+    """Model, data and rollout servers of a training stage (`sft` or `rl`), before its run directory
+    is touched."""
+    check_rollout_servers(loaded, stage)
     config = check_model(loaded)
     check_context(loaded, config, stage)
     check_data(loaded, stage)

@@ -246,12 +246,16 @@ class RLSection(Section):
 class SGLangServer(Section):
     tp_size: int = Field(1, ge=1)
     # SGLang's data parallelism inside one server (--dp-size): dp_size model copies behind one URL.
-    # A launched server takes tp_size x dp_size GPUs; all launched servers share this node's GPUs.
+    # A launched server takes tp_size x dp_size GPUs; the servers of one node share its GPUs.
     dp_size: int = Field(1, ge=1)
     mem_fraction_static: float = Field(0.8, gt=0, le=1)
     host: str = "127.0.0.1"
     base_port: int = Field(30000, gt=0, lt=65536)
     num_servers: int = Field(1, ge=1)
+    # Nodes the num_servers servers are spread over, num_servers / nodes on each. 1: the run
+    # launches them all on rank 0's node. More: each node starts its share with
+    # `rlrecipe rollout-servers RECIPE --node N`, and the run attaches to them with rollout.urls.
+    nodes: int = Field(1, ge=1)
     startup_timeout_s: float = Field(600.0, gt=0)
     extra_args: list[str] = []
     # Concurrent /generate requests the engine keeps open per server (SGLang batches them itself).
@@ -264,7 +268,7 @@ class SGLangServer(Section):
     # requests to the other servers and leave it out from then on (the run goes on while one lives).
     retry_on_other_servers: bool = False
     # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
-    # Placeholders: {model} {host} {port} {index} {dtype} {seed}. E.g. the CPU stand-in that
+    # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id}. E.g. the CPU stand-in that
     # speaks the same API: ["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"].
     launch_cmd: list[str] = []
     # After each step: "disk" = HF export + /update_weights_from_disk (always works); "distributed"
@@ -292,6 +296,25 @@ class SGLangServer(Section):
         if self.router and self.retry_on_other_servers:
             raise ValueError("retry_on_other_servers and router exclude each other: behind the router, "
                              "requests are spread and retried across the servers by the router itself")
+        return self
+
+    @model_validator(mode="after")
+    def _servers_split_over_nodes(self) -> SGLangServer:
+        if self.num_servers % self.nodes:
+            raise ValueError(f"num_servers {self.num_servers} does not split evenly over nodes {self.nodes}: "
+                             "every rollout node starts num_servers / nodes servers; make num_servers a "
+                             "multiple of nodes")
+        return self
+
+    @model_validator(mode="after")
+    def _broadcast_needs_dp_1(self) -> SGLangServer:
+        # SGLang's /init_weights_update_group and /update_weights_from_distributed assert dp_size == 1
+        # (newer releases also take --enable-dp-attention, whose dp ranks sit inside tp_size GPUs:
+        # not the tp_size x dp_size copies dp_size places here). Refused here, not after a step.
+        if self.weight_sync == "distributed" and self.dp_size > 1:
+            raise ValueError(f"weight_sync: distributed with dp_size {self.dp_size}: SGLang joins a server to "
+                             "the weight broadcast group only with dp_size 1; set dp_size: 1 and run "
+                             "num_servers x dp_size servers instead, or weight_sync: disk")
         return self
 
 

@@ -1,13 +1,15 @@
 """SGLANG_API_KEY: `rlrecipe serve` refuses requests without the bearer key (health checks aside),
 as SGLang's --api-key does, and the client sends the key with every request."""
 
+import sys
+
 import requests
 
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe import SGLangServer
 from rlrecipe.rollout.api_key import is_authorized
 from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.sglang_server import sglang_launch_cmd
+from rlrecipe.rollout.sglang_server import ServerProcess, sglang_launch_cmd
 from rlrecipe.trajectory import SamplingParams, Trajectory
 
 from .test_sglang_client import BOOT_TIMEOUT_S, free_ports, rlrecipe_cmd
@@ -30,6 +32,17 @@ def test_launched_sglang_gets_the_key(monkeypatch):
     monkeypatch.setenv("SGLANG_API_KEY", KEY)
     cmd = sglang_launch_cmd("m", "h", 1, 0, cfg, "bfloat16", 0)
     assert cmd[cmd.index("--api-key") + 1] == KEY
+
+
+def test_a_launch_log_names_the_key_by_its_variable_not_its_value(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGLANG_API_KEY", KEY)
+    server = ServerProcess(0, "http://127.0.0.1:9", [sys.executable, "-c", "pass", "--api-key", KEY],
+                           tmp_path / "server.log")
+    server.start()
+    server.proc.wait(timeout=60)
+    server.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert '-c pass --api-key "$SGLANG_API_KEY"' in log and KEY not in log
 
 
 def test_a_keyed_server_refuses_strangers_and_serves_the_client(tiny_model_dir, tmp_path, monkeypatch):

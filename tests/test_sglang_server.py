@@ -165,12 +165,13 @@ def test_servers_needing_more_gpus_than_the_node_has_are_refused():
     with pytest.raises(UserError) as err:
         check_gpus(SGLangServer(num_servers=1, tp_size=8, dp_size=2), visible=8)
     assert "num_servers 1 x tp_size 8 x dp_size 2 = 16 GPUs" in str(err.value) and "has 8" in str(err.value)
-    # the 7B recipe's 64 servers do not fit one 8-GPU node: they are started per node and attached
+    # the 7B recipe's 64 servers do not fit one 8-GPU node: they are spread over its 8 rollout nodes
     recipe = load_recipe(REPO / "recipes" / "7b_boba.yaml").recipe
     with pytest.raises(UserError) as err:
         check_gpus(recipe.rollout.sglang, visible=8)
     msg = str(err.value)
-    assert "= 64 GPUs" in msg and "rollout.sglang.num_servers" in msg and "rollout.urls" in msg
+    assert "= 64 GPUs" in msg and "rollout.sglang.num_servers" in msg and "rollout.sglang.nodes" in msg
+    assert "rollout.urls" in msg and "trainer" not in msg
     with pytest.raises(UserError, match="= 1 GPUs, but this node .* has 0"):
         check_gpus(SGLangServer(), visible=0)
 

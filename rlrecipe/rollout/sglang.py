@@ -53,6 +53,7 @@ from rlrecipe.rollout.sglang_server import (
     launch_servers,
     model_arg,
     start_router,
+    trainer_gpus_on_node,
     wait_until_healthy,
 )
 from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
@@ -117,12 +118,15 @@ class SGLangEngine(RolloutEngine):
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_recipe(cls, recipe: Recipe, model_dir: str | Path, tokenizer, version: int = 0,
-                    run_dir: Path | None = None) -> SGLangEngine:
+                    run_dir: Path | None = None, beside_training: bool = False) -> SGLangEngine:
+        """Attach to rollout.urls, or launch the servers on this node; `beside_training`: this node's
+        first trainer.nproc GPUs train, so launched servers take the GPUs after them."""
         ro = recipe.rollout
         eos = tokenizer.eos_token_id
         if not ro.urls:
+            trainer_gpus = trainer_gpus_on_node(recipe.trainer) if beside_training else 0
             return cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
-                              version=version, seed=recipe.run.seed)
+                              version=version, seed=recipe.run.seed, trainer_gpus=trainer_gpus)
         urls = [u.rstrip("/") for u in ro.urls]
         # attached servers may still be starting (or restarting): the same bounded wait as launched ones
         wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
@@ -145,12 +149,12 @@ class SGLangEngine(RolloutEngine):
     def launch(cls, model_dir: str | Path, *, cfg: SGLangServer | None = None, dtype: str = "bfloat16",
                run_dir: str | Path | None = None, eos_token_id: int | None = None, version: int = 0, seed: int = 0,
                launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
-               env: dict[str, str] | None = None) -> SGLangEngine:
+               env: dict[str, str] | None = None, trainer_gpus: int = 0) -> SGLangEngine:
         """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
         front of them; wait until they generate; return the engine."""
         cfg = cfg or SGLangServer()
         servers = launch_servers(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
-                                 env=env)
+                                 env=env, trainer_gpus=trainer_gpus)
         router = None
         try:
             wait_until_healthy([(s.url, s) for s in servers], cfg.startup_timeout_s)

@@ -2,9 +2,14 @@
 
 `rollout.sglang.num_servers` servers are launched on the node of rank 0 as
 `python -m sglang.launch_server` (or `rollout.sglang.launch_cmd`), on ports base_port + i, server
-i on GPUs i x tp x dp .. (i + 1) x tp x dp - 1, each in its own process group with its log in
-`<run_dir>/sglang_server_{i}.log`. A recipe whose servers need more GPUs than this node shows is
-refused before anything starts; servers on other nodes are started there and attached with
+i on GPUs T + i x tp x dp .. T + (i + 1) x tp x dp - 1, where T is the GPUs the trainer's ranks
+take on that node when the servers run beside training (0 otherwise); each server runs in its own
+process group with its log in `<run_dir>/sglang_server_{i}.log`. A recipe whose servers (and
+trainer) need more GPUs than this node shows is refused before anything starts.
+
+With `rollout.sglang.nodes` N > 1 the run launches none: node n starts servers n x S .. (n + 1) x
+S - 1 (S = num_servers / N) itself (`rlrecipe rollout-servers`, `node_servers.py`), server i still
+on port base_port + i, its GPUs counted from 0 on its node, and the run attaches to them with
 `rollout.urls`. Optionally `sglang-router` runs in front of the servers (`rollout.sglang.router`,
 log `<run_dir>/sglang_router.log`) so that generation goes to one URL.
 
@@ -21,6 +26,7 @@ import atexit
 import ctypes
 import importlib.util
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -37,7 +43,8 @@ import requests
 
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
-from rlrecipe.recipe import SGLangServer
+from rlrecipe.recipe import SGLangServer, TrainerSection
+from rlrecipe.rollout.api_key import ENV as API_KEY_ENV
 from rlrecipe.rollout.api_key import api_key
 
 LOG_NAME = "sglang_server_{i}.log"
@@ -48,12 +55,15 @@ WAIT_NOTICE_S = 10.0  # say what is awaited once a start-up takes this long
 
 
 def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
-                      seed: int) -> list[str]:
-    """`python -m sglang.launch_server ...` for server `index` (its GPUs start at index * tp * dp)."""
+                      seed: int, base_gpu: int | None = None) -> list[str]:
+    """`python -m sglang.launch_server ...` for server `index`, its GPUs from `base_gpu` on
+    (default index * tp * dp: every server of the recipe on this node)."""
+    if base_gpu is None:
+        base_gpu = index * gpus_per_server(cfg)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
             "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
             "--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", dtype,
-            "--random-seed", str(seed), "--base-gpu-id", str(index * cfg.tp_size * cfg.dp_size),
+            "--random-seed", str(seed), "--base-gpu-id", str(base_gpu),
             *(["--api-key", api_key()] if api_key() else []), *cfg.extra_args]
 
 
@@ -65,6 +75,48 @@ def fill_placeholders(template: Sequence[str], **values) -> list[str]:
             part = part.replace("{" + key + "}", str(value))
         out.append(part)
     return out
+
+
+def shown_cmd(cmd: Sequence[str]) -> str:
+    """The command as logs and --dry-run print it, ready for a shell: the API key's value is not
+    written out but read from the environment ("$SGLANG_API_KEY")."""
+    key = api_key()
+    return " ".join(f'"${API_KEY_ENV}"' if key and part == key else shlex.quote(part) for part in cmd)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server to start: its index in the recipe, port, first GPU on its node, URL and command."""
+
+    index: int
+    port: int
+    base_gpu: int
+    url: str
+    cmd: list[str]
+
+
+def url_for(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def server_specs(model: str, cfg: SGLangServer, indices: Sequence[int], *, dtype: str, seed: int,
+                 template: Sequence[str] | Callable[[int, int], list[str]] | None = None,
+                 gpu_offset: int = 0) -> list[ServerSpec]:
+    """Servers `indices` of the recipe: server i on port base_port + i, its GPUs from gpu_offset +
+    k x tp x dp on, k its place among `indices`; URLs as this node reaches them (host:port)."""
+    specs = []
+    for k, i in enumerate(indices):
+        port = cfg.base_port + i
+        base_gpu = gpu_offset + k * gpus_per_server(cfg)
+        if template is None:
+            cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed, base_gpu=base_gpu)
+        elif callable(template):
+            cmd = list(template(i, port))
+        else:
+            cmd = fill_placeholders(template, model=model, host=cfg.host, port=port, index=i, dtype=dtype,
+                                    seed=seed, base_gpu_id=base_gpu)
+        specs.append(ServerSpec(i, port, base_gpu, url_for(cfg.host, port), cmd))
+    return specs
 
 
 def port_free(host: str, port: int) -> bool:
@@ -130,7 +182,7 @@ class ServerProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {' '.join(self.cmd)}\n".encode())
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {shown_cmd(self.cmd)}\n".encode())
             log.flush()
             in_main = threading.current_thread() is threading.main_thread()
             try:
@@ -201,41 +253,49 @@ def model_arg(model_dir: str | Path) -> str:
     return str(p.resolve()) if p.exists() else str(model_dir)
 
 
-def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bfloat16",
-                   run_dir: str | Path | None = None, seed: int = 0,
-                   launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
-                   env: dict[str, str] | None = None) -> list[ServerProcess]:
-    """Start `cfg.num_servers` servers on base_port + i (not yet healthy); on failure none is left running.
-
-    `launch_cmd` (or `cfg.launch_cmd`) replaces the SGLang command: a list with placeholders
-    {model} {host} {port} {index} {dtype} {seed}, or a callable (index, port) -> argv.
-    """
-    template = launch_cmd if launch_cmd is not None else (cfg.launch_cmd or None)
-    if template is None and importlib.util.find_spec("sglang") is None:
+def require_sglang() -> None:
+    if importlib.util.find_spec("sglang") is None:
         raise UserError("rollout.engine=sglang: SGLang is not installed here (GPU machines: "
                         "`make install-gpu`); attach to running servers with rollout.urls, set "
                         "rollout.sglang.launch_cmd, or use rollout.engine=inprocess")
+
+
+def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bfloat16",
+                   run_dir: str | Path | None = None, seed: int = 0,
+                   launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
+                   env: dict[str, str] | None = None, trainer_gpus: int = 0) -> list[ServerProcess]:
+    """Start `cfg.num_servers` servers on base_port + i (not yet healthy); on failure none is left running.
+
+    `launch_cmd` (or `cfg.launch_cmd`) replaces the SGLang command: a list with placeholders
+    {model} {host} {port} {index} {dtype} {seed} {base_gpu_id}, or a callable (index, port) -> argv.
+    `trainer_gpus`: GPUs 0 .. trainer_gpus - 1 of this node train (servers launched beside
+    training); the servers take the GPUs after them.
+    """
+    if cfg.nodes > 1:
+        raise UserError(f"rollout.sglang.nodes is {cfg.nodes}: the run launches no servers then; start each "
+                        f"node's share with `rlrecipe rollout-servers RECIPE --node N` (N = 0..{cfg.nodes - 1}) "
+                        "and attach them with rollout.urls (README: Rollout at scale)")
+    template = launch_cmd if launch_cmd is not None else (cfg.launch_cmd or None)
     if template is None:  # a launch_cmd may not use GPUs at all
-        check_gpus(cfg, visible_gpus())
+        require_sglang()
+        check_gpus(cfg, visible_gpus(), trainer_gpus=trainer_gpus)
+    specs = server_specs(model_arg(model_dir), cfg, range(cfg.num_servers), dtype=dtype, seed=seed,
+                         template=template, gpu_offset=trainer_gpus)
+    return start_servers(specs, cfg, run_dir, env)
+
+
+def start_servers(specs: Sequence[ServerSpec], cfg: SGLangServer, run_dir: str | Path | None,
+                  env: dict[str, str] | None = None) -> list[ServerProcess]:
+    """Start these servers (not yet healthy), logs in `run_dir`; on failure none is left running."""
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
-    model = model_arg(model_dir)
     servers: list[ServerProcess] = []
     try:
-        for i in range(cfg.num_servers):
-            port = cfg.base_port + i
-            if not port_free(cfg.host, port):
-                raise UserError(f"rollout.sglang.base_port: port {port} on {cfg.host} is already in use "
+        for spec in specs:
+            if not port_free(cfg.host, spec.port):
+                raise UserError(f"rollout.sglang.base_port: port {spec.port} on {cfg.host} is already in use "
                                 "(another server still running? pick another base_port, or attach to it "
                                 "with rollout.urls)")
-            values = dict(model=model, host=cfg.host, port=port, index=i, dtype=dtype, seed=seed)
-            if template is None:
-                cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed)
-            elif callable(template):
-                cmd = list(template(i, port))
-            else:
-                cmd = fill_placeholders(template, **values)
-            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-            server = ServerProcess(i, f"http://{host}:{port}", cmd, run_dir / LOG_NAME.format(i=i),
+            server = ServerProcess(spec.index, spec.url, spec.cmd, run_dir / LOG_NAME.format(i=spec.index),
                                    env={**os.environ, **(env or {})})
             servers.append(server)
             server.start()
@@ -247,9 +307,19 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
 
 
 # -- this node's GPUs ------------------------------------------------------------------------------
+def gpus_per_server(cfg: SGLangServer) -> int:
+    return cfg.tp_size * cfg.dp_size
+
+
 def gpus_needed(cfg: SGLangServer) -> int:
     """GPUs the launched servers take: num_servers x tp_size x dp_size."""
-    return cfg.num_servers * cfg.tp_size * cfg.dp_size
+    return cfg.num_servers * gpus_per_server(cfg)
+
+
+def trainer_gpus_on_node(trainer: TrainerSection) -> int:
+    """GPUs the trainer takes on each of its nodes: one per process, LOCAL_RANK 0 .. nproc - 1
+    (train/launch.py sets the device so)."""
+    return trainer.nproc
 
 
 def visible_gpus() -> int:
@@ -259,15 +329,23 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def check_gpus(cfg: SGLangServer, visible: int) -> None:
-    """Refuse servers that need more GPUs than this node has, before SGLang fails on a missing device."""
+def check_gpus(cfg: SGLangServer, visible: int, trainer_gpus: int = 0) -> None:
+    """Refuse servers that need more GPUs than this node has, before SGLang fails on a missing device.
+
+    `trainer_gpus`: the trainer's GPUs on this node when the servers are launched beside training.
+    They count: the servers go on the GPUs after them rather than refused outright, since sharing
+    one node between training ranks and servers is a valid layout as long as no GPU does both
+    (an overlap would put SGLang's static memory fraction on a GPU the trainer already fills)."""
     need = gpus_needed(cfg)
-    if need > visible:
+    if need + trainer_gpus > visible:
+        trainer = (f" after the trainer's {trainer_gpus} (trainer.nproc, GPUs 0..{trainer_gpus - 1}) = "
+                   f"{need + trainer_gpus}" if trainer_gpus else "")
         raise UserError(f"rollout.sglang: num_servers {cfg.num_servers} x tp_size {cfg.tp_size} x dp_size "
-                        f"{cfg.dp_size} = {need} GPUs, but this node (rank 0, where the run launches its "
-                        f"servers) has {visible}; lower rollout.sglang.num_servers, tp_size or dp_size, or "
-                        "start servers on the other nodes and attach them with rollout.urls (README: "
-                        "Rollout at scale)")
+                        f"{cfg.dp_size} = {need} GPUs{trainer}, but this node (rank 0, where the run launches "
+                        f"its servers) has {visible}; lower rollout.sglang.num_servers, tp_size or dp_size"
+                        f"{', or trainer.nproc' if trainer_gpus else ''}, or spread the servers over "
+                        "rollout.sglang.nodes nodes (`rlrecipe rollout-servers`) and attach them with "
+                        "rollout.urls (README: Rollout at scale)")
 
 
 # -- the router ------------------------------------------------------------------------------------

@@ -212,7 +212,8 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
     reference = make_reference(recipe, stage.model_dir)  # None unless rl.kl_coef > 0
     watch = EntropyWatch.from_config(cfg.entropy_watch, quiet=not lead)
     start = resume_rl(run, trainer, pool)
-    engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir) if lead else None
+    engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir,
+                                 beside_training=True) if lead else None
     transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang)
     if start:
         push_weights(trainer, engine, run, tokenizer, start, transport)

@@ -228,6 +228,15 @@ def bench_grading() -> dict:
     return {**rates(), **file_times()}
 
 
+def generated_tokens(new: torch.Tensor, eos: int) -> int:
+    """Tokens `generate` really produced in each row of `new` (the part after the prompt): up to and
+    including the first eos, all of them where there is none. Finished rows are padded out to the
+    batch's longest, and the padding is not generation (the engine's count stops at eos too)."""
+    is_eos = new == eos
+    lengths = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, new.shape[1])
+    return int(lengths.sum())
+
+
 def bench_engine(n: int = 256) -> dict:
     """Slot-refilling engine vs plain transformers generate on the same prompts, same model."""
     tok = load_tokenizer(MODEL)
@@ -250,7 +259,7 @@ def bench_engine(n: int = 256) -> dict:
             batch = tok.pad({"input_ids": prompts[i:i + 128]}, return_tensors="pt")
             out = model.generate(**batch, max_new_tokens=160, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id)
             new = out[:, batch["input_ids"].shape[1]:]
-            tokens += int(((new != tok.pad_token_id).cumsum(-1) > 0).sum())
+            tokens += generated_tokens(new, tok.eos_token_id)
         return tokens
 
     ours_tokens, hf_tokens = ours(), hf()  # warm-up, and the token counts

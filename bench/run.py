@@ -121,10 +121,37 @@ def bench_c3po_end_to_end(steps: int = 5) -> dict:
                 (Path(".cache/bench-runs") / f"bench-rl-{mode}" / "metrics.jsonl").read_text().splitlines()]
         rows = rows[1:]  # the first C3PO++ step fills an empty pool
         per_token[mode] = sum(r["rollout_s"] + r["train_s"] for r in rows) / sum(r["tokens_trained"] for r in rows)
-        steps_kept[mode] = [{k: r[k] for k in ("rollout_s", "train_s", "tokens_trained")} for r in rows]
+        steps_kept[mode] = [{k: r[k] for k in ("rollout_s", "grade_s", "train_s", "tokens_trained")} for r in rows]
     return {"sync_s_per_1k_trained_tokens": 1000 * per_token["sync"],
             "c3po_s_per_1k_trained_tokens": 1000 * per_token["c3po"],
             "end_to_end_speedup": per_token["sync"] / per_token["c3po"], "steps": steps_kept}
+
+
+def bench_demo_steps(end_to_end: dict, steps: int = 5) -> dict:
+    """Where one step of the demo's two stages spends its time: an SFT step of tiny_sft.yaml (batch
+    assembly, then train_step: forward, backward, optimizer) and a synchronous RL step of tiny_rl.yaml
+    (rollout, grading, training: from the end-to-end runs above)."""
+    from rlrecipe.recipe import load_recipe
+    from rlrecipe.sft import batch_for_step, sft_step
+
+    recipe = load_recipe("recipes/tiny_sft.yaml").recipe
+    tok = load_tokenizer(MODEL)
+    samples, _ = build_sft_samples(load_rows(str(DATA / "sft.jsonl"), "sft"), tok, recipe.data.prompt_template,
+                                   recipe.sft.max_length)
+    engine = TorchTrainEngine(MODEL, recipe.trainer, total_steps=steps + 1)
+    batch_s = train_s = 0.0
+    for step in range(steps + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        batch = batch_for_step(samples, step, recipe.sft.batch_size, recipe.run.seed)
+        t1 = time.perf_counter()
+        sft_step(engine, batch)
+        if step:
+            batch_s, train_s = batch_s + t1 - t0, train_s + time.perf_counter() - t1
+    rl = end_to_end["steps"]["sync"]
+    out = {"sft_batch_s": batch_s / steps, "sft_train_step_s": train_s / steps,
+           "sft_tokens_per_step": sum(len(s.input_ids) for s in batch)}
+    out.update({f"rl_{k}_per_step": sum(r[k] for r in rl) / len(rl) for k in ("rollout_s", "grade_s", "train_s")})
+    return out
 
 
 def bench_projection(c3po: dict, end_to_end: dict | None) -> dict:
@@ -228,6 +255,15 @@ def bench_grading() -> dict:
     return {**rates(), **file_times()}
 
 
+def generated_tokens(new: torch.Tensor, eos: int) -> int:
+    """Tokens `generate` really produced in each row of `new` (the part after the prompt): up to and
+    including the first eos, all of them where there is none. Finished rows are padded out to the
+    batch's longest, and the padding is not generation (the engine's count stops at eos too)."""
+    is_eos = new == eos
+    lengths = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, new.shape[1])
+    return int(lengths.sum())
+
+
 def bench_engine(n: int = 256) -> dict:
     """Slot-refilling engine vs plain transformers generate on the same prompts, same model."""
     tok = load_tokenizer(MODEL)
@@ -250,7 +286,7 @@ def bench_engine(n: int = 256) -> dict:
             batch = tok.pad({"input_ids": prompts[i:i + 128]}, return_tensors="pt")
             out = model.generate(**batch, max_new_tokens=160, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id)
             new = out[:, batch["input_ids"].shape[1]:]
-            tokens += int(((new != tok.pad_token_id).cumsum(-1) > 0).sum())
+            tokens += generated_tokens(new, tok.eos_token_id)
         return tokens
 
     ours_tokens, hf_tokens = ours(), hf()  # warm-up, and the token counts
@@ -325,6 +361,7 @@ def main() -> None:
     ensure_inputs()
     results = {}
     for name, fn in [("c3po_vs_sync", bench_c3po), ("c3po_vs_sync_end_to_end", bench_c3po_end_to_end),
+                     ("demo_steps", lambda: bench_demo_steps(results["c3po_vs_sync_end_to_end"])),
                      ("prefill_packed_vs_padded",
                       lambda: bench_prefill(results["c3po_vs_sync"]["token_budget"])),
                      ("packed_vs_padded", bench_packing),

@@ -69,7 +69,9 @@ def run_sft(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False)
             t0 = time.time()
             batch = batch_for_step(samples, step, cfg.batch_size, recipe.run.seed)
             stats = sft_step(engine, batch)
-            metrics = {**stats, "tokens_per_s": sum(len(s.input_ids) for s in batch) / (time.time() - t0),
+            step_s = time.time() - t0
+            # tokens_per_s counts every token the step ran (prompt and response); `tokens` only the response
+            metrics = {**stats, "step_s": step_s, "tokens_per_s": sum(len(s.input_ids) for s in batch) / step_s,
                        "epoch": step / per_epoch}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
                 metrics.update(_validate(loaded, engine, tokenizer, run, step + 1))

@@ -39,13 +39,14 @@ def stage_times(wall: dict[str, float]) -> Table:
     """Where the demo's time went: each command's wall time, split as the runs recorded it."""
     sft, rl = _metrics("tiny-sft"), _metrics("tiny-rl")
     sft_eval, rl_eval = _summary("tiny-sft"), _summary("tiny-rl")
-    sft_train = sum(r["tokens"] / r["tokens_per_s"] for r in sft if r.get("tokens_per_s"))
+    sft_train = sum(r["step_s"] for r in sft)
     roll = sum(r["rollout_s"] - r.get("grade_s", 0.0) for r in rl)
     grade = sum(r.get("grade_s", 0.0) for r in rl)
     train = sum(r["train_s"] for r in rl)
     rows = [
         ("data", wall["data"], "", ""),
-        ("SFT train", sft_train, sum(r["tokens"] for r in sft) / max(sft_train, 1e-9), "response tokens/s"),
+        ("SFT train", sft_train, sum(r["step_s"] * r["tokens_per_s"] for r in sft) / max(sft_train, 1e-9),
+         "tokens/s (prompt + response)"),
         ("SFT eval", sft_eval["wall_time_s"], sft_eval["tokens_generated"] / sft_eval["wall_time_s"], "gen tokens/s"),
         ("SFT other (start, export)", wall["sft"] - sft_train - sft_eval["wall_time_s"], "", ""),
         ("RL rollout", roll, sum(r["tokens_generated"] for r in rl) / max(roll, 1e-9), "gen tokens/s"),

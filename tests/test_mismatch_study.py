@@ -55,7 +55,7 @@ def test_noise_leaves_the_sampling_stream_alone_and_opens_a_real_gap(tiny_model_
     def gap(trajs):
         samples = [TrainSample(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in trajs]
         lps = [lp for lp, _ in train.compute_logprobs(samples)]
-        return float(torch.cat([(lp - torch.tensor(t.logp_infer)).abs() for lp, t in zip(lps, trajs)]).mean())
+        return float(torch.cat([(lp - torch.tensor(t.logp_infer)).abs() for lp, t in zip(lps, trajs, strict=True)]).mean())
 
     g0, g1, g4 = gap(plain), gap(roll(1.0)), gap(roll(4.0))
     assert g0 < 1e-4 < g1 < g4, (g0, g1, g4)

@@ -155,3 +155,22 @@ def test_study_summary_by_hand(tmp_path):
     assert table["reward_final_mean"] == pytest.approx((-0.5 + 0.5) / 2)
     assert table["reward_final_sd"] == pytest.approx(2 ** 0.5 * 0.5)  # sd of (-0.5, 0.5)
     assert table["grad_norm_max"] == 9.0 and table["masked_frac_mean"] == pytest.approx(0.1)
+
+
+def test_results_md_gets_the_study_table_and_keeps_study_runs_out_of_the_main_one(tmp_path):
+    from rlrecipe.eval.report import render_results_md
+    from scripts.mismatch_study import aggregate, summarise_run
+
+    run = tmp_path / "mm-icepop-noise2-s1"
+    _write_metrics(run, [_row(i + 1, 0.6, grad=2.5, masked=0.25, kl=0.125) for i in range(6)])
+    (run / "recipe.sha256").write_text("ab" * 32)
+    row = summarise_run(run, "icepop", "noise", 2.0, 1, "done")
+    study = {"plan": {"headline": {"dial": "noise", "level": 2.0}}, "collapse_rule": "RULE", "table": aggregate([row])}
+    study_run = {"recipe": "recipes/mismatch_icepop.yaml", "model": "runs/mm/final", "benchmark": "tiny-arith",
+                 "avg": 0.5, "n": 8}
+    md = render_results_md([study_run], [], study)
+    assert "No results are recorded yet" in md  # the study's own evaluation is not a main-table row
+    line = next(x for x in md.splitlines() if x.startswith("| noise sigma=2 "))
+    assert line == ("| noise sigma=2 | icepop | 1 | 1.00 | - | 2.50 | 0.2500 | 0.1250 | 0 of 1 | "
+                    "recipes/mismatch_icepop.yaml | abababababab |")
+    assert "Collapse: RULE." in md and "Headline (all seeds): noise 2." in md

@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-fast demo bench bench-sglang reproduce-aime gpu-smoke lint clean
+.PHONY: install install-gpu test test-fast demo mismatch-study bench bench-sglang reproduce-aime gpu-smoke lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m scripts.demo
+
+# Five corrections (recipes/mismatch_*.yaml) under a dialled train/inference mismatch, from the
+# demo's SFT model (run `make demo` first); finished runs are kept, so a rerun does only what is
+# missing. About an hour on 2 cores. Writes runs/mismatch-study/ and RESULTS.md's section.
+mismatch-study: $(STAMP)
+	$(BIN)/python -m scripts.mismatch_study
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

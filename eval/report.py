@@ -221,7 +221,58 @@ def published_table(published: list[dict[str, Any]]) -> str:
     return _table(["Recipe", "Model", *benches], rows)
 
 
-def render_results_md(results: list[dict[str, Any]], published: list[dict[str, Any]] | None = None) -> str:
+STUDY_FILE = Path("mismatch-study") / "study.json"  # under the runs folder, written by scripts/mismatch_study.py
+STUDY_RECIPES = "recipes/mismatch_"  # their evaluations are reported in the study's own table
+
+
+def _num(x: Any, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def _mean_sd(mean: Any, sd: Any, fmt: str) -> str:
+    return _num(mean, fmt) + (f" ± {_num(sd, fmt)}" if sd is not None else "")
+
+
+def study_section(study: dict[str, Any]) -> str:
+    """RESULTS.md's "Mismatch study": one line per (mismatch, level, correction)."""
+    plan, rows = study.get("plan", {}), []
+    for t in study.get("table", []):
+        level = f"lag L={t['level']:g}" if t["dial"] == "lag" else f"noise sigma={t['level']:g}"
+        evals = None if t["eval_avg_mean"] is None else 100 * t["eval_avg_mean"]
+        eval_sd = None if t["eval_avg_sd"] is None else 100 * t["eval_avg_sd"]
+        rows.append([level, t["correction"], " ".join(str(x) for x in t["seeds"]),
+                     _mean_sd(t["reward_final_mean"], t["reward_final_sd"], ".2f"), _mean_sd(evals, eval_sd, ".1f"),
+                     _num(t["grad_norm_max"], ".2f"), _num(t["masked_frac_mean"], ".4f"),
+                     _num(t["mismatch_kl_mean"], ".4f"), f"{t['collapsed']} of {len(t['seeds'])}", t["recipe"],
+                     " ".join(sha[:12] for sha in t["recipe_sha256"])])
+    head = plan.get("headline")
+    intro = (
+        "Five recipes that differ only in the train/inference-mismatch correction (recipes/mismatch_*.yaml), "
+        "trained from the tiny SFT model under a dialled mismatch: *noise sigma* is a stress test (Gaussian noise "
+        "of that standard deviation on the rollout engine's logits), *lag L* a rollout engine that receives "
+        "weights every L steps; every run also samples in bfloat16 against a float32 trainer. Final reward: "
+        f"mean training reward of the last steps (± sd across seeds); held-out: avg@n on tiny-arith eval, percent. "
+        f"Collapse: {study.get('collapse_rule', '-')}. "
+        + (f"Headline (all seeds): {head['dial']} {head['level']:g}. " if head else "")
+        + "`make mismatch-study` reruns it; figures in runs/mismatch-study/figures/.\n")
+    header = ["mismatch", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
+              "mismatch KL", "collapsed", "recipe", "sha256 (with the dial set)"]
+    return "## Mismatch study\n\n" + intro + "\n" + _table(header, rows)
+
+
+def load_study(runs_dir: str | Path = "runs") -> dict[str, Any] | None:
+    path = Path(runs_dir) / STUDY_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err})") from None
+
+
+def render_results_md(results: list[dict[str, Any]], published: list[dict[str, Any]] | None = None,
+                      study: dict[str, Any] | None = None) -> str:
+    results = [r for r in results if not str(r.get("recipe", "")).startswith(STUDY_RECIPES)]
     parts = [HEADER, "## Recorded results\n"]
     if not results:
         parts.append("No results are recorded yet. `rlrecipe eval <recipe>` records one per benchmark;\n"
@@ -249,6 +300,8 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
                      "recipes reproduce or compare against (AReaL-boba, inclusionAI/AReaL; DeepSeek-R1), as\n"
                      "each recipe declares it in `eval.benchmarks[].reference`.\n")
         parts.append(published_table(published))
+    if study:
+        parts.append(study_section(study))
     return "\n".join(parts)
 
 
@@ -258,7 +311,8 @@ def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, An
 
     path = Path(path)
     published = published_references() if Path("recipes").is_dir() else []
-    atomic_write_text(path, render_results_md(collect_results(runs_dir) if results is None else results, published))
+    atomic_write_text(path, render_results_md(collect_results(runs_dir) if results is None else results, published,
+                                              load_study(runs_dir)))
     return path
 
 

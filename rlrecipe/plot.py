@@ -10,7 +10,8 @@ from rlrecipe.errors import UserError
 PANELS = [
     ("reward_mean", "reward"), ("accuracy", "train accuracy"), ("response_len_mean", "response length"),
     ("entropy", "entropy"), ("grad_norm", "grad norm"), ("icepop_masked_frac", "IcePop masked fraction"),
-    ("mismatch_abs_logp", "mean |logp_train - logp_infer|"), ("gen_tokens_per_s", "generated tokens/s"),
+    ("mismatch_abs_logp", "mean |logp_train - logp_infer|"), ("mismatch_kl", "mismatch KL (k3, per token)"),
+    ("staleness_mean", "mean staleness of trained tokens (steps)"), ("gen_tokens_per_s", "generated tokens/s"),
     ("loss", "loss"), ("tokens_per_s", "trained tokens/s"),
 ]
 

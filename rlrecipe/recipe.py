@@ -327,6 +327,13 @@ class RolloutSection(Section):
     max_new_tokens: int = Field(27648, gt=0)
     max_batch: int = Field(512, ge=1, description="in-process engine: decoding slots")
     refill_fraction: float = Field(0.25, gt=0, le=1, description="refill when this share of slots is free")
+    # The rollout engine receives the trainer's weights only after every L-th step (1: after each),
+    # the off-policy lag of asynchronous RL: rollouts then come from a policy up to L - 1 updates old.
+    weight_update_every: int = Field(1, ge=1)
+    # STRESS TEST, not a model of any engine: Gaussian noise of this standard deviation added to
+    # the in-process engine's logits before RL sampling, whose recorded log-probs are those of the
+    # perturbed distribution: a dial for the train/inference mismatch (evaluation never adds it).
+    stress_logit_noise: float = Field(0.0, ge=0)
     # Attach to running servers instead of launching them.
     urls: list[str] = []
     sglang: SGLangServer = SGLangServer()
@@ -438,6 +445,23 @@ class Recipe(Section):
     rollout: RolloutSection = RolloutSection()
     trainer: TrainerSection = TrainerSection()
     eval: EvalSection = EvalSection()
+
+    @model_validator(mode="after")
+    def _lag_resumes_exactly(self) -> Recipe:
+        # a checkpoint restores the trainer's weights; the engine's older ones are not stored, so
+        # every checkpoint must fall on a step after which the engine got the trainer's weights
+        every = self.rollout.weight_update_every
+        if every > 1 and self.rl.save_every % every:
+            raise ValueError(f"rl.save_every ({self.rl.save_every}) must be a multiple of "
+                             f"rollout.weight_update_every ({every}) so that a resumed run is the same run")
+        return self
+
+    @model_validator(mode="after")
+    def _noise_needs_inprocess(self) -> Recipe:
+        if self.rollout.stress_logit_noise > 0 and self.rollout.engine != "inprocess":
+            raise ValueError("rollout.stress_logit_noise is a stress test of the in-process engine; "
+                             "set it to 0 with rollout.engine: sglang")
+        return self
 
     @model_validator(mode="after")
     def _model_source(self) -> Recipe:

@@ -198,7 +198,8 @@ def rollout_metrics(batch: TrajectoryBatch | list[Trajectory], entropy: list[tor
 # -- the loop -----------------------------------------------------------------------------------
 def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> dict:
     """Each step: collect a graded batch -> recompute logp_train_old -> advantages and IcePop/TIS
-    weights -> PPO minibatch updates -> push weights to the rollout engine -> log -> checkpoint
+    weights -> PPO minibatch updates -> push weights to the rollout engine (after every
+    rollout.weight_update_every-th step) -> log -> checkpoint
     -> validate.
 
     With several DeepSpeed ranks, rank 0 owns the rollout engine, the pool and the grader and
@@ -232,7 +233,8 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
                     weights = attach_ppo_fields(samples, batch, logp_old, cfg)
                     update = ppo_update(trainer, samples, cfg)
                     guard.check(update, step + 1)
-                    push_weights(trainer, engine, run, tokenizer, step + 1, transport)
+                    if (step + 1) % recipe.rollout.weight_update_every == 0:
+                        push_weights(trainer, engine, run, tokenizer, step + 1, transport)
                 metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **pool_metrics(roll),
                            **timer.seconds, "gen_tokens_per_s": roll.generated_tokens / max(timer.seconds["rollout_s"], 1e-9)}
                 metrics.update(watch.update(metrics["entropy"], step + 1))
@@ -261,7 +263,7 @@ def make_pool(recipe: Recipe, tokenizer) -> RolloutPool:
 
 def sampling_params(ro: RolloutSection) -> SamplingParams:
     return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                          max_new_tokens=ro.max_new_tokens)
+                          max_new_tokens=ro.max_new_tokens, logit_noise=ro.stress_logit_noise)
 
 
 def pool_metrics(roll) -> dict[str, float]:

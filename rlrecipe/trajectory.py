@@ -66,3 +66,5 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 256
     greedy: bool = False
+    # stress test (rollout.stress_logit_noise): std of Gaussian noise on the logits before sampling
+    logit_noise: float = 0.0

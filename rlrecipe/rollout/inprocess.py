@@ -150,6 +150,7 @@ class EngineCounters:
         return asdict(self)
 
 
+_NOISE_SALT = 0x5DEECE66D  # separates the stress test's noise stream from the sampling stream
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, position) pairs over seed space
 
 
@@ -316,7 +317,9 @@ class InProcessEngine(RolloutEngine):
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
-                rows: list[Trajectory] | None = None):
+                rows: list[Trajectory] | None = None, noise: torch.Generator | None = None):
+        if params.logit_noise > 0:  # the stress test: sample from, and record, a perturbed distribution
+            logits = logits + params.logit_noise * torch.randn(logits.shape, generator=noise)
         if params.greedy or params.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             tok = logp.argmax(-1)
@@ -339,6 +342,8 @@ class InProcessEngine(RolloutEngine):
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
                  token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
         gen = torch.Generator().manual_seed(0 if seed is None else seed)
+        # its own stream, so turning the stress test on leaves the sampling stream as it was
+        noise = torch.Generator().manual_seed((0 if seed is None else seed) ^ _NOISE_SALT)
         queue = [t for t in trajs if not t.done and t.status != Status.ABORTED]
         queue.reverse()  # pop() from the end keeps the caller's order
         for t in queue:
@@ -375,7 +380,7 @@ class InProcessEngine(RolloutEngine):
                     self._refilled(clock() - t0, batch)
                     rows = [rows[i] for i in live]
             t0 = clock()
-            tok, lp = self._sample(batch.logits, params, gen, rows)
+            tok, lp = self._sample(batch.logits, params, gen, rows, noise)
             tokens, logps = tok.tolist(), lp.tolist()  # one conversion per step, not one per row
             for i, t in enumerate(rows):
                 if t.status != Status.RUNNING:

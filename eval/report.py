@@ -244,7 +244,8 @@ def study_section(study: dict[str, Any]) -> str:
                      _mean_sd(t["reward_final_mean"], t["reward_final_sd"], ".2f"), _mean_sd(evals, eval_sd, ".1f"),
                      _num(t["grad_norm_max"], ".2f"), _num(t["masked_frac_mean"], ".4f"),
                      _num(t["mismatch_kl_mean"], ".4f"), f"{t['collapsed']} of {len(t['seeds'])}", t["recipe"],
-                     " ".join(sha[:12] for sha in t["recipe_sha256"])])
+                     " ".join(sha[:12] for sha in t["recipe_sha256"]),
+                     " ".join(c[:7] for c in t.get("commits", [])) or "-"])
     head = plan.get("headline")
     intro = (
         "Five recipes that differ only in the train/inference-mismatch correction (recipes/mismatch_*.yaml), "
@@ -256,7 +257,7 @@ def study_section(study: dict[str, Any]) -> str:
         + (f"Headline (all seeds): {head['dial']} {head['level']:g}. " if head else "")
         + "`make mismatch-study` reruns it; figures in runs/mismatch-study/figures/.\n")
     header = ["mismatch", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
-              "mismatch KL", "collapsed", "recipe", "sha256 (with the dial set)"]
+              "mismatch KL", "collapsed", "recipe", "sha256 (with the dial set)", "commit"]
     return "## Mismatch study\n\n" + intro + "\n" + _table(header, rows)
 
 

@@ -107,6 +107,8 @@ def summarise_run(run_dir: Path, correction: str, dial: str, level: float, seed:
         })
     sha = run_dir / "recipe.sha256"
     row["recipe_sha256"] = sha.read_text().strip() if sha.exists() else None
+    env = run_dir / "env.json"  # the commit pins what the sha256 means: the schema resolves the recipe
+    row["commit"] = json.loads(env.read_text()).get("commit") if env.exists() else None
     summary = run_dir / "eval" / "tiny-arith" / "summary.json"
     row["eval_avg"] = json.loads(summary.read_text())["avg"] if summary.exists() else None
     row["collapsed"] = collapsed(row)
@@ -138,6 +140,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
             "mismatch_kl_mean": _mean([r["mismatch_kl_mean"] for r in group if r.get("steps")]),
             "collapsed": sum(r["collapsed"] for r in group), "recipe": recipe_of(corr),
             "recipe_sha256": sorted({r["recipe_sha256"] for r in group if r["recipe_sha256"]}),
+            "commits": sorted({r["commit"] for r in group if r.get("commit")}),
         })
     return out
 

@@ -159,6 +159,7 @@ def test_study_summary_by_hand(tmp_path):
 
 def test_results_md_gets_the_study_table_and_keeps_study_runs_out_of_the_main_one(tmp_path):
     from rlrecipe.eval.report import render_results_md
+
     from scripts.mismatch_study import aggregate, summarise_run
 
     run = tmp_path / "mm-icepop-noise2-s1"
@@ -172,5 +173,5 @@ def test_results_md_gets_the_study_table_and_keeps_study_runs_out_of_the_main_on
     assert "No results are recorded yet" in md  # the study's own evaluation is not a main-table row
     line = next(x for x in md.splitlines() if x.startswith("| noise sigma=2 "))
     assert line == ("| noise sigma=2 | icepop | 1 | 1.00 | - | 2.50 | 0.2500 | 0.1250 | 0 of 1 | "
-                    "recipes/mismatch_icepop.yaml | abababababab |")
+                    "recipes/mismatch_icepop.yaml | abababababab | - |")
     assert "Collapse: RULE." in md and "Headline (all seeds): noise 2." in md

@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lag", default=",".join(str(x) for x in LAG_LEVELS), help="weight-update lags ('' = none)")
     ap.add_argument("--seeds", default=",".join(str(s) for s in HEADLINE_SEEDS), help="seeds of the headline")
     ap.add_argument("--corrections", default=",".join(CORRECTIONS))
+    ap.add_argument("--headline", type=float, default=None,
+                    help="noise level of the headline instead of the rule's (say why in --why)")
+    ap.add_argument("--why", default="", help="recorded in study.json beside an overridden headline")
     args = ap.parse_args(argv)
     corrections = [c for c in args.corrections.split(",") if c]
     noise = [float(x) for x in args.noise.split(",") if x]
@@ -191,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
             headline = level
             break
     # 2. the headline: the same level over every seed
+    if args.headline is not None:
+        plan["headline_by_rule"] = headline
+        plan["headline_override_why"] = args.why
+        headline = args.headline
     if headline is not None:
         plan["headline"] = {"dial": "noise", "level": headline}
         for seed in seeds:

@@ -237,7 +237,8 @@ def study_section(study: dict[str, Any]) -> str:
     """RESULTS.md's "Mismatch study": one line per (mismatch, level, correction)."""
     plan, rows = study.get("plan", {}), []
     for t in study.get("table", []):
-        level = f"lag L={t['level']:g}" if t["dial"] == "lag" else f"noise sigma={t['level']:g}"
+        level = {"lag": lambda x: f"lag L={x:g}", "precision": lambda x: f"rollout {x}"}.get(
+            t["dial"], lambda x: f"noise sigma={x:g}")(t["level"])
         evals = None if t["eval_avg_mean"] is None else 100 * t["eval_avg_mean"]
         eval_sd = None if t["eval_avg_sd"] is None else 100 * t["eval_avg_sd"]
         rows.append([level, t["correction"], " ".join(str(x) for x in t["seeds"]),
@@ -251,7 +252,8 @@ def study_section(study: dict[str, Any]) -> str:
         "Five recipes that differ only in the train/inference-mismatch correction (recipes/mismatch_*.yaml), "
         "trained from the tiny SFT model under a dialled mismatch: *noise sigma* is a stress test (Gaussian noise "
         "of that standard deviation on the rollout engine's logits), *lag L* a rollout engine that receives "
-        "weights every L steps; every run also samples in bfloat16 against a float32 trainer. Final reward: "
+        "weights every L steps, *rollout DTYPE* the rollout in that dtype instead of bfloat16 (every other run "
+        "samples in bfloat16 against a float32 trainer). Final reward: "
         f"mean training reward of the last steps (± sd across seeds); held-out: avg@n on tiny-arith eval, percent. "
         f"Collapse: {study.get('collapse_rule', '-')}. "
         + (f"Headline (all seeds): {head['dial']} {head['level']:g}. " if head else "")

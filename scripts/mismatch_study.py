@@ -8,7 +8,8 @@ the command line:
   stress test, labelled as one: no engine does this, but it makes the mismatch a dial);
 - lag: `rollout.weight_update_every` = L, the rollout engine receives weights only every L steps
   (the off-policy lag of asynchronous RL), on top of C3PO++'s partial rollouts;
-- precision needs no dial: every run samples in bfloat16 while the trainer computes in float32.
+- precision: `rollout.dtype`, float16 or float32 in place of the bfloat16 every other run samples
+  in (the trainer computes in float32 throughout).
 
 The noise levels are swept upward, one seed each, until the uncorrected run collapses (or the
 levels run out); the headline comparison is then repeated over 3 seeds at the first level where
@@ -32,9 +33,10 @@ import time
 from pathlib import Path
 
 CORRECTIONS = ["off", "tis", "icepop", "seqmask", "gspo"]
-DIALS = {"noise": "rollout.stress_logit_noise", "lag": "rollout.weight_update_every"}
+DIALS = {"noise": "rollout.stress_logit_noise", "lag": "rollout.weight_update_every", "precision": "rollout.dtype"}
 NOISE_LEVELS = [0.0, 1.0, 2.0, 4.0, 8.0]
 LAG_LEVELS = [5, 10]
+PRECISIONS = ["float16", "float32"]  # the rollout's; bfloat16 is every other run's (noise 0 is its row)
 HEADLINE_SEEDS = [1, 2, 3]
 STUDY_DIR = Path("runs") / "mismatch-study"
 WINDOW = 5  # steps averaged at the start and at the end of a run
@@ -48,8 +50,8 @@ def recipe_of(correction: str) -> str:
     return f"recipes/mismatch_{correction}.yaml"
 
 
-def level_label(dial: str, level: float) -> str:
-    return f"{dial}{level:g}"
+def level_label(dial: str, level: float | str) -> str:
+    return f"{dial}-{level}" if isinstance(level, str) else f"{dial}{level:g}"
 
 
 def run_name(correction: str, dial: str, level: float, seed: int) -> str:
@@ -66,7 +68,7 @@ def run_one(correction: str, dial: str, level: float, seed: int) -> dict:
     run_dir = Path("runs") / name
     status = "done"
     if not _finished(run_dir):
-        value = int(level) if dial == "lag" else level
+        value = int(level) if dial == "lag" else level  # precision: a dtype name
         args = ["rl", recipe_of(correction), "--set", f"{DIALS[dial]}={value}", "--set", f"run.seed={seed}",
                 "--set", f"run.name={name}"]
         resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
@@ -125,7 +127,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
     """One line per (dial, level, correction): means, sd across seeds, and collapses."""
     out = []
     keys = sorted({(r["dial"], r["level"], r["correction"]) for r in rows},
-                  key=lambda k: (k[0], k[1], CORRECTIONS.index(k[2])))
+                  key=lambda k: (k[0], str(k[1]) if isinstance(k[1], str) else f"{k[1]:012.4f}",
+                                 CORRECTIONS.index(k[2])))
     for dial, level, corr in keys:
         group = [r for r in rows if (r["dial"], r["level"], r["correction"]) == (dial, level, corr)]
         finals = [r["reward_final"] for r in group if r.get("steps")]
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--noise", default=",".join(f"{x:g}" for x in NOISE_LEVELS), help="noise levels, ascending")
     ap.add_argument("--lag", default=",".join(str(x) for x in LAG_LEVELS), help="weight-update lags ('' = none)")
+    ap.add_argument("--precision", default=",".join(PRECISIONS), help="rollout dtypes beside bfloat16 ('' = none)")
     ap.add_argument("--seeds", default=",".join(str(s) for s in HEADLINE_SEEDS), help="seeds of the headline")
     ap.add_argument("--corrections", default=",".join(CORRECTIONS))
     ap.add_argument("--headline", type=float, default=None,
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     if not (Path("runs") / "tiny-sft" / "final").is_dir():
         sys.exit("the study starts from the tiny SFT model: run `make demo` (or rlrecipe sft recipes/tiny_sft.yaml) first")
     rows: list[dict] = []
-    plan = {"noise": noise, "lag": lags, "seeds": seeds, "corrections": corrections}
+    precisions = [x for x in args.precision.split(",") if x]
+    plan = {"noise": noise, "lag": lags, "precision": precisions, "seeds": seeds, "corrections": corrections}
     # 1. sweep the noise upward, seed 1, until the uncorrected run collapses
     headline = noise[-1] if noise else None
     for level in noise:
@@ -209,6 +214,11 @@ def main(argv: list[str] | None = None) -> None:
         rows += [run_one(c, "lag", lag, 1) for c in corrections]
         write_study(rows, plan)
         plot_level("lag", lag, 1)
+    # 4. precision alone: the rollout in another dtype (no noise, no lag)
+    for dtype in precisions:
+        rows += [run_one(c, "precision", dtype, 1) for c in corrections]
+        write_study(rows, plan)
+        plot_level("precision", dtype, 1)
     path = write_study(rows, plan)
     print(f"study: {path}")
     subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)

@@ -175,3 +175,23 @@ def test_results_md_gets_the_study_table_and_keeps_study_runs_out_of_the_main_on
     assert line == ("| noise sigma=2 | icepop | 1 | 1.00 | - | 2.50 | 0.2500 | 0.1250 | 0 of 1 | "
                     "recipes/mismatch_icepop.yaml | abababababab | - |")
     assert "Collapse: RULE." in md and "Headline (all seeds): noise 2." in md
+
+
+def test_the_three_dials_summarise_and_sort_together(tmp_path):
+    from rlrecipe.eval.report import study_section
+
+    from scripts.mismatch_study import aggregate, run_name, summarise_run
+
+    rows = []
+    for dial, level in (("precision", "float16"), ("noise", 10.0), ("noise", 2.0), ("lag", 5)):
+        run = tmp_path / run_name("off", dial, level, 1)
+        _write_metrics(run, [_row(i + 1, 0.6) for i in range(6)])
+        rows.append(summarise_run(run, "off", dial, level, 1, "done"))
+    assert [r["run"].split("/")[-1] for r in rows] == ["mm-off-precision-float16-s1", "mm-off-noise10-s1",
+                                                       "mm-off-noise2-s1", "mm-off-lag5-s1"]
+    table = aggregate(rows)
+    assert [(t["dial"], t["level"]) for t in table] == [("lag", 5), ("noise", 2.0), ("noise", 10.0),
+                                                         ("precision", "float16")]
+    md = study_section({"table": table})
+    assert [line.split(" | ")[0] for line in md.splitlines() if line.startswith("| ") and "---" not in line][1:] == [
+        "| lag L=5", "| noise sigma=2", "| noise sigma=10", "| rollout float16"]

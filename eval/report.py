@@ -257,6 +257,8 @@ def study_section(study: dict[str, Any]) -> str:
         f"mean training reward of the last steps (± sd across seeds); held-out: avg@n on tiny-arith eval, percent. "
         f"Collapse: {study.get('collapse_rule', '-')}. "
         + (f"Headline (all seeds): {head['dial']} {head['level']:g}. " if head else "")
+        + (f"Also all seeds at lag {plan['lag_headline']['level']:g}, the first lag where the uncorrected run "
+           "collapsed. " if plan.get("lag_headline") else "")
         + (f"(The rule chose {plan['headline_by_rule']:g}; overridden: {plan['headline_override_why']}) "
            if plan.get("headline_override_why") else "")
         + "`make mismatch-study` reruns it; figures in runs/mismatch-study/figures/.\n")

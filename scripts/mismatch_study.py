@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--headline", type=float, default=None,
                     help="noise level of the headline instead of the rule's (say why in --why)")
     ap.add_argument("--why", default="", help="recorded in study.json beside an overridden headline")
+    ap.add_argument("--lag-headline", action="store_true",
+                    help="also every seed at the first lag where the uncorrected run collapsed (the noise rule, "
+                         "applied to the lag)")
     args = ap.parse_args(argv)
     corrections = [c for c in args.corrections.split(",") if c]
     noise = [float(x) for x in args.noise.split(",") if x]
@@ -210,10 +213,20 @@ def main(argv: list[str] | None = None) -> None:
                 rows += [run_one(c, "noise", headline, seed) for c in corrections]
                 write_study(rows, plan)
     # 3. staleness: the engine lags L - 1 updates behind (no noise)
+    lag_headline = None
     for lag in lags:
-        rows += [run_one(c, "lag", lag, 1) for c in corrections]
+        level_rows = [run_one(c, "lag", lag, 1) for c in corrections]
+        rows += level_rows
         write_study(rows, plan)
         plot_level("lag", lag, 1)
+        if lag_headline is None and any(r["correction"] == "off" and r["collapsed"] for r in level_rows):
+            lag_headline = lag
+    if args.lag_headline and lag_headline is not None:
+        plan["lag_headline"] = {"dial": "lag", "level": lag_headline}
+        for seed in seeds:
+            if seed != 1:
+                rows += [run_one(c, "lag", lag_headline, seed) for c in corrections]
+                write_study(rows, plan)
     # 4. precision alone: the rollout in another dtype (no noise, no lag)
     for dtype in precisions:
         rows += [run_one(c, "precision", dtype, 1) for c in corrections]

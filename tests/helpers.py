@@ -55,6 +55,25 @@ def kill_once_checkpointed(cmd: list[str], env: dict, checkpoint: Path, limit_s:
         proc.wait(timeout=60)
 
 
+def flat_recipe(name: str) -> dict:
+    """A shipped recipe (recipes/NAME), resolved, as {"dotted.field": value}."""
+    from rlrecipe.recipe import load_recipe
+
+    def flat(d: dict, prefix: str) -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    return flat(load_recipe(REPO / "recipes" / name).recipe.model_dump(mode="json"), "")
+
+
+def recipe_changes(base: str, other: str) -> dict:
+    """The fields whose resolved value differs between two shipped recipes, with `other`'s values."""
+    a, b = flat_recipe(base), flat_recipe(other)
+    return {k: b[k] for k in a if a[k] != b[k]}
+
+
 def run_bounded(cmd: list[str], cwd: Path | None = None, timeout_s: float = 240) -> str:
     """Run a command in its own process group; kill the whole group on timeout; return its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),

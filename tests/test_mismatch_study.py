@@ -1,14 +1,14 @@
-"""The mismatch study: its two dials (logit noise, weight-update lag), its recipes and its summary."""
+"""The mismatch study: its dials (logit noise, weight-update lag; precision is rollout.dtype), its recipes and
+its summary."""
 
 import json
 
 import pytest
 import torch
 
-from rlrecipe.recipe import RecipeError, load_recipe, recipe_from_dict
+from rlrecipe.recipe import RecipeError, recipe_from_dict
 
-from .conftest import REPO
-from .helpers import rl_recipe, write_tiny_data
+from .helpers import flat_recipe, recipe_changes, rl_recipe, write_tiny_data
 
 
 # -- the noise dial --------------------------------------------------------------------------
@@ -99,13 +99,6 @@ def test_weight_update_lag_shows_as_staleness(tmp_path, tiny_model_dir):
 
 
 # -- the study's recipes -------------------------------------------------------------------------
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 ARMS = {
     "tis": {"rl.icepop.mode": "tis"},
     "icepop": {"rl.icepop.mode": "icepop"},
@@ -116,9 +109,8 @@ ARMS = {
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_study_arms_differ_only_in_the_correction(arm):
-    base = _flat(load_recipe(REPO / "recipes" / "mismatch_off.yaml").recipe.model_dump(mode="json"))
-    other = _flat(load_recipe(REPO / "recipes" / f"mismatch_{arm}.yaml").recipe.model_dump(mode="json"))
-    changed = {k: other[k] for k in base if base[k] != other[k]}
+    changed = recipe_changes("mismatch_off.yaml", f"mismatch_{arm}.yaml")
+    base = flat_recipe("mismatch_off.yaml")
     assert changed.pop("run.name") == f"mismatch-{arm}"
     assert changed == ARMS[arm]
     assert base["rl.icepop.mode"] == "off" and base["rl.offpolicy_seq_delta"] is None

@@ -6,6 +6,7 @@ import pytest
 from rlrecipe.recipe import RecipeError, load_recipe
 
 from .conftest import REPO
+from .helpers import recipe_changes
 
 SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
 
@@ -105,20 +106,8 @@ def test_cli_validate_all_shipped(tmp_path):
     assert proc.stdout.count("ok ") == len(SHIPPED)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def test_icepop_c3po_recipe_changes_only_what_it_claims():
-    base = _flat(load_recipe(REPO / "recipes" / "7b_boba.yaml").recipe.model_dump(mode="json"))
-    other = _flat(load_recipe(REPO / "recipes" / "7b_boba_icepop_c3po.yaml").recipe.model_dump(mode="json"))
-    changed = {k for k in base if base[k] != other[k]}
+    changed = set(recipe_changes("7b_boba.yaml", "7b_boba_icepop_c3po.yaml"))
     assert changed == {"run.name", "rl.icepop.mode", "rl.c3po.enabled"}
 
 

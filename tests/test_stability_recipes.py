@@ -2,9 +2,7 @@
 
 import pytest
 
-from rlrecipe.recipe import load_recipe
-
-from .conftest import REPO
+from .helpers import recipe_changes
 
 CLAIMS = {
     # the recipe spells out GSPO's clip range, which is the default
@@ -18,20 +16,8 @@ CLAIMS = {
 }
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 @pytest.mark.parametrize("name", CLAIMS)
 def test_remedy_recipe_changes_only_what_it_claims(name):
-    base = _flat(load_recipe(REPO / "recipes" / "tiny_rl.yaml").recipe.model_dump(mode="json"))
-    other = _flat(load_recipe(REPO / "recipes" / name).recipe.model_dump(mode="json"))
-    changed = {k: other[k] for k in base if base[k] != other[k]}
+    changed = recipe_changes("tiny_rl.yaml", name)
     assert changed.pop("run.name") == name.removesuffix(".yaml").replace("_", "-")
     assert changed == CLAIMS[name]

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import yaml
 
+from rlrecipe.runs import read_metrics
+
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
         "max_position_embeddings": 256}
 
@@ -63,10 +65,6 @@ def write_data(root: Path) -> None:
     write_tiny_arith(root / "data", TinyArithConfig(seed=0, n_sft=400, n_rl=64, n_eval=8, max_lines=3))
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def _weights_sha(run_dir: Path) -> str:
     h = hashlib.sha256()
     for p in sorted((run_dir / "final").glob("*.safetensors")):
@@ -85,7 +83,7 @@ def run_chain(root: Path, env: dict[str, str]) -> dict:
         subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "sft" if recipe == sft else "rl", str(recipe),
                         "--overwrite"], check=True, env=full_env, capture_output=True)
     wall = time.time() - t0
-    s, r = _rows(root / "runs" / "golden-sft"), _rows(root / "runs" / "golden-rl")
+    s, r = (read_metrics(root / "runs" / name / "metrics.jsonl") for name in ("golden-sft", "golden-rl"))
     return {"sft_loss": [x["loss"] for x in s], "rl_loss": [x["loss"] for x in r],
             "rl_reward": [x["reward_mean"] for x in r], "rl_tokens": [x["tokens_trained"] for x in r],
             "sft_weights": _weights_sha(root / "runs" / "golden-sft"),

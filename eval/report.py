@@ -155,18 +155,22 @@ def result_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str
     return header, rows
 
 
-def _settings_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
-    def num(x: Any, fmt: str) -> str:
-        return format(x, fmt) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+def _num(x: Any, fmt: str) -> str:
+    """A number in `fmt`; "-" for a missing one (None, not a number, NaN or inf)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        return "-"
+    return format(x, fmt)
 
+
+def _settings_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
     def training(r: dict[str, Any]) -> list[str]:
         t = r.get("training") or {}
         tokens = t.get("tokens_trained_total", t.get("tokens_total"))
-        return [num(t.get("gpu_hours_this_session"), ".2f"), num(tokens, ",d"), num(t.get("tokens_generated_total"), ",d")]
+        return [_num(t.get("gpu_hours_this_session"), ".2f"), _num(tokens, ",d"), _num(t.get("tokens_generated_total"), ",d")]
 
-    return [[r.get("run", "-"), r["benchmark"], num(r.get("temperature"), "g"), num(r.get("top_p"), "g"),
-             num(r.get("max_new_tokens"), "d"), num(r.get("wall_time_s"), ".0f"),
-             num(r.get("tokens_generated"), ",d"), *training(r), r.get("summary_path", "-")] for r in results]
+    return [[r.get("run", "-"), r["benchmark"], _num(r.get("temperature"), "g"), _num(r.get("top_p"), "g"),
+             _num(r.get("max_new_tokens"), "d"), _num(r.get("wall_time_s"), ".0f"),
+             _num(r.get("tokens_generated"), ",d"), *training(r), r.get("summary_path", "-")] for r in results]
 
 
 def seed_groups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -223,10 +227,6 @@ def published_table(published: list[dict[str, Any]]) -> str:
 
 STUDY_FILE = Path("mismatch-study") / "study.json"  # under the runs folder, written by scripts/mismatch_study.py
 STUDY_RECIPES = "recipes/mismatch_"  # their evaluations are reported in the study's own table
-
-
-def _num(x: Any, fmt: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
 def _mean_sd(mean: Any, sd: Any, fmt: str) -> str:

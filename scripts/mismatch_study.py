@@ -87,9 +87,9 @@ def _mean(xs: list[float]) -> float:
 
 
 def summarise_run(run_dir: Path, correction: str, dial: str, level: float, seed: int, status: str) -> dict:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    rows = [r for r in rows if "reward_mean" in r]
+    from rlrecipe.runs import read_metrics  # skips a last line a kill cut short
+
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r]
     first, last = rows[:WINDOW], rows[-WINDOW:]
     row = {"correction": correction, "dial": dial, "level": level, "seed": seed, "run": str(run_dir),
            "recipe": recipe_of(correction), "status": status, "steps": len(rows)}

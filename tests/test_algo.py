@@ -193,6 +193,6 @@ def test_packed_logprobs_equal_one_by_one(tiny_model_dir):
     packed = eng.compute_logprobs(samples)
     for s, (lp, _) in zip(samples, packed, strict=True):
         with torch.no_grad():
-            logits = eng.model(input_ids=torch.tensor([s.input_ids])).logits[0].float()
+            logits = eng.model(input_ids=torch.tensor([s.input_ids], device=eng.device)).logits[0].float().cpu()
         ref = torch.log_softmax(logits, -1)[s.start - 1:-1].gather(-1, torch.tensor(s.input_ids[s.start:])[:, None])
-        assert torch.allclose(lp, ref.squeeze(-1), atol=1e-5)
+        assert torch.allclose(lp.cpu(), ref.squeeze(-1), atol=1e-5)

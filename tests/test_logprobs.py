@@ -13,7 +13,8 @@ from rlrecipe.train.logprobs import response_logprobs, token_logprobs
 def full_logits_reference(model, seqs: list[list[int]], starts: list[int], temperature: float):
     """The plain path, written independently: all logits of the packed batch, log_softmax, gather."""
     ids, pos = pack(seqs)
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float() / temperature
+    logits = model(input_ids=ids.to(model.device), position_ids=pos.to(model.device),
+                   use_cache=False).logits[0].float().cpu() / temperature
     logp_all, rows, targets, off = torch.log_softmax(logits, -1), [], [], 0
     for s, st in zip(seqs, starts, strict=True):
         rows += range(off + st - 1, off + len(s) - 1)
@@ -90,5 +91,5 @@ def test_engine_uses_the_chunked_path(tmp_path, model):
     seqs = [torch.randint(0, 3001, (n,), generator=g).tolist() for n in (12, 20)]
     out = eng.compute_logprobs([TrainSample(s, 3) for s in seqs])
     ref_lp, ref_ent, _, _ = full_logits_reference(eng.model, seqs, [3, 3], 0.7)
-    torch.testing.assert_close(torch.cat([lp for lp, _ in out]), ref_lp.detach(), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.cat([en for _, en in out]), ref_ent.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([lp for lp, _ in out]).cpu(), ref_lp.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([en for _, en in out]).cpu(), ref_ent.detach(), atol=2e-5, rtol=1e-5)

@@ -24,7 +24,7 @@ def _naive_entropy(model, samples):
     """Per-token entropy of each response from the full logits, one sequence at a time."""
     out = []
     for s in samples:
-        logits = model(input_ids=torch.tensor([s.input_ids])).logits[0, s.start - 1:-1].float()
+        logits = model(input_ids=torch.tensor([s.input_ids], device=model.device)).logits[0, s.start - 1:-1].float()
         out.append(-(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1))
     return torch.cat(out)
 

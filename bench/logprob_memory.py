@@ -18,12 +18,15 @@ import json
 import resource
 import subprocess
 import sys
+import time
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rlrecipe.algo.packing import pack
 from rlrecipe.train.logprobs import response_logprobs
+from rlrecipe.train.varlen_attention import NAME as VARLEN
+from rlrecipe.train.varlen_attention import register, training_attention
 
 VOCAB = 152_064
 SHAPES = {
@@ -33,13 +36,13 @@ SHAPES = {
 }
 
 
-def build(shape: str, device: str, dtype: torch.dtype):
+def build(shape: str, device: str, dtype: torch.dtype, attn: str):
     h, inter, layers, heads, kv = SHAPES[shape]
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
                       tie_word_embeddings=False, use_sliding_window=False)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
     model.gradient_checkpointing_enable()
     model.train()
     return model
@@ -64,10 +67,14 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(shape: str, path: str, tokens: int, device: str, chunk: int) -> dict:
-    """One point: peak memory (MiB) above the model's own, for forward + backward."""
+def measure(shape: str, path: str, tokens: int, device: str, chunk: int, attn: str | None = None) -> dict:
+    """One point: peak memory (MiB) above the model's own, for forward + backward; on CUDA also the
+    seconds of a second forward + backward (the first pays for kernel selection)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = build(shape, device, dtype)
+    attn = attn or training_attention("sdpa")  # what the trainer loads there
+    if attn == VARLEN:
+        register()
+    model = build(shape, device, dtype, attn)
     ids, pos, rows, targets = batch(tokens, 4, device)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -79,20 +86,30 @@ def measure(shape: str, path: str, tokens: int, device: str, chunk: int) -> dict
         full_logits(model, *warm).sum().backward()
         model.zero_grad(set_to_none=False)
         base = rss_mib()
-    try:
+    def forward_backward():
         if path == "full":
             logp = full_logits(model, ids, pos, rows, targets)
         else:
             logp, _ = response_logprobs(model, ids, pos, rows, targets, chunk_tokens=chunk)
         logp.sum().backward()
+
+    point = {"shape": shape, "path": path, "attn": attn, "tokens": tokens}
+    try:
+        forward_backward()
+        seconds = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            forward_backward()
+            torch.cuda.synchronize()
+            seconds = round(time.perf_counter() - t0, 3)
     except torch.OutOfMemoryError:
-        return {"shape": shape, "path": path, "tokens": tokens, "peak_mib": None, "oom": True}
+        return {**point, "peak_mib": None, "oom": True}
     if device == "cuda":
-        torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         peak = rss_mib() - base
-    return {"shape": shape, "path": path, "tokens": tokens, "peak_mib": round(peak, 1), "oom": False,
+    return {**point, "peak_mib": round(peak, 1), "oom": False, "seconds": seconds,
             "weights_mib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20, 1)}
 
 
@@ -110,21 +127,23 @@ def per_token(points: list[dict]) -> float | None:
     return (b["peak_mib"] - a["peak_mib"]) / (b["tokens"] - a["tokens"])
 
 
-def run(shape: str, tokens: list[int], device: str, chunk: int) -> dict:
+def run(shape: str, tokens: list[int], device: str, chunk: int, paths=("full", "chunked"),
+        attn: str | None = None) -> dict:
     results: dict = {"shape": shape, "device": device, "vocab": VOCAB, "chunk_tokens": chunk, "points": []}
-    for path in ("full", "chunked"):
+    for path in paths:
         pts = []
         for t in tokens:
             if device == "cuda":
-                p = measure(shape, path, t, device, chunk)
+                p = measure(shape, path, t, device, chunk, attn)
                 torch.cuda.empty_cache()
             else:  # RSS is a high-water mark: one fresh process per point
-                p = one_process(["--model", shape, "--path", path, "--tokens", str(t), "--chunk", str(chunk)])
+                p = one_process(["--model", shape, "--path", path, "--tokens", str(t), "--chunk", str(chunk),
+                                 *(["--attn", attn] if attn else [])])
             print(json.dumps(p), flush=True)
             pts.append(p)
         results["points"] += pts
         results[f"{path}_mib_per_token"] = per_token(pts)
-    full, chunked = results["full_mib_per_token"], results["chunked_mib_per_token"]
+    full, chunked = results.get("full_mib_per_token"), results.get("chunked_mib_per_token")
     print(f"{shape} on {device}, V = {VOCAB}: MiB per token full {full}, chunked {chunked} "
           f"(one fp32 logits row is {VOCAB * 4 / 2**20:.3f} MiB)")
     return results
@@ -137,14 +156,17 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--path", default="chunked", choices=["full", "chunked"])
+    ap.add_argument("--paths", default="full,chunked", help="which paths a sweep measures")
+    ap.add_argument("--attn", default=None, choices=["sdpa", VARLEN, "eager"],
+                    help="attention to load (default: what the trainer loads on this device)")
     ap.add_argument("--point", action="store_true", help="measure one point in this process (internal)")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args()
     tokens = [int(t) for t in a.tokens.split(",")]
     if a.point:
-        print(json.dumps(measure(a.model, a.path, tokens[0], a.device, a.chunk)))
+        print(json.dumps(measure(a.model, a.path, tokens[0], a.device, a.chunk, a.attn)))
         return
-    res = run(a.model, tokens, a.device, a.chunk)
+    res = run(a.model, tokens, a.device, a.chunk, a.paths.split(","), a.attn)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

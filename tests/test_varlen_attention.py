@@ -25,10 +25,9 @@ def test_document_bounds_from_restarting_positions():
 
 
 def test_which_attention_a_trainer_loads():
-    assert training_attention("sdpa", torch.device("cpu")) == NAME
-    assert training_attention("eager", torch.device("cpu")) == "eager"
-    assert training_attention("sdpa", torch.device("cuda")) == "sdpa"
-    assert training_attention("flash_attention_2", torch.device("cuda")) == "flash_attention_2"
+    assert training_attention("sdpa") == NAME
+    assert training_attention("eager") == "eager"
+    assert training_attention("flash_attention_2") == "flash_attention_2"
 
 
 def test_packed_forward_and_gradients_equal_one_sequence_at_a_time(tiny_model_dir):

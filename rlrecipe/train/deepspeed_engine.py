@@ -141,8 +141,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.ds_config = build_ds_config(cfg, dtype, self.world, ds_config_overrides)
         self.zero3 = cfg.zero_stage == 3
         self.partitioned_load = False
-        accelerator = torch.device(get_accelerator().current_device_name())
-        model = self._load_model(model_dir, dtype, training_attention(attn_implementation, accelerator))
+        model = self._load_model(model_dir, dtype, training_attention(attn_implementation))
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,

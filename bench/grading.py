@@ -1,11 +1,14 @@
 r"""Grading throughput: answers per second by kind of answer, and `rlrecipe grade FILE` wall time.
 
 `python -m bench.grading` prints both; `make bench` records them in bench/results.json. Each kind
-is n distinct answers, all correct:
+is n distinct answers (all correct but in the last kind):
 
   integers     \boxed{i}            vs  i
   short        \boxed{\frac{i}{2}}  vs  i/2 written as a decimal (0.5, 1.0, ...)
   math_verify  \boxed{i\sqrt{2}}    vs  \sqrt{2 i^2}: only math-verify can decide these
+  math_verify_groups   the same forms as RL meets them: groups of 16 samples of one prompt share
+               its reference \sqrt{2 g^2}; sample j answers (g+j)\sqrt{2}, so one in 16 is right and
+               no two answers are the same string (the grader grades a repeated one once)
 
 Rates are measured on a started pool (`Grader.start()`); file times are whole `rlrecipe grade`
 processes, start-up included. Nothing here asserts a timing: on a shared machine, repeat it, or
@@ -27,7 +30,8 @@ from rich.table import Table
 from rlrecipe.reward import Grader
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("integers", "short", "math_verify")
+KINDS = ("integers", "short", "math_verify", "math_verify_groups")
+GROUP = 16  # samples_per_prompt of the 7B recipes
 
 
 def answers(kind: str, n: int) -> tuple[list[str], list[list[str]]]:
@@ -39,6 +43,13 @@ def answers(kind: str, n: int) -> tuple[list[str], list[list[str]]]:
     if kind == "math_verify":
         return ([f"so \\boxed{{{i}\\sqrt{{2}}}}" for i in range(1, n + 1)],
                 [[f"\\sqrt{{{2 * i * i}}}"] for i in range(1, n + 1)])
+    if kind == "math_verify_groups":
+        out: tuple[list[str], list[list[str]]] = ([], [])
+        for i in range(n):
+            g, j = i // GROUP + 1, i % GROUP
+            out[0].append("so \\boxed{" + str(g + j) + "\\sqrt{2}}")
+            out[1].append(["\\sqrt{" + str(2 * g * g) + "}"])
+        return out
     raise ValueError(f"unknown kind {kind!r}")
 
 

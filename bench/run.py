@@ -6,6 +6,7 @@ Never part of `make test`; nothing here asserts a timing.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -39,6 +40,26 @@ def seconds_per_call(fn, repeats: int) -> float:
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - t0) / repeats
+
+
+def paired_rounds(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """Wall times of each of `fns`, taken in turn within each round (after one warm-up call each).
+    This machine drifts between speeds for minutes at a time (the same training step measured
+    0.94 s and 1.39 s on one afternoon): timing one side after the other would compare the drift,
+    so each round's ratio compares calls seconds apart."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
 
 
 def ensure_inputs() -> None:
@@ -191,12 +212,11 @@ def _sft_samples(n: int = 256):
     return samples
 
 
-def bench_packing(budget: int = 2048, repeats: int = 3) -> dict:
+def bench_packing(budget: int = 2048, rounds: int = 5) -> dict:
     samples = _sft_samples()
     engine = TorchTrainEngine(MODEL, TrainerSection(max_tokens_per_microbatch=budget), total_steps=100)
     lengths = [len(s.input_ids) for s in samples]
     bins = allocate_microbatches(lengths, budget)
-    packed_s = seconds_per_call(lambda: engine.train_step(samples, sft_loss), repeats)
 
     # padded baseline: same weights, same sequences, same number of sequences per micro-batch,
     # right-padded, under transformers' sdpa (the engine's packed attention takes one row only)
@@ -219,20 +239,22 @@ def bench_packing(budget: int = 2048, repeats: int = 3) -> dict:
             (-(logp * mask[:, 1:]).sum() / mask.sum()).backward()
         opt.step()
 
-    padded_s = seconds_per_call(padded_step, repeats)
+    times = paired_rounds({"packed": lambda: engine.train_step(samples, sft_loss), "padded": padded_step}, rounds)
+    ratios = [b / a for a, b in zip(times["packed"], times["padded"], strict=True)]
     padded_tokens = sum(max(len(s.input_ids) for s in samples[i:i + per_mb]) * len(samples[i:i + per_mb])
                         for i in range(0, len(samples), per_mb))
-    return {"packed_s_per_step": packed_s, "padded_s_per_step": padded_s, "packed_speedup": padded_s / packed_s,
+    return {"packed_s_per_step": median(times["packed"]), "padded_s_per_step": median(times["padded"]),
+            "packed_speedup": median(ratios), "packed_speedup_min": min(ratios), "packed_speedup_max": max(ratios),
+            "speedup_ceiling_from_padding": padded_tokens / sum(lengths),
             "microbatches": len(bins), "microbatch_lower_bound": -(-sum(lengths) // budget),
             "padding_fraction_padded": 1 - sum(lengths) / padded_tokens, "padding_fraction_packed": 0.0}
 
 
-def bench_trainer_overhead(repeats: int = 3) -> dict:
+def bench_trainer_overhead(rounds: int = 5) -> dict:
     """Our train_step vs a bare torch loop over the very same packed micro-batches."""
     samples = _sft_samples()
     engine = TorchTrainEngine(MODEL, TrainerSection(max_tokens_per_microbatch=2048), total_steps=100)
     mbs = engine.microbatches(samples)
-    ours = seconds_per_call(lambda: engine.train_step(samples, sft_loss), repeats)
     model, opt = engine.model, torch.optim.AdamW(engine.model.parameters(), lr=1e-4)
     from rlrecipe.algo.packing import pack
 
@@ -246,8 +268,9 @@ def bench_trainer_overhead(repeats: int = 3) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    base = seconds_per_call(bare, repeats)
-    return {"ours_s_per_step": ours, "bare_torch_s_per_step": base, "overhead_ratio": ours / base}
+    times = paired_rounds({"ours": lambda: engine.train_step(samples, sft_loss), "bare": bare}, rounds)
+    return {"ours_s_per_step": median(times["ours"]), "bare_torch_s_per_step": median(times["bare"]),
+            "overhead_ratio": median([a / b for a, b in zip(times["ours"], times["bare"], strict=True)])}
 
 
 def bench_grading() -> dict:

@@ -174,11 +174,15 @@ def hub_snapshot(path: str, revision: str | None, cache_dir: str | Path | None =
             raise RecipeError(f"model.path {path} is a local directory, so model.revision {revision} cannot be "
                               "checked; give the hub id, or the hub cache directory .../snapshots/<revision>")
         return local
+    from huggingface_hub import constants as hub_constants
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        got = snapshot_download(path, revision=revision, cache_dir=cache_dir, allow_patterns=SNAPSHOT_FILES)
+        # Offline, say so: huggingface_hub 1.x otherwise asks the hub for a pinned commit's file list
+        # and fails instead of reading the cached snapshot (2.x falls back to the cache by itself).
+        got = snapshot_download(path, revision=revision, cache_dir=cache_dir, allow_patterns=SNAPSHOT_FILES,
+                                local_files_only=hub_constants.HF_HUB_OFFLINE)
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise RecipeError(f"model.path {path} at revision {revision or 'main'}: cannot get it from the hub "

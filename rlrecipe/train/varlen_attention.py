@@ -49,8 +49,8 @@ def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     lengths = [e - s for s, e in document_bounds(position_ids)]
     outs = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
+    # concatenated straight into transformers' [1, T, H, D] layout: one copy, not a cat and a transpose
+    return torch.cat([o.transpose(1, 2) for o in outs], dim=1), None
 
 
 def register() -> str:

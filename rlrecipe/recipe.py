@@ -268,7 +268,8 @@ class SGLangServer(Section):
     # requests to the other servers and leave it out from then on (the run goes on while one lives).
     retry_on_other_servers: bool = False
     # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
-    # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id}. E.g. the CPU stand-in that
+    # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} (model.revision for a
+    # hub id started by `rlrecipe rollout-servers`, else empty). E.g. the CPU stand-in that
     # speaks the same API: ["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"].
     launch_cmd: list[str] = []
     # After each step: "disk" = HF export + /update_weights_from_disk (always works); "distributed"

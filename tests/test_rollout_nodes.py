@@ -67,6 +67,18 @@ def test_64_servers_over_8_nodes_node_3_starts_servers_24_to_31():
     assert cmd[cmd.index("--port") + 1] == "30029" and cmd[cmd.index("--base-gpu-id") + 1] == "5"
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0" and cmd[cmd.index("--dtype") + 1] == "float16"
     assert cmd[cmd.index("--model-path") + 1] == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
+    # the hub id at the recipe's pinned snapshot, the one the trainer reads
+    assert cmd[cmd.index("--revision") + 1] == load_recipe(BOBA).recipe.model.revision == "916b56a44061fd5cd7d6a8fb632557ed4f724f60"
+
+
+def test_a_local_model_directory_is_served_as_it_is(tmp_path):
+    (tmp_path / "m").mkdir()
+    recipe = recipe_from_dict({"run": {"name": "t"}, "model": {"path": str(tmp_path / "m"), "revision": None},
+                               "rollout": {"engine": "sglang", "sglang": {"num_servers": 2, "nodes": 2}}})
+    cmd = plan_node(recipe, 1, gpus=1).specs[0].cmd
+    assert cmd[cmd.index("--model-path") + 1] == str((tmp_path / "m").resolve()) and "--revision" not in cmd
+    unpinned = plan_node(recipe_from_dict(sglang_recipe(num_servers=2, nodes=2)), 0, gpus=1).specs[0].cmd
+    assert "--revision" not in unpinned  # a hub id without model.revision: SGLang's default, as the trainer's
 
 
 def test_a_node_share_of_tp2_dp2_servers_takes_four_gpus_each():
@@ -205,7 +217,8 @@ def test_dry_run_prints_each_command_and_the_urls(monkeypatch):
     assert lines[1] == "# server 24: port 30024, GPUs 0..0"
     assert lines[2] == (f"{sys.executable} -m sglang.launch_server --model-path deepseek-ai/DeepSeek-R1-Distill-Qwen-7B "
                         "--host 0.0.0.0 --port 30024 --tp-size 1 --dp-size 1 --mem-fraction-static 0.8 --dtype "
-                        "float16 --random-seed 1 --base-gpu-id 0 --api-key \"$SGLANG_API_KEY\"")
+                        "float16 --random-seed 1 --base-gpu-id 0 --revision 916b56a44061fd5cd7d6a8fb632557ed4f724f60 "
+                        "--api-key \"$SGLANG_API_KEY\"")
     assert lines[15] == "# server 31: port 30031, GPUs 7..7"
     assert "--port 30031" in lines[16] and "--base-gpu-id 7" in lines[16]
     assert lines[17:] == ["# rollout.urls from this node:", *(f"- http://node3:{p}" for p in range(30024, 30032))]

@@ -83,14 +83,17 @@ def check_node_gpus(cfg: SGLangServer, gpus: int, source: str = "--gpus") -> Non
                         f"has {gpus} ({source}); raise rollout.sglang.nodes or lower num_servers, tp_size or dp_size")
 
 
-def server_model(recipe: Recipe) -> str:
-    """The model the servers start with (the run loads its own exact snapshot into them on attach)."""
+def server_model(recipe: Recipe) -> tuple[str, str | None]:
+    """The model the servers start with and the hub revision that pins it (None for a local
+    directory); the run also loads its own exact snapshot into them on attach, but until then
+    the tokenizer and config they serve with are the model.revision the trainer reads."""
     if recipe.run.init_from:
         from rlrecipe.runs import resolve_init  # local: runs pulls in the run machinery
 
-        return model_arg(resolve_init(recipe.run.init_from, recipe.run.output_dir))
+        return model_arg(resolve_init(recipe.run.init_from, recipe.run.output_dir)), None
     if recipe.model.path:
-        return model_arg(recipe.model.path)
+        local = Path(recipe.model.path).is_dir()
+        return model_arg(recipe.model.path), None if local else recipe.model.revision
     raise UserError("model: SGLang servers need model.path or run.init_from (model.tiny is built by the run "
                     "itself, which then launches its own servers)")
 
@@ -110,8 +113,9 @@ def plan_node(recipe: Recipe, node: int, *, gpus: int | None, url_host: str | No
     indices = node_share(cfg, node)
     if gpus is not None:
         check_node_gpus(cfg, gpus, gpus_source)
-    specs = server_specs(server_model(recipe), cfg, indices, dtype=recipe.rollout.dtype, seed=recipe.run.seed,
-                         template=cfg.launch_cmd or None)
+    model, revision = server_model(recipe)
+    specs = server_specs(model, cfg, indices, dtype=recipe.rollout.dtype, seed=recipe.run.seed,
+                         template=cfg.launch_cmd or None, revision=revision)
     host = url_host or advertised_host(cfg.host)
     return NodePlan(node, cfg.nodes, specs, [url_for(host, s.port) for s in specs],
                     len(indices) * gpus_per_server(cfg))

@@ -55,15 +55,17 @@ WAIT_NOTICE_S = 10.0  # say what is awaited once a start-up takes this long
 
 
 def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
-                      seed: int, base_gpu: int | None = None) -> list[str]:
+                      seed: int, base_gpu: int | None = None, revision: str | None = None) -> list[str]:
     """`python -m sglang.launch_server ...` for server `index`, its GPUs from `base_gpu` on
-    (default index * tp * dp: every server of the recipe on this node)."""
+    (default index * tp * dp: every server of the recipe on this node); `revision` pins a hub id's
+    snapshot, as model.revision pins the trainer's."""
     if base_gpu is None:
         base_gpu = index * gpus_per_server(cfg)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
             "--port", str(port), "--tp-size", str(cfg.tp_size), "--dp-size", str(cfg.dp_size),
             "--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", dtype,
             "--random-seed", str(seed), "--base-gpu-id", str(base_gpu),
+            *(["--revision", revision] if revision else []),
             *(["--api-key", api_key()] if api_key() else []), *cfg.extra_args]
 
 
@@ -101,7 +103,7 @@ def url_for(host: str, port: int) -> str:
 
 def server_specs(model: str, cfg: SGLangServer, indices: Sequence[int], *, dtype: str, seed: int,
                  template: Sequence[str] | Callable[[int, int], list[str]] | None = None,
-                 gpu_offset: int = 0) -> list[ServerSpec]:
+                 gpu_offset: int = 0, revision: str | None = None) -> list[ServerSpec]:
     """Servers `indices` of the recipe: server i on port base_port + i, its GPUs from gpu_offset +
     k x tp x dp on, k its place among `indices`; URLs as this node reaches them (host:port)."""
     specs = []
@@ -109,12 +111,12 @@ def server_specs(model: str, cfg: SGLangServer, indices: Sequence[int], *, dtype
         port = cfg.base_port + i
         base_gpu = gpu_offset + k * gpus_per_server(cfg)
         if template is None:
-            cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed, base_gpu=base_gpu)
+            cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed, base_gpu=base_gpu, revision=revision)
         elif callable(template):
             cmd = list(template(i, port))
         else:
             cmd = fill_placeholders(template, model=model, host=cfg.host, port=port, index=i, dtype=dtype,
-                                    seed=seed, base_gpu_id=base_gpu)
+                                    seed=seed, base_gpu_id=base_gpu, revision=revision or "")
         specs.append(ServerSpec(i, port, base_gpu, url_for(cfg.host, port), cmd))
     return specs
 
@@ -267,7 +269,7 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
     """Start `cfg.num_servers` servers on base_port + i (not yet healthy); on failure none is left running.
 
     `launch_cmd` (or `cfg.launch_cmd`) replaces the SGLang command: a list with placeholders
-    {model} {host} {port} {index} {dtype} {seed} {base_gpu_id}, or a callable (index, port) -> argv.
+    {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision}, or a callable (index, port) -> argv.
     `trainer_gpus`: GPUs 0 .. trainer_gpus - 1 of this node train (servers launched beside
     training); the servers take the GPUs after them.
     """

@@ -6,11 +6,11 @@ Never part of `make test`; nothing here asserts a timing.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 from rich.console import Console
@@ -56,10 +56,6 @@ def paired_rounds(fns: dict, rounds: int) -> dict[str, list[float]]:
             fn()
             times[name].append(time.perf_counter() - t0)
     return times
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 def ensure_inputs() -> None:

@@ -74,7 +74,7 @@ class TorchTrainEngine:
                             "with loss scaling), or trainer.engine: deepspeed")
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        # packed micro-batches attend per document (sdpa on CPU would mask a full T x T)
+        # packed micro-batches attend per document (sdpa would mask a full T x T, on any device)
         self.model = load_model(model_dir, dtype, training_attention(attn_implementation)).to(self.device)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()

@@ -81,6 +81,14 @@ def test_a_local_model_directory_is_served_as_it_is(tmp_path):
     assert "--revision" not in unpinned  # a hub id without model.revision: SGLang's default, as the trainer's
 
 
+def test_a_launch_cmd_gets_the_pinned_revision_as_a_placeholder():
+    pinned = recipe_from_dict({**sglang_recipe(num_servers=2, nodes=2, launch_cmd=["serve", "{model}", "@{revision}"]),
+                               "model": {"path": "org/model", "revision": "a" * 40}})
+    assert plan_node(pinned, 0, gpus=None).specs[0].cmd == ["serve", "org/model", "@" + "a" * 40]
+    unpinned = recipe_from_dict(sglang_recipe(num_servers=2, nodes=2, launch_cmd=["serve", "{model}", "@{revision}"]))
+    assert plan_node(unpinned, 0, gpus=None).specs[0].cmd == ["serve", "org/model", "@"]
+
+
 def test_a_node_share_of_tp2_dp2_servers_takes_four_gpus_each():
     recipe = recipe_from_dict(sglang_recipe(num_servers=8, nodes=2, tp_size=2, dp_size=2, base_port=31000))
     plan = plan_node(recipe, 1, gpus=16, url_host="10.0.0.2")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
-from rlrecipe.algo.entropy_watch import EntropyWatch
+from rlrecipe.algo.entropy_watch import EntropyWatch, trailing_run
 from rlrecipe.algo.ppo import Remedies, aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.c3po import PromptStream, RolloutPool
@@ -26,7 +26,7 @@ from rlrecipe.recipe import LoadedRecipe, Recipe, RLSection, RolloutSection
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
-from rlrecipe.runs import Run
+from rlrecipe.runs import Run, read_metrics
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
@@ -212,14 +212,16 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
                                 temperature=recipe.rollout.temperature)
     reference = make_reference(recipe, stage.model_dir)  # None unless rl.kl_coef > 0
     watch = EntropyWatch.from_config(cfg.entropy_watch, quiet=not lead)
+    guard = BadStepGuard(cfg.max_bad_steps)
     start = resume_rl(run, trainer, pool)
+    if start:
+        resume_streaks(run, watch, guard)
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir,
                                  beside_training=True) if lead else None
     transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang)
     if start:
         push_weights(trainer, engine, run, tokenizer, start, transport)
     params = sampling_params(recipe.rollout)
-    guard = BadStepGuard(cfg.max_bad_steps)
     t_start = time.time()
     try:
         with Grader() as grader:
@@ -293,8 +295,16 @@ class BadStepGuard:
     def __init__(self, limit: int) -> None:
         self.limit, self.in_a_row = limit, 0
 
+    @staticmethod
+    def bad(update: dict[str, float]) -> bool:
+        return update["skipped_minibatches"] == update["minibatches"]
+
+    def resume(self, updates: list[dict[str, float]]) -> None:
+        """The count as it stood after these steps' logged updates (a resumed run's, in order)."""
+        self.in_a_row = trailing_run(updates, self.bad)
+
     def check(self, update: dict[str, float], step: int) -> None:
-        self.in_a_row = self.in_a_row + 1 if update["skipped_minibatches"] == update["minibatches"] else 0
+        self.in_a_row = self.in_a_row + 1 if self.bad(update) else 0
         if self.in_a_row >= self.limit:
             raise UserError(f"step {step}: loss or gradient was NaN/inf in {self.in_a_row} steps in a row; "
                             "lower trainer.lr or check the data")
@@ -324,6 +334,14 @@ def resume_rl(run: Run, trainer, pool: RolloutPool | None) -> int:
         run.truncate_metrics(start)
         console.print(f"resumed from {ckpt} at step {start}")
     return start
+
+
+def resume_streaks(run: Run, watch: EntropyWatch, guard: BadStepGuard) -> None:
+    """The entropy alarms' and the bad-step guard's counts of steps in a row, from the metrics kept up
+    to the checkpoint (rank 0's, on every rank): a streak a kill interrupted goes on counting."""
+    rows = broadcast_from_rank_zero(lambda: read_metrics(run.metrics_path))
+    watch.resume(r["entropy"] for r in rows)
+    guard.resume(rows)
 
 
 def push_weights(trainer, engine, run: Run, tokenizer, version: int, transport: WeightTransport) -> None:

@@ -46,3 +46,30 @@ def test_the_default_warning_is_one_console_line_and_quiet_prints_none():
     with console.capture() as captured:
         flags = _run(quiet, [0.5, 0.4])
     assert captured.get() == "" and flags[-1]["entropy_collapse_alarm"] == 1.0
+
+
+def test_resume_restores_a_streak_without_warning_again():
+    warnings = []
+    watch = EntropyWatch(low=0.5, high=2.0, patience=3, warn=warnings.append)
+    watch.resume([0.4, 0.6, 0.4, 0.3])  # the logged steps 1-4: under 0.5 at steps 3 and 4
+    assert (watch.steps_below, watch.steps_above, warnings) == (2, 0, [])
+    assert watch.update(0.2, step=5)["entropy_collapse_alarm"] == 1.0  # the third in a row
+    assert warnings == ["step 5: entropy collapse: mean token entropy 0.2 below 0.5 for 3 steps"]
+    watch.resume([2.5, 2.1, 2.2])
+    assert (watch.steps_below, watch.steps_above) == (0, 3)
+    watch.resume([])
+    assert (watch.steps_below, watch.steps_above) == (0, 0)
+
+
+def test_the_bad_step_guard_resumes_its_count():
+    import pytest
+
+    from rlrecipe.errors import UserError
+    from rlrecipe.rl import BadStepGuard
+
+    bad, good = {"skipped_minibatches": 2.0, "minibatches": 2.0}, {"skipped_minibatches": 1.0, "minibatches": 2.0}
+    guard = BadStepGuard(limit=3)
+    guard.resume([bad, good, bad, bad])
+    assert guard.in_a_row == 2
+    with pytest.raises(UserError, match="step 5: .* 3 steps in a row"):
+        guard.check(bad, 5)

@@ -76,6 +76,29 @@ def test_rl_through_the_sglang_api_with_broadcast_weight_sync(tmp_path, tiny_mod
     assert "broadcast tensors" in log and not (run / "weights_for_rollout").exists()  # nothing went via disk
 
 
+def test_a_resumed_run_keeps_counting_an_entropy_streak(tmp_path, tiny_model_dir):
+    """An alarm needing 3 steps in a row fires at step 3 also when the run was resumed from step 2's
+    checkpoint: the count is restored from the metrics kept, not restarted."""
+    import shutil
+
+    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
+    from rlrecipe.rl import run_rl
+
+    data = write_tiny_data(tmp_path / "data")
+    spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=3, ppo_minibatches=1, c3po={"enabled": False},
+                     entropy_watch={"low": 1e9, "patience": 3})
+    spec["eval"] = {}
+    loaded = LoadedRecipe(recipe=recipe_from_dict(spec), path="watch.yaml")
+    run_rl(loaded)
+    run = tmp_path / "runs" / "rl"
+    first = [json.loads(line)["entropy_collapse_alarm"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert first == [0.0, 0.0, 1.0]
+    shutil.rmtree(run / "checkpoints" / "step_0000003")  # as if killed before step 3's checkpoint
+    run_rl(loaded, resume=True)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["entropy_collapse_alarm"]) for r in rows] == [(1, 0.0), (2, 0.0), (3, 1.0)]
+
+
 def test_remedies_that_need_the_loop_run_through_it(tmp_path, tiny_model_dir):
     """KL to a reference (the policy starts at the reference and step 1's single minibatch is taken
     before any update, so its KL is 0 up to rounding; later steps move away) and the entropy watch (a low bound no entropy can pass: alarm from the

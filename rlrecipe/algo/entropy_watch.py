@@ -8,7 +8,7 @@ noise; `patience` steps in a row is an alarm.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 
 def _console_warning(message: str) -> None:
@@ -47,7 +47,24 @@ class EntropyWatch:
         return {"entropy_collapse_alarm": float(self.steps_below >= self.patience),
                 "entropy_explosion_alarm": float(self.steps_above >= self.patience)}
 
+    def resume(self, entropies: Iterable[float]) -> None:
+        """The counters as they stood after the steps of `entropies` (a resumed run's logged ones, in
+        order), without warning again: a streak that began before a kill goes on counting."""
+        entropies = list(entropies)
+        self.steps_below = trailing_run(entropies, lambda e: self.low is not None and e < self.low)
+        self.steps_above = trailing_run(entropies, lambda e: self.high is not None and e > self.high)
+
     @classmethod
     def from_config(cls, cfg, quiet: bool = False) -> EntropyWatch:
         """From the recipe's `rl.entropy_watch` section; quiet: flags only, no warning (ranks but 0)."""
         return cls(cfg.low, cfg.high, cfg.patience, (lambda _message: None) if quiet else _console_warning)
+
+
+def trailing_run(values: list, holds: Callable[[object], bool]) -> int:
+    """How many of the last values in a row satisfy `holds`."""
+    n = 0
+    for v in reversed(values):
+        if not holds(v):
+            break
+        n += 1
+    return n

@@ -198,6 +198,11 @@ def train_budget(recipe: Recipe, d: ModelDims) -> Budget:
         notes.append("no gradient checkpointing: every layer keeps its activations")
     parts = {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
              "log-probs": logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b)}
+    if stage_of(recipe) == "rl" and recipe.rl.kl_coef > 0:
+        # train/reference.py: every rank holds the whole frozen copy, not a ZeRO part of it; its
+        # no-grad forward runs between updates, inside the room the activations leave then
+        parts["reference model"] = b * p
+        notes.append(f"rl.kl_coef > 0: a whole reference model on every rank ({b * p / GIB:.1f} GiB)")
     gpu = tr.gpu_memory_gib * GIB
     parts["reserve"] = GIB + 0.05 * gpu
     return Budget("train", parts, gpu, notes)

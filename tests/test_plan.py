@@ -86,3 +86,13 @@ def test_cli_refuses_a_recipe_that_cannot_fit():
     ok = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "plan", "recipes/7b_boba.yaml"], cwd=REPO,
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_a_kl_penalty_adds_a_whole_reference_model_to_every_rank():
+    d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
+    base = load_recipe(REPO / "recipes/7b_boba.yaml", []).recipe
+    assert "reference model" not in train_budget(base, d).parts  # AReaL-boba: kl_coef 0
+    kl = load_recipe(REPO / "recipes/7b_boba.yaml", ["rl.kl_coef=0.01"]).recipe
+    b = train_budget(kl, d)
+    assert b.parts["reference model"] == 2 * d.params()  # bf16, not divided by the 64 ranks
+    assert b.total == pytest.approx(train_budget(base, d).total + 2 * d.params())

@@ -70,3 +70,26 @@ def test_the_trainer_attends_per_document_and_exports_a_plain_model(tiny_model_d
     out = eng.export_hf(tmp_path / "export", AutoTokenizer.from_pretrained(tiny_model_dir))
     reloaded = load_model(out)  # the default attention: the export does not name varlen_sdpa
     assert reloaded.config._attn_implementation == "sdpa"
+
+
+def test_document_lengths_are_found_once_per_forward_also_under_checkpointing(tiny_model_dir, monkeypatch):
+    """Every layer gets the same position ids: one search of them a forward (a device sync on CUDA),
+    and a new search for the next micro-batch's, or for the same tensor changed in place."""
+    import rlrecipe.train.varlen_attention as varlen
+
+    searched = []
+    real = varlen.document_bounds
+    monkeypatch.setattr(varlen, "document_bounds", lambda pos: searched.append(pos.tolist()) or real(pos))
+    model = load_model(tiny_model_dir, "float32", register())
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert model.config.num_hidden_layers > 1
+    ids, pos = pack([[5, 6, 7], [8, 9]])
+    model(input_ids=ids, position_ids=pos, use_cache=False).logits.sum().backward()  # recompute included
+    assert searched == [[[0, 1, 2, 0, 1]]]
+    ids2, pos2 = pack([[5, 6], [7, 8, 9]])
+    with torch.no_grad():
+        model(input_ids=ids2, position_ids=pos2, use_cache=False)
+        assert varlen.document_lengths(pos2) == [2, 3] and len(searched) == 2
+        pos2[0, 2] = 2  # one document of 5 now
+        assert varlen.document_lengths(pos2) == [5] and len(searched) == 3

@@ -31,6 +31,24 @@ def document_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends, strict=True))
 
 
+_last_lengths: tuple[torch.Tensor, int, list[int]] | None = None
+
+
+def document_lengths(position_ids: torch.Tensor) -> list[int]:
+    """Each document's length, found once per forward: every layer, and gradient checkpointing's
+    recompute, passes the same position ids tensor, and on CUDA finding them is a device sync
+    (`nonzero`, `tolist`), 28 a forward for the 7B model otherwise. The tensor is kept referenced, so
+    the identity check cannot match a new tensor at a reused address; its version catches an
+    in-place change."""
+    global _last_lengths
+    last = _last_lengths
+    if last is not None and last[0] is position_ids and last[1] == position_ids._version:
+        return last[2]
+    lengths = [e - s for s, e in document_bounds(position_ids)]
+    _last_lengths = (position_ids, position_ids._version, lengths)
+    return lengths
+
+
 def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                         position_ids: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -46,7 +64,7 @@ def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     # Batching documents of similar length into one padded call was tried and lost on CPU: the
     # kernel is compute-bound at these lengths, so padding and the gathers' backward cost more
     # than the calls they save (the demo's SFT step: 1.35 s against 1.21 s).
-    lengths = [e - s for s, e in document_bounds(position_ids)]
+    lengths = document_lengths(position_ids)
     outs = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)]
     # concatenated straight into transformers' [1, T, H, D] layout: one copy, not a cat and a transpose

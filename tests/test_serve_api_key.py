@@ -70,3 +70,28 @@ def test_a_keyed_server_refuses_strangers_and_serves_the_client(tiny_model_dir, 
         eng.update_weights_from_disk(tiny_model_dir, 1)  # a control endpoint, through the client
     finally:
         eng.close()
+
+
+def test_the_real_router_in_front_of_keyed_servers(tiny_model_dir, tmp_path, monkeypatch):
+    """rollout.sglang.router with SGLANG_API_KEY set: the launched sglang-router (given the key)
+    routes the client's keyed requests, and one without the key is refused through it."""
+    import pytest
+
+    pytest.importorskip("sglang_router")
+    from .test_sglang_client import free_port
+
+    monkeypatch.setenv("SGLANG_API_KEY", KEY)
+    tok = load_tokenizer(tiny_model_dir)
+    cfg = SGLangServer(base_port=free_ports(2), num_servers=2, startup_timeout_s=BOOT_TIMEOUT_S, router=True,
+                       router_port=free_port(),
+                       launch_cmd=[*rlrecipe_cmd(), "serve", "{model}", "--host", "{host}", "--port", "{port}"])
+    eng = SGLangEngine.launch(tiny_model_dir, cfg=cfg, dtype="float32", run_dir=tmp_path, eos_token_id=tok.eos_token_id)
+    try:
+        body = {"input_ids": tok.encode("Add 1 and 2."), "sampling_params": {"max_new_tokens": 2}}
+        r = requests.post(eng.router.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 401, (r.status_code, r.text[:300])
+        trajs = [Trajectory(uid=str(i), prompt_ids=tok.encode("Add 1 and 2.")) for i in range(4)]
+        eng.generate(trajs, SamplingParams(max_new_tokens=3), seed=0)
+        assert all(t.done and 1 <= len(t.response_ids) <= 3 for t in trajs)
+    finally:
+        eng.close()

@@ -150,13 +150,30 @@ def test_sglang_command_line_places_each_server_on_its_own_gpus():
         "--enable-deterministic-inference"]
 
 
-def test_router_command_line_lists_every_server():
+def test_router_command_line_lists_every_server(monkeypatch):
     cfg = SGLangServer(router=True, router_port=31500, router_policy="round_robin",
                        router_extra_args=["--log-level", "warn"])
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
     assert router_launch_cmd(["http://10.0.0.1:30000", "http://10.0.0.2:30000"], cfg) == [
         sys.executable, "-m", "sglang_router.launch_router",
         "--worker-urls", "http://10.0.0.1:30000", "http://10.0.0.2:30000",
-        "--host", "127.0.0.1", "--port", "31500", "--policy", "round_robin", "--log-level", "warn"]
+        "--host", "127.0.0.1", "--port", "31500", "--policy", "round_robin",
+        "--request-timeout-secs", "86400", "--log-level", "warn"]
+    monkeypatch.setenv("SGLANG_API_KEY", "k3y")
+    cmd = router_launch_cmd(["http://10.0.0.1:30000"], cfg)
+    assert cmd[cmd.index("--api-key") + 1] == "k3y" and cmd[-2:] == ["--log-level", "warn"]
+
+
+def test_the_router_never_ends_a_generation_the_client_still_waits_for():
+    """Its request timeout outlasts the client's read timeout for the longest generation any shipped
+    recipe asks (rollout or evaluation)."""
+    from rlrecipe.rollout.sglang_server import ROUTER_REQUEST_TIMEOUT_S
+
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        r = load_recipe(path).recipe
+        s = r.rollout.sglang
+        longest = max(r.rollout.max_new_tokens, r.eval.max_new_tokens)
+        assert s.request_timeout_s + s.request_timeout_per_token_s * longest < ROUTER_REQUEST_TIMEOUT_S, path
 
 
 def test_servers_needing_more_gpus_than_the_node_has_are_refused():

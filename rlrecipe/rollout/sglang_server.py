@@ -351,11 +351,20 @@ def check_gpus(cfg: SGLangServer, visible: int, trainer_gpus: int = 0) -> None:
 
 
 # -- the router ------------------------------------------------------------------------------------
+# The client's read timeout (request_timeout_s + request_timeout_per_token_s x max_new_tokens)
+# decides when a /generate has hung. The router's own default, 30 min, would end a long
+# generation first: a 32,768-token evaluation sample may take 300 + 0.05 x 32,768 = 1,938 s.
+ROUTER_REQUEST_TIMEOUT_S = 24 * 3600
+
+
 def router_launch_cmd(worker_urls: Sequence[str], cfg: SGLangServer) -> list[str]:
-    """`python -m sglang_router.launch_router ...` in front of `worker_urls`, on host:router_port."""
+    """`python -m sglang_router.launch_router ...` in front of `worker_urls`, on host:router_port.
+    With SGLANG_API_KEY set, the router gets it for its own requests to the servers (it forwards a
+    client's bearer key with each /generate either way)."""
     return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
             "--host", cfg.host, "--port", str(cfg.router_port), "--policy", cfg.router_policy,
-            *cfg.router_extra_args]
+            "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
+            *(["--api-key", api_key()] if api_key() else []), *cfg.router_extra_args]
 
 
 def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | Path | None,

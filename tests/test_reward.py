@@ -128,7 +128,6 @@ NOT_FAST = [  # math-verify decides these
     ("1e3", ["1000"]),
     (r"50\%", ["50"]),
     ("x=5", ["5"]),
-    ("0.5", ["x"]),
     (r"\frac{-1}{2}", ["-0.5"]),
     ("0.7", ["0.5", r"\sqrt{2}"]),  # unequal to 0.5, and \sqrt{2} is math-verify's
 ]
@@ -151,6 +150,50 @@ def test_fast_path_numbers_agree_with_math_verify():
     # and why a near miss is left alone: math-verify's rounding calls it correct
     assert math_verify_correct("0.3333333", [r"\frac{1}{3}"]) is True
     assert fast_grade("0.5", ["0.5", r"\sqrt{2}"]) is True  # one equal reference is enough
+
+
+LETTER_CASES = [
+    ("B", ["B"], True),
+    ("b", ["B"], True),  # math-verify: the same symbol in either case
+    (r"\text{C}", ["c"], True),
+    ("B", ["C"], False),
+    ("B", ["192"], False),  # a letter where a number was asked (AReaL's reward cases have 13)
+    ("7", ["D"], False),
+    ("0.5", ["x"], False),
+    ("A", ["B", "3"], False),
+    ("A", ["B", "a"], True),
+]
+LETTERS_NOT_FAST = [("e", ["2.718281828"]), ("E", ["e"]), ("i", ["I"]), ("B", [r"\sqrt{2}"]), ("AB", ["A"]),
+                    ("B", ["(B)"])]
+
+
+@pytest.mark.parametrize("extracted, answers, expected", LETTER_CASES)
+def test_fast_grade_letters(extracted, answers, expected):
+    assert fast_grade(extracted, answers) is expected
+    assert math_verify_correct(extracted, answers) is expected  # the verdict math-verify gives
+
+
+@pytest.mark.parametrize("extracted, answers", LETTERS_NOT_FAST)
+def test_fast_grade_leaves_e_i_and_the_rest_to_math_verify(extracted, answers):
+    assert fast_grade(extracted, answers) is None
+
+
+def test_every_letter_verdict_of_the_fast_path_is_math_verifys():
+    """All 52 letters against each other and against numbers: wherever the fast path decides, it
+    decides as math-verify does (math-verify: e == 2.718281828, and b == B but i != I)."""
+    import string
+
+    numbers = ["0", "1", "2", "192", "-1", "0.5", r"\frac{1}{2}", "2.718281828", "3.14159265"]
+    others = list(string.ascii_letters) + numbers
+    decided = 0
+    for a in string.ascii_letters:
+        for b in others:
+            for x, ref in ((a, b), (b, a)):
+                fast = fast_grade(x, [ref])
+                if fast is not None:
+                    decided += 1
+                    assert fast is math_verify_correct(x, [ref]), (x, ref)
+    assert decided > 2 * 48 * 48  # every pair but those with e or i
 
 
 def test_normalize_answer():
@@ -326,3 +369,29 @@ def test_grading_inside_a_thread(grader):
     t.start()
     t.join()
     assert out[0].correct
+
+
+# -- AReaL's own reward cases -------------------------------------------------------------------
+
+def test_every_areal_reward_case_gets_arealss_reward(grader):
+    """160 real model responses to the 10 boba rows (16 each), with the ±5 AReaL gave each
+    (tests/data/README.md): the references come from the rows' `solutions` through the converter,
+    the reward from this grader. Letters for a number, \\sqrt forms, symbolic fractions and
+    responses with no box are among them."""
+    import json
+    from pathlib import Path
+
+    from rlrecipe.data.convert import convert_file
+
+    data = Path(__file__).parent / "data"
+    cases = [json.loads(line) for line in (data / "boba_reward_cases.jsonl").read_text(encoding="utf-8").splitlines()]
+    rows = convert_file(data / "boba_rl_rows.jsonl", "rl").rows
+    responses = [g for c in cases for g in c["generateds"]]
+    answers = [r["answers"] for r, c in zip(rows, cases, strict=True) for _ in c["generateds"]]
+    expected = [w for c in cases for w in c["rewards"]]
+    assert len(responses) == 160 and {-5.0, 5.0} == set(expected)
+    got = [reward_of(r, 5.0, -5.0) for r in grader.grade(responses, answers)]
+    assert got == expected
+    # and a share of them never reach math-verify
+    boxed = [(extract_boxed(x), a) for x, a in zip(responses, answers, strict=True)]
+    assert sum(e is not None and fast_grade(e, a) is not None for e, a in boxed) >= 120

@@ -5,9 +5,9 @@ reference answer(s):
 
 1. Fast path, in the calling process, no math-verify (`answers`): after light normalisation
    (``\text{}`` wrappers, ``$``, spaces, ``\left``/``\right``, ``\dfrac``) the answer equals a
-   reference, both are plain integers (``070 == 70``), or both are plain numbers equal as exact
-   rationals (``0.5 == \frac{2}{4}``). Wrong only where math-verify would say so too. This keeps
-   RL on numeric answers cheap.
+   reference, both are plain integers (``070 == 70``), both are plain numbers equal as exact
+   rationals (``0.5 == \frac{2}{4}``), or single letters (a choice, ``b == B``). Wrong only where
+   math-verify would say so too. This keeps RL on numeric and multiple-choice answers cheap.
 2. Otherwise math-verify (`parse` + `verify`, run by `worker`) decides, in a pool of worker
    processes with a hard time limit per answer (`grader`).
 """

@@ -160,14 +160,25 @@ def _surely_apart(a: tuple[Fraction, bool], b: tuple[Fraction, bool]) -> bool:
     return gap > size * _RELATIVE_GAP
 
 
+# A single letter: a choice of a multiple-choice question (B), or a variable. math-verify reads
+# one as a symbol, equal to the same letter in either case (b == B) and to nothing else, but for
+# e (Euler's number: e == 2.718281828) and i (the imaginary unit), which are left to it.
+_LETTER = re.compile(r"^[A-DF-HJ-Za-df-hj-z]$")
+
+
+def _as_letter(s: str) -> str | None:
+    return s.lower() if _LETTER.match(s) else None
+
+
 def fast_grade(extracted: str, answers: list[str]) -> bool | None:
     r"""True/False when decidable without math-verify; None when math-verify must decide.
 
     Decided here: equal strings after `normalize_answer`; plain integers (``070 == 70``); plain
     numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``) equal as exact rationals
-    (``0.5 == \frac{2}{4}``). Wrong only when every reference is a number that math-verify,
-    too, would find different; anything else (``x=5``, ``1,000``, ``\sqrt{2}``, ``50\%``) is
-    math-verify's to decide.
+    (``0.5 == \frac{2}{4}``); single letters, as math-verify compares them (``b == B``, and
+    never equal to a number). Wrong only when every reference is a number or letter that
+    math-verify, too, would find different; anything else (``x=5``, ``1,000``, ``\sqrt{2}``,
+    ``50\%``, ``e``) is math-verify's to decide.
     """
     x = normalize_answer(extracted)
     refs = [normalize_answer(a) for a in answers]
@@ -180,12 +191,22 @@ def fast_grade(extracted: str, answers: list[str]) -> bool | None:
             return True
         if all(ri is not None for ri in ref_ints):
             return False
-    xn = _as_number(x)
-    if xn is None:
+    xn, xl = _as_number(x), _as_letter(x)
+    if xn is None and xl is None:
         return None
-    ref_numbers = [_as_number(r) for r in refs]
-    if any(rn is not None and rn[0] == xn[0] for rn in ref_numbers):
+    ref_numbers, ref_letters = [_as_number(r) for r in refs], [_as_letter(r) for r in refs]
+    if xn is not None and any(rn is not None and rn[0] == xn[0] for rn in ref_numbers):
         return True
-    if all(rn is not None and _surely_apart(xn, rn) for rn in ref_numbers):
+    if xl is not None and xl in ref_letters:
+        return True
+
+    def apart(rn: tuple[Fraction, bool] | None, rl: str | None) -> bool:
+        """x and this reference are different to math-verify too: numbers surely apart, a
+        number and a letter, or two different letters."""
+        if rn is not None:
+            return xl is not None or _surely_apart(xn, rn)
+        return rl is not None and (xn is not None or rl != xl)
+
+    if all(apart(rn, rl) for rn, rl in zip(ref_numbers, ref_letters, strict=True)):
         return False
     return None

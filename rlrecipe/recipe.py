@@ -267,6 +267,11 @@ class SGLangServer(Section):
     # A server that dies or hangs mid-step: false = stop with an error naming it; true = send its
     # requests to the other servers and leave it out from then on (the run goes on while one lives).
     retry_on_other_servers: bool = False
+    # A launched server (the run's own, or one `rlrecipe rollout-servers` started) that exits, or
+    # (the run's) stops answering, is started again, at most this many times each. With
+    # retry_on_other_servers, a server left out that answers again, launched or attached, is taken
+    # back at the next weight update, which brings it the current weights (rollout/server_recovery.py).
+    max_restarts: int = Field(0, ge=0)
     # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
     # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} (model.revision for a
     # hub id started by `rlrecipe rollout-servers`, else empty). E.g. the CPU stand-in that

@@ -258,10 +258,10 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def _start_node(tmp_path: Path, base: int, urls: Path) -> subprocess.Popen:
+def _start_node(tmp_path: Path, base: int, urls: Path, **sglang) -> subprocess.Popen:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(sglang_recipe(
-        num_servers=4, nodes=2, base_port=base, startup_timeout_s=WAIT_S,
+        num_servers=4, nodes=2, base_port=base, startup_timeout_s=WAIT_S, **sglang,
         launch_cmd=[sys.executable, "-c", STAND_IN, "{port}", str(tmp_path / "pid_{index}")])))
     return subprocess.Popen([sys.executable, "-m", "rlrecipe.cli.app", "rollout-servers", str(recipe), "--node", "1",
                              "--urls-out", str(urls), "--log-dir", str(tmp_path / "logs")],
@@ -320,3 +320,34 @@ def test_a_server_that_exits_ends_the_command_naming_it_and_its_log(tmp_path):
     assert f"SGLang server 3 (http://127.0.0.1:{base + 3}) exited with code -9" in msg
     assert f"full log: {tmp_path / 'logs' / 'sglang_server_3.log'}" in msg
     assert _gone(pids[2]) and read_urls(urls) == []  # the other one stopped, the list emptied
+
+
+def test_a_server_that_exits_is_started_again_up_to_max_restarts(tmp_path):
+    base = free_ports(4)
+    urls = tmp_path / "urls.yaml"
+    proc = _start_node(tmp_path, base, urls, max_restarts=1)
+    url = f"http://127.0.0.1:{base + 3}"
+    try:
+        _wait_for(lambda: len(read_urls(urls)) == 2 or proc.poll() is not None, "node 1's URLs in the list")
+        first = _pids(tmp_path)
+        os.kill(first[3], signal.SIGKILL)
+
+        def answers_again() -> bool:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                return _pids(tmp_path)[3] != first[3] and requests.get(url + "/health", timeout=10).status_code == 200
+            except (requests.ConnectionError, ValueError):
+                return False
+
+        _wait_for(answers_again, "server 3 started again")
+        assert _pids(tmp_path)[2] == first[2] and read_urls(urls) == [f"http://127.0.0.1:{base + 2}", url]
+        os.kill(_pids(tmp_path)[3], signal.SIGKILL)  # no restart left: the command ends, naming it
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2
+    msg = " ".join(err.split())
+    assert f"SGLang server 3 ({url}) exited with code -9; last log line" in msg and "0 restarts left" in msg
+    assert msg.count("exited with code -9") == 2  # the first time noted, the second the error

@@ -452,6 +452,52 @@ def test_broadcast_sync_reaches_two_servers(tiny_model_dir, other_model_dir, tok
         eng.close()
 
 
+@pytest.mark.slow
+def test_a_restarted_server_rejoins_the_broadcast_group_with_the_current_weights(tiny_model_dir, other_model_dir,
+                                                                                tok, tmp_path):
+    """weight_sync distributed, retry_on_other_servers, max_restarts 1: server 1 dies and is started
+    again (with the weights it was launched with); the next push makes the group again with it
+    (rank 2 of 3 once more) and it samples with that push's weights, not its own."""
+    base = free_ports(2)
+    cfg = SGLangServer(base_port=base, num_servers=2, startup_timeout_s=BOOT_TIMEOUT_S, weight_sync="distributed",
+                       weight_sync_backend="gloo", weight_sync_port=free_port(), retry_on_other_servers=True,
+                       max_restarts=1, launch_cmd=[*rlrecipe_cmd(), "serve", "{model}", "--host", "{host}",
+                                                   "--port", "{port}", "--dtype", "{dtype}"])
+    eng = SGLangEngine.launch(tiny_model_dir, cfg=cfg, dtype="float32", run_dir=tmp_path,
+                              eos_token_id=tok.eos_token_id)
+    try:
+        other = load_model(other_model_dir)
+        eng.update_weights_from_state(other.state_dict(), 1)
+        first = eng.servers[1].proc.pid
+        eng.servers[1].proc.kill()
+        eng.servers[1].proc.wait(timeout=30)
+        trajs = eng.generate(prompts(tok, 8), SamplingParams(max_new_tokens=6), seed=1)
+        assert all(t.done for t in trajs) and eng.live == [0]
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        while not (eng.servers[1].alive() and eng.servers[1].proc.pid != first and _health(eng.urls[1])):
+            assert time.monotonic() < deadline, "server 1 was not started again"
+            time.sleep(0.5)
+        moved = {k: v * 1.05 for k, v in other.state_dict().items()}
+        eng.update_weights_from_state(moved, 2)
+        assert eng.live == [0, 1]
+        log = (tmp_path / "sglang_server_1.log").read_text()
+        assert log.count("as rank 2 of 3") == 2  # joined at launch, and again once taken back
+        pushed = load_model(other_model_dir)
+        pushed.load_state_dict(moved)
+        trajs = eng.generate(prompts(tok, 8), SamplingParams(max_new_tokens=6), seed=2)  # 4 groups over both
+        assert eng.model_info(1)["weight_version"] == "2"
+        assert (torch.cat([recompute(pushed, t) - torch.tensor(t.logp_infer) for t in trajs])).abs().max() < 1e-4
+    finally:
+        eng.close()
+
+
+def _health(url: str) -> bool:
+    try:
+        return requests.get(url + "/health_generate", timeout=10).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 # A stand-in server with no model: token = port % 1000; max_new_tokens 999 hangs (to be killed).
 FAKE_SERVER = r"""
 import json, sys, time

@@ -225,3 +225,47 @@ def test_with_retry_and_every_server_frozen_the_error_says_so(tmp_path):
     finally:
         os.kill(pid, signal.SIGCONT)
         eng.close()
+
+
+def _answering(url: str) -> bool:
+    try:
+        return urllib.request.urlopen(url + "/health_generate", timeout=5).status == 200
+    except OSError:
+        return False
+
+
+def test_a_dead_server_is_started_again_and_taken_back_at_the_next_weight_update(tmp_path, capsys):
+    """retry_on_other_servers with max_restarts 1: server 1 dies, its share goes to the others, it
+    is started again at once, and the first weight update after it answers takes it back (with
+    that update's weights); when it dies a second time it stays out."""
+    eng = launch(tmp_path, 3, request_timeout_s=5.0, request_timeout_per_token_s=0.0, retry_on_other_servers=True,
+                 max_restarts=1)
+    tokens = [int(u.rsplit(":", 1)[1]) % 1000 for u in eng.urls]
+    first = eng.servers[1].proc.pid
+    try:
+        eng.servers[1].proc.kill()
+        eng.servers[1].proc.wait(timeout=30)
+        out = within_guard(lambda: eng.generate(trajs(6), SamplingParams(max_new_tokens=8)))
+        assert {t.response_ids[0] for t in out} == {tokens[0], tokens[2]} and eng.live == [0, 2]
+        deadline = time.monotonic() + GUARD_S
+        while not (eng.servers[1].alive() and _answering(eng.urls[1])):
+            assert time.monotonic() < deadline, "server 1 was not started again"
+            time.sleep(0.2)
+        assert eng.servers[1].proc.pid != first
+        assert eng.live == [0, 2]  # answering is not enough: it waits for weights
+        within_guard(lambda: eng.update_weights_from_disk(tmp_path, 1))
+        assert eng.live == [0, 1, 2] and eng._weight_version == ["1", "1", "1"]
+        again = within_guard(lambda: eng.generate(trajs(6), SamplingParams(max_new_tokens=8)))
+        assert [t.response_ids[0] for t in again] == tokens * 2  # group i goes to live server i % 3
+        shown = capsys.readouterr()
+        text = " ".join((shown.out + shown.err).split())
+        assert "starting SGLang server 1 again (0 restarts left)" in text
+        assert "answers again: taken back with the weights of version 1" in text
+        # its restarts are used up: a second death leaves it out for good
+        eng.servers[1].proc.kill()
+        eng.servers[1].proc.wait(timeout=30)
+        within_guard(lambda: eng.generate(trajs(3), SamplingParams(max_new_tokens=8)))
+        within_guard(lambda: eng.update_weights_from_disk(tmp_path, 2))
+        assert eng.live == [0, 2] and not eng.servers[1].alive()
+    finally:
+        eng.close()

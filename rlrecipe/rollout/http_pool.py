@@ -115,6 +115,10 @@ class HttpPool:
                 task.cancel()
         self._loop.call_soon_threadsafe(cut)
 
+    def mark_up(self, server: int) -> None:
+        """Send to `server` again (it was taken back after `mark_down`)."""
+        self._loop.call_soon_threadsafe(self._down.discard, server)
+
     def close(self) -> None:
         if self._closed:
             return

@@ -8,8 +8,9 @@ n x S). The command lines come from the same builder as the run's launch (`sglan
 /health_generate, their URLs go to stdout as a YAML list and, with `urls_out`, are merged into
 one shared YAML list that every node writes under a file lock; the run attaches to it with
 `--set "rollout.urls=$(cat FILE)"`. The command then stays until Ctrl-C or SIGTERM (or until a
-server exits: an error naming it and its log), stops its servers and takes its URLs out of the
-file again, so the list names servers that are up.
+server exits more than `rollout.sglang.max_restarts` times: an error naming it and its log; up to
+then it is started again, and a run with retry_on_other_servers takes it back), stops its servers
+and takes its URLs out of the file again, so the list names servers that are up.
 """
 
 from __future__ import annotations
@@ -233,10 +234,17 @@ def run_node(loaded: LoadedRecipe, node: int, *, gpus: int | None = None, url_ho
             merged = update_urls(urls_out, plan.urls, add=True)
             _note(f"{urls_out}: {len(merged)} of {cfg.num_servers} servers listed")
         _note(f"node {node}: {len(servers)} servers up; Ctrl-C or SIGTERM stops them")
+        restarts_left = {s.index: cfg.max_restarts for s in servers}
         while True:
             for s in servers:
                 if not s.alive():
-                    raise s.crash_error()
+                    if not restarts_left[s.index]:
+                        raise s.crash_error()
+                    restarts_left[s.index] -= 1
+                    _note(f"{s.crash_error()}; starting it again ({restarts_left[s.index]} restarts left); a run "
+                          "with retry_on_other_servers takes it back once it answers")
+                    s.stop()  # what its process group left behind
+                    s.start()
             time.sleep(ALIVE_POLL_S)
     except KeyboardInterrupt:
         _note(f"node {node}: stopping {len(servers)} servers")

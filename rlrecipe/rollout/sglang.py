@@ -5,7 +5,9 @@ and keeps every token's log-prob and policy version. Every /generate goes throug
 thread (`http_pool.py`), at most `max_concurrency` open per server; a group's samples go to one
 server, which then shares their prompt's prefix cache. A server that dies or stays silent past
 its read timeout stops the call with an error naming it, or (retry_on_other_servers) its
-requests go to the others and it is left out from then on. With `rollout.sglang.router`, every
+requests go to the others and it is left out until it answers again (`server_recovery.py`: with
+`max_restarts` a launched one is started again; any one answering again is taken back at the next
+weight update). With `rollout.sglang.router`, every
 /generate goes to sglang-router in front of the servers instead (one URL, which balances them);
 weight updates, aborts and server info still go to each server, since the router forwards none
 of them.
@@ -47,6 +49,7 @@ from rlrecipe.recipe import Recipe, SGLangServer
 from rlrecipe.rollout.api_key import auth_headers
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
 from rlrecipe.rollout.http_pool import HttpPool, Post, PostFailed
+from rlrecipe.rollout.server_recovery import ServerRecovery
 from rlrecipe.rollout.sglang_api import apply_output, context_length, generate_payload, sglang_sampling_params
 from rlrecipe.rollout.sglang_server import (
     ServerProcess,
@@ -110,7 +113,8 @@ class SGLangEngine(RolloutEngine):
         self.transport = weight_transport("sglang", self.cfg)
         self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
         self._broadcast: WeightBroadcast | None = None  # weight_sync: distributed, made on first use
-        self._failed: set[int] = set()  # servers that died or hung under this engine
+        self._failed: set[int] = set()  # servers that died or hung under this engine (until taken back)
+        self._recovery = ServerRecovery(self.servers, self.cfg.max_restarts)
         self._server_infos: dict[int, dict] = {}
         self._weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
         self._closed = False
@@ -204,9 +208,26 @@ class SGLangEngine(RolloutEngine):
         if not self.live:
             raise UserError(f"{error}; no SGLang server left to retry on") from None
         console.print(f"[yellow]warning[/]: {error}; its requests go to the {len(self.live)} other servers, "
-                      "and it is left out from now on")
+                      "and it is left out until it answers again")
         if self._broadcast is not None:
-            self._broadcast.server_left()
+            self._broadcast.members_changed()
+        self._recovery.restart(i)
+
+    def _take_back(self, version: int) -> list[int]:
+        """Servers left out that answer /health_generate again join the live ones now, at a weight
+        update, which gives them the weights of `version` (see server_recovery.py)."""
+        back = self._recovery.answering(sorted(self._failed - set(self.live)), self.urls)
+        for i in back:
+            self._failed.discard(i)
+            self._http.mark_up(i)
+            self._server_infos.pop(i, None)  # a restarted server is asked again
+            console.print(f"SGLang server {i} ({self.urls[i]}) answers again: taken back with the weights of "
+                          f"version {version}", highlight=False, soft_wrap=True)
+        if back:
+            self.live = sorted(self.live + back)
+            if self._broadcast is not None:
+                self._broadcast.members_changed()
+        return back
 
     def _down_error(self, i: int, err: Exception, what: str, may_exit: bool = True,
                     server: ServerProcess | None = None) -> UserError:
@@ -429,12 +450,16 @@ class SGLangEngine(RolloutEngine):
     def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
         self._check_alive()
         model_path = model_arg(model_dir)
-        if len(self.live) == 1:
-            self._update_one(self.live[0], model_path, version)
-        else:
-            with ThreadPoolExecutor(max_workers=min(len(self.live), 32)) as pool:
-                for fut in [pool.submit(self._update_one, i, model_path, version) for i in self.live]:
+        back = set(self._take_back(version))
+        with ThreadPoolExecutor(max_workers=min(len(self.live), 32)) as pool:
+            futures = {i: pool.submit(self._update_one, i, model_path, version) for i in self.live}
+            for i, fut in futures.items():
+                try:
                     fut.result()
+                except UserError as err:
+                    if i not in back:
+                        raise
+                    self._leave_out(i, err)  # taken back too soon: out again (retry is on, or none was)
         self.version = version
 
     def control(self, i: int, path: str, body: dict, read_timeout: float) -> None:
@@ -453,6 +478,7 @@ class SGLangEngine(RolloutEngine):
             raise NotImplementedError("SGLangEngine takes weights from disk unless rollout.sglang.weight_sync "
                                       "is distributed")
         self._check_alive()
+        self._take_back(version)
         if self._broadcast is None:
             # imported here: the broadcast path needs torch, the HTTP client does not
             from rlrecipe.rollout.weight_broadcast import WeightBroadcast
@@ -468,6 +494,7 @@ class SGLangEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
+        self._recovery.close()
         if self._broadcast is not None:
             self._broadcast.close()
         self._http.close()

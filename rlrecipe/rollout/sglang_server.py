@@ -397,7 +397,7 @@ def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | P
 
 
 # -- health ----------------------------------------------------------------------------------------
-def _probe(url: str, time_left: float) -> str | None:
+def probe_health(url: str, time_left: float) -> str | None:
     """None when `url` answers GET /health_generate with 200 within the time left, else what it did."""
     try:
         r = requests.get(url + HEALTH_PATH, timeout=(min(5.0, time_left), min(PROBE_TIMEOUT_S, time_left)))
@@ -429,7 +429,7 @@ def wait_until_healthy(servers: Sequence[tuple[str, ServerProcess | None]], time
                 where = f"; log: {proc.log_path}" if proc is not None else ""
                 raise UserError(f"{name} not healthy after {timeout:.0f}s (last: {last.get(url, '?')}; raise "
                                 f"rollout.sglang.startup_timeout_s?){where}")
-            answers = list(pool.map(lambda entry, left=left: _probe(entry[0], left), pending))
+            answers = list(pool.map(lambda entry, left=left: probe_health(entry[0], left), pending))
             for (url, _), answer in zip(pending, answers, strict=True):
                 if answer is not None:
                     last[url] = answer

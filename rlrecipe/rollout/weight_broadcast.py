@@ -50,8 +50,9 @@ class WeightBroadcast:
             self.close()  # a broadcast nobody received would desynchronise every later one
             raise
 
-    def server_left(self) -> None:
-        """A server was left out: the group still counts it, so make it again before the next push."""
+    def members_changed(self) -> None:
+        """A server was left out or taken back: the group counts the old set, so make it again
+        before the next push."""
         if self.group is not None:
             self._stale = True
 

@@ -13,6 +13,7 @@ from rlrecipe.cli import stages
 
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
+from rlrecipe.train.launch import end_process, is_launched_rank
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Reproducible RL-from-verifiable-rewards recipes: data -> sft -> rl -> eval.")
@@ -26,9 +27,15 @@ app.command(name="rollout-servers")(servers_cmd.rollout_servers)
 def main() -> None:
     try:
         app()
+        code = 0
     except UserError as err:
         console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
-        sys.exit(err.exit_code)
+        code = err.exit_code
+    except SystemExit as done:  # typer ends every command this way
+        code = done.code
+    if is_launched_rank():
+        end_process(code)  # see there: skips the interpreter teardown a rank can abort in
+    sys.exit(code)
 
 
 if __name__ == "__main__":

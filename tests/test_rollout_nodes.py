@@ -272,27 +272,38 @@ def _pids(tmp_path: Path) -> dict[int, int]:
     return {i: int((tmp_path / f"pid_{i}").read_text()) for i in (2, 3)}
 
 
+def _ended_after(proc: subprocess.Popen, action) -> tuple[str, str]:
+    """Do `action` to the running command, then wait for it to end: (stdout, stderr). Killed if
+    anything fails on the way, so no test leaves it running."""
+    try:
+        action()
+        return proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_a_node_starts_its_share_lists_the_urls_and_stops_them_on_sigterm(tmp_path):
     base = free_ports(4)
     urls = tmp_path / "shared" / "urls.yaml"
     update_urls(urls, [f"http://node0:{base}", f"http://node0:{base + 1}"], add=True)  # node 0, already up
     ours = [f"http://127.0.0.1:{base + 2}", f"http://127.0.0.1:{base + 3}"]
     proc = _start_node(tmp_path, base, urls)
-    try:
+    pids: dict[int, int] = {}
+
+    def check_and_stop():
         _wait_for(lambda: len(read_urls(urls)) == 4 or proc.poll() is not None, "node 1's URLs in the list")
         assert proc.poll() is None, proc.stderr.read()
         # node 1 of 2 runs servers 2 and 3, on base_port + 2 and + 3, after node 0's entries
         assert read_urls(urls) == [f"http://node0:{base}", f"http://node0:{base + 1}", *ours]
         for url in ours:
             assert requests.get(url + "/health", timeout=10).status_code == 200
-        pids = _pids(tmp_path)
+        pids.update(_pids(tmp_path))
         assert (tmp_path / "logs" / "sglang_server_2.log").exists() and not _gone(pids[3])
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+
+    out, err = _ended_after(proc, check_and_stop)
     assert proc.returncode == 0, err
     assert out.splitlines() == [f"- {u}" for u in ours]  # the URLs, printed once healthy
     assert all(_gone(pid) for pid in pids.values())
@@ -302,21 +313,25 @@ def test_a_node_starts_its_share_lists_the_urls_and_stops_them_on_sigterm(tmp_pa
     assert read_urls(urls) == [f"http://node0:{base}", f"http://node0:{base + 1}"]  # ours taken out again
 
 
+def _failure_after(proc: subprocess.Popen, action) -> str:
+    """Do `action` to the running command, then wait for it to fail (status 2); its stderr as one line."""
+    _, err = _ended_after(proc, action)
+    assert proc.returncode == 2, err
+    return " ".join(err.split())
+
+
 def test_a_server_that_exits_ends_the_command_naming_it_and_its_log(tmp_path):
     base = free_ports(4)
     urls = tmp_path / "urls.yaml"
     proc = _start_node(tmp_path, base, urls)
-    try:
+    pids: dict[int, int] = {}
+
+    def kill_server_3():
         _wait_for(lambda: len(read_urls(urls)) == 2 or proc.poll() is not None, "node 1's URLs in the list")
-        pids = _pids(tmp_path)
+        pids.update(_pids(tmp_path))
         os.kill(pids[3], signal.SIGKILL)
-        out, err = proc.communicate(timeout=WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 2
-    msg = " ".join(err.split())
+
+    msg = _failure_after(proc, kill_server_3)
     assert f"SGLang server 3 (http://127.0.0.1:{base + 3}) exited with code -9" in msg
     assert f"full log: {tmp_path / 'logs' / 'sglang_server_3.log'}" in msg
     assert _gone(pids[2]) and read_urls(urls) == []  # the other one stopped, the list emptied
@@ -327,7 +342,8 @@ def test_a_server_that_exits_is_started_again_up_to_max_restarts(tmp_path):
     urls = tmp_path / "urls.yaml"
     proc = _start_node(tmp_path, base, urls, max_restarts=1)
     url = f"http://127.0.0.1:{base + 3}"
-    try:
+
+    def kill_server_3_twice():
         _wait_for(lambda: len(read_urls(urls)) == 2 or proc.poll() is not None, "node 1's URLs in the list")
         first = _pids(tmp_path)
         os.kill(first[3], signal.SIGKILL)
@@ -342,12 +358,7 @@ def test_a_server_that_exits_is_started_again_up_to_max_restarts(tmp_path):
         _wait_for(answers_again, "server 3 started again")
         assert _pids(tmp_path)[2] == first[2] and read_urls(urls) == [f"http://127.0.0.1:{base + 2}", url]
         os.kill(_pids(tmp_path)[3], signal.SIGKILL)  # no restart left: the command ends, naming it
-        out, err = proc.communicate(timeout=WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 2
-    msg = " ".join(err.split())
+
+    msg = _failure_after(proc, kill_server_3_twice)
     assert f"SGLang server 3 ({url}) exited with code -9; last log line" in msg and "0 restarts left" in msg
     assert msg.count("exited with code -9") == 2  # the first time noted, the second the error

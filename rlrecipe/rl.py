@@ -54,7 +54,8 @@ def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer,
     grade(batch, tokenizer, grader, cfg)
     roll.extra = {"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
                   "prompts_skipped_too_long": pool.stream.skipped_too_long,
-                  "graded": len(batch), "grade_s": time.time() - t0}  # grade_s is part of rollout_s
+                  "graded": len(batch), "grade_s": time.time() - t0,  # grade_s is part of rollout_s
+                  **engine.fleet_metrics()}
     return TrajectoryBatch.from_trajectories(batch), roll
 
 

@@ -67,6 +67,7 @@ def test_rl_through_the_sglang_api_with_broadcast_weight_sync(tmp_path, tiny_mod
     run = tmp_path / "runs" / "rl"
     rows = _metrics(run)
     assert len(rows) == 3
+    assert all((r["rollout_servers_live"], r["rollout_server_restarts"]) == (1, 0) for r in rows)
     # every step's rollouts come from the weights the trainer had when it started the step: the
     # server received each update (fp32 on both sides, so only float noise is left)
     assert all(r["mismatch_abs_logp"] < 1e-4 for r in rows), [r["mismatch_abs_logp"] for r in rows]

@@ -37,5 +37,9 @@ class RolloutEngine(ABC):
         """Faster path where the engine shares memory with the trainer; default: not supported."""
         raise NotImplementedError
 
+    def fleet_metrics(self) -> dict[str, float]:
+        """What a step logs of the engine's servers (none by default: one process, nothing to lose)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release servers or memory."""

@@ -192,6 +192,11 @@ class SGLangEngine(RolloutEngine):
             if i in self.live and s.proc is not None and not s.alive():
                 self._leave_out(i, s.crash_error())
 
+    def fleet_metrics(self) -> dict[str, float]:
+        """Servers in use and the restarts spent so far: a run losing servers shows in its metrics."""
+        spent = sum(self.cfg.max_restarts - left for left in self._recovery.restarts_left.values())
+        return {"rollout_servers_live": float(len(self.live)), "rollout_server_restarts": float(spent)}
+
     def read_timeout(self, max_new_tokens: int) -> float:
         """Seconds a /generate for this many new tokens may go without an answer."""
         return self.cfg.request_timeout_s + self.cfg.request_timeout_per_token_s * max_new_tokens

@@ -4,6 +4,7 @@ bounded number of requests open per server, all from one client thread."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -270,4 +271,25 @@ def test_a_dead_server_is_started_again_and_taken_back_at_the_next_weight_update
         assert eng.live == [0, 2] and not eng.servers[1].alive()
         assert eng.fleet_metrics() == {"rollout_servers_live": 2.0, "rollout_server_restarts": 1.0}
     finally:
+        eng.close()
+
+
+def test_a_hung_server_is_killed_before_it_is_started_again(tmp_path):
+    """A server that stops answering (SIGSTOP: alive, silent) is left out, its process group killed
+    (it would hold its GPU), and a new one started on its port."""
+    eng = launch(tmp_path, 2, request_timeout_s=1.0, request_timeout_per_token_s=0.0, retry_on_other_servers=True,
+                 max_restarts=1)
+    frozen = eng.servers[1].proc
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        within_guard(lambda: eng.generate(trajs(4), SamplingParams(max_new_tokens=8)))
+        assert eng.live == [0]
+        deadline = time.monotonic() + GUARD_S
+        while not (eng.servers[1].proc is not frozen and _answering(eng.urls[1])):
+            assert time.monotonic() < deadline, "server 1 was not started again"
+            time.sleep(0.2)
+        assert frozen.poll() == -signal.SIGKILL  # SIGTERM cannot reach a stopped process; SIGKILL did
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen.pid, signal.SIGCONT)
         eng.close()

@@ -268,9 +268,9 @@ class SGLangServer(Section):
     # requests to the other servers and leave it out from then on (the run goes on while one lives).
     retry_on_other_servers: bool = False
     # A launched server (the run's own, or one `rlrecipe rollout-servers` started) that exits, or
-    # (the run's) stops answering, is started again, at most this many times each. With
-    # retry_on_other_servers, a server left out that answers again, launched or attached, is taken
-    # back at the next weight update, which brings it the current weights (rollout/server_recovery.py).
+    # (the run's) stops answering, is started again, at most this many times each; a server left
+    # out that answers again, launched or attached, is taken back at the next weight update, which
+    # brings it the current weights (rollout/server_recovery.py). Needs retry_on_other_servers.
     max_restarts: int = Field(0, ge=0)
     # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
     # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} (model.revision for a
@@ -302,6 +302,9 @@ class SGLangServer(Section):
         if self.router and self.retry_on_other_servers:
             raise ValueError("retry_on_other_servers and router exclude each other: behind the router, "
                              "requests are spread and retried across the servers by the router itself")
+        if self.max_restarts and not self.retry_on_other_servers:
+            raise ValueError("max_restarts needs retry_on_other_servers: without it a run stops at a server's "
+                             "first failure, before a restarted one could be taken back")
         return self
 
     @model_validator(mode="after")

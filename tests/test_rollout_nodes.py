@@ -340,7 +340,7 @@ def test_a_server_that_exits_ends_the_command_naming_it_and_its_log(tmp_path):
 def test_a_server_that_exits_is_started_again_up_to_max_restarts(tmp_path):
     base = free_ports(4)
     urls = tmp_path / "urls.yaml"
-    proc = _start_node(tmp_path, base, urls, max_restarts=1)
+    proc = _start_node(tmp_path, base, urls, max_restarts=1, retry_on_other_servers=True)
     url = f"http://127.0.0.1:{base + 3}"
 
     def kill_server_3_twice():

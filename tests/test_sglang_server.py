@@ -308,3 +308,12 @@ def test_generation_through_the_router_and_weights_to_every_server(router, tiny_
     finally:
         eng.close()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_max_restarts_needs_retry_on_other_servers():
+    rollout = {"engine": "sglang", "sglang": {"max_restarts": 2}}
+    with pytest.raises(RecipeError, match="rollout.sglang: .*max_restarts needs retry_on_other_servers"):
+        recipe_from_dict({"run": {"name": "t"}, "model": {"path": "m"}, "rollout": rollout})
+    rollout["sglang"]["retry_on_other_servers"] = True
+    spec = {"run": {"name": "t"}, "model": {"path": "m"}, "rollout": rollout}
+    assert recipe_from_dict(spec).rollout.sglang.max_restarts == 2

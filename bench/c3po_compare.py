@@ -235,6 +235,10 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
         trace["trajectories"][mode] = recorded_lengths(streams[mode].handed_out)
     out = summarize(sync.steps[1:], c3po.steps[1:])
     out["token_budget"] = budget
+    # how far past the budget C3PO++'s steps trained: rollouts that finish on the decoding step
+    # that crosses it all count, so a cohort of alike lengths finishing together overshoots
+    over = [st["tokens"] / budget - 1 for st in c3po.steps[1:]]
+    out["c3po_over_budget_mean"], out["c3po_over_budget_max"] = sum(over) / len(over), max(over)
     out["trace"] = trace
     return out
 

@@ -177,6 +177,15 @@ def _recorded(cost, layout="server", max_batch=12):
                            prompts_per_step=5, samples_per_prompt=4, pool_capacity=24, clock=lambda: eng.clock)
 
 
+def test_c3po_steps_train_at_least_their_budget_and_the_overshoot_is_reported():
+    result = _recorded(CostModel(0.01, 0.001, 0.0001, 0.0, 0.0))
+    budget, steps = result["token_budget"], [s for s in result["trace"]["steps"]["c3po"] if not s.get("warmup")]
+    over = [s["tokens"] / budget - 1 for s in steps]
+    assert min(over) >= 0  # the pool stops only once finished rollouts hold the budget
+    assert result["c3po_over_budget_max"] == pytest.approx(max(over))
+    assert result["c3po_over_budget_mean"] == pytest.approx(sum(over) / len(over))
+
+
 def test_replay_reproduces_the_recorded_run_and_projects_it():
     cost = CostModel(step_s=7e-3, row_s=1.5e-5, ctx_s=2e-8, prefill_call_s=2e-3, prefill_token_s=3e-5,
                      train_step_s=1.0, train_token_s=1e-4)

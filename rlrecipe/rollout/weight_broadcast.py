@@ -4,7 +4,8 @@ The group's protocol and collectives are in `weight_sync.py`; this module drives
 engine's servers: it makes the group on the first push (this process rank 0, then each live
 server's tensor-parallel ranks), sends the weights in buckets, and leaves the group when a push
 fails (a broadcast nobody received would desynchronise every later one), when a server was left
-out (the group still counts it: it is made again before the next push), and on close.
+out or taken back (the group counts the old set: it is made again before the next push, so a
+server started again joins it), and on close.
 """
 
 from __future__ import annotations

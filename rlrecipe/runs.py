@@ -14,6 +14,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
@@ -155,8 +157,7 @@ class Run:
         if resume:
             recorded = self.dir / "recipe.sha256"
             if recorded.exists() and recorded.read_text().split()[0] != loaded.sha256:
-                raise RecipeError(f"{loaded.path}: recipe differs from the one {self.dir} was started with; "
-                                  "resume with the same recipe or choose another run.name")
+                self._check_same_experiment(loaded)
             self.resume_from = self._pick_checkpoint()
             self.truncate_metrics(_step_of(self.resume_from) if self.resume_from else 0)
         else:
@@ -177,6 +178,30 @@ class Run:
         self._wandb = None
         if self.recipe.run.tracking.wandb:
             self._start_wandb()
+
+    def _check_same_experiment(self, loaded: LoadedRecipe) -> None:
+        """A resume under another sha256 than the run started with: refused, naming the fields that
+        differ, unless the only difference is fields the schema gained since, at their defaults (a
+        newer rlrecipe reading the same recipe: its sha256 covers every default). Then said, and
+        the run goes on under the new sha256."""
+        refuse = f"{loaded.path}: recipe differs from the one {self.dir} was started with"
+        try:
+            was = _flat(yaml.safe_load((self.dir / "recipe.yaml").read_text(encoding="utf-8")))
+        except (OSError, yaml.YAMLError, AttributeError):
+            raise RecipeError(f"{refuse}; resume with the same recipe or choose another run.name") from None
+        now = _flat(loaded.recipe.model_dump(mode="json"))
+        explicit = _flat(loaded.recipe.model_dump(mode="json", exclude_defaults=True))
+        changed = sorted(k for k in was.keys() & now.keys() if was[k] != now[k])
+        gone = sorted(was.keys() - now.keys())
+        added = sorted(now.keys() - was.keys())
+        set_new = [k for k in added if k in explicit]
+        if changed or gone or set_new:
+            parts = [f"{k}: {was[k]!r} -> {now[k]!r}" for k in changed] + [f"{k} no longer exists" for k in gone]
+            parts += [f"{k}: new, set to {now[k]!r}" for k in set_new]
+            shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
+            raise RecipeError(f"{refuse} ({shown}); resume with the same recipe or choose another run.name")
+        console.print(f"{self.dir}: resuming with {len(added)} field(s) added to the recipe schema since it started, "
+                      f"at their defaults: {', '.join(added)}", highlight=False, soft_wrap=True)
 
     # -- what an earlier run left ------------------------------------------------------------
     def _earlier_stage(self) -> str | None:
@@ -336,6 +361,16 @@ def _metric_lines(path: Path) -> list[tuple[str, dict]]:
             continue
         if isinstance(row, dict):
             out.append((line, row))
+    return out
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a.b.c": leaf}: nested mappings by dotted key; lists and other values are leaves."""
+    if not isinstance(tree, dict):
+        raise AttributeError("not a mapping")
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
     return out
 
 

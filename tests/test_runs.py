@@ -286,3 +286,47 @@ def test_run_records_and_offline_wandb(tmp_path, monkeypatch):
     cost = json.loads((tmp_path / "r" / "run_summary.json").read_text())
     assert cost["tokens_total"] == 17 and cost["gpus"] == 0 and cost["gpu_hours_this_session"] == 0
     assert list((tmp_path / "r").rglob("offline-run-*")), "W&B wrote an offline run"
+
+
+# -- resuming under a newer schema ------------------------------------------------------------------
+def _as_if_started_by_older_code(run: Run, edit) -> None:
+    """Rewrite the run's recorded recipe as an older rlrecipe would have written it (`edit` changes
+    the resolved recipe dict in place), with that recipe's sha256."""
+    import hashlib
+
+    import yaml
+
+    recorded = yaml.safe_load((run.dir / "recipe.yaml").read_text())
+    edit(recorded)
+    (run.dir / "recipe.yaml").write_text(yaml.safe_dump(recorded, sort_keys=False))
+    digest = hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
+    (run.dir / "recipe.sha256").write_text(f"{digest}  r.yaml\n")
+
+
+def test_a_run_resumes_under_fields_the_schema_gained_at_their_defaults(tmp_path, capsys):
+    run = _two_checkpoints_and_metrics(tmp_path)
+    _as_if_started_by_older_code(run, lambda r: (r["rollout"]["sglang"].pop("max_restarts"),
+                                                 r["trainer"].pop("logprob_chunk_tokens")))
+    assert (run.dir / "recipe.sha256").read_text().split()[0] != loaded(tmp_path).sha256
+    resumed = Run(loaded(tmp_path), "sft", resume=True)
+    assert resumed.latest_checkpoint() == run.ckpt_dir / "step_0000004" and steps(resumed.dir) == [1, 2, 3, 4]
+    said = " ".join(capsys.readouterr().err.split())
+    assert ("resuming with 2 field(s) added to the recipe schema since it started, at their defaults: "
+            "rollout.sglang.max_restarts, trainer.logprob_chunk_tokens") in said
+    assert (run.dir / "recipe.sha256").read_text().split()[0] == loaded(tmp_path).sha256  # the run goes on under it
+
+
+def test_a_resume_that_changes_the_experiment_is_refused_naming_the_fields(tmp_path):
+    run = _two_checkpoints_and_metrics(tmp_path)
+    _as_if_started_by_older_code(run, lambda r: (r["trainer"].update(lr=3e-4), r["trainer"].pop("adam_eps"),
+                                                 r["rollout"]["sglang"].pop("max_restarts")))
+    retry = {"sglang": {"retry_on_other_servers": True, "max_restarts": 2}}
+    with pytest.raises(RecipeError) as err:
+        Run(loaded(tmp_path, rollout=retry), "sft", resume=True)
+    msg = str(err.value)
+    assert msg.startswith(f"r.yaml: recipe differs from the one {run.dir} was started with (")
+    assert "trainer.lr: 0.0003 -> 1e-05" in msg  # a value changed
+    assert "rollout.sglang.retry_on_other_servers: False -> True" in msg
+    assert "rollout.sglang.max_restarts: new, set to 2" in msg  # a new field, not at its default
+    assert "adam_eps" not in msg  # a new field at its default is no difference
+    assert steps(run.dir) == [1, 2, 3, 4, 5]  # nothing cut on a refusal

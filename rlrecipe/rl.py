@@ -214,9 +214,7 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
     reference = make_reference(recipe, stage.model_dir)  # None unless rl.kl_coef > 0
     watch = EntropyWatch.from_config(cfg.entropy_watch, quiet=not lead)
     guard = BadStepGuard(cfg.max_bad_steps)
-    start = resume_rl(run, trainer, pool)
-    if start:
-        resume_streaks(run, watch, guard)
+    start = resume_rl(run, trainer, pool, watch, guard)
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir,
                                  beside_training=True) if lead else None
     transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang)
@@ -320,8 +318,9 @@ def save_rl_checkpoint(run: Run, step: int, trainer, pool: RolloutPool | None) -
             atomic_write_text(d / "progress.json", json.dumps({"step": step}))
 
 
-def resume_rl(run: Run, trainer, pool: RolloutPool | None) -> int:
-    """The step to start from: 0, or the chosen checkpoint's (trainer, pool and metrics restored)."""
+def resume_rl(run: Run, trainer, pool: RolloutPool | None, watch: EntropyWatch, guard: BadStepGuard) -> int:
+    """The step to start from: 0, or the chosen checkpoint's (trainer, pool, metrics and the streak
+    counts restored)."""
     ckpt = broadcast_from_rank_zero(run.latest_checkpoint)
     if ckpt is None:
         return 0
@@ -334,6 +333,7 @@ def resume_rl(run: Run, trainer, pool: RolloutPool | None) -> int:
             pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
         run.truncate_metrics(start)
         console.print(f"resumed from {ckpt} at step {start}")
+    resume_streaks(run, watch, guard)
     return start
 
 

@@ -464,7 +464,7 @@ class SGLangEngine(RolloutEngine):
                 except UserError as err:
                     if i not in back:
                         raise
-                    self._leave_out(i, err)  # taken back too soon: out again (retry is on, or none was)
+                    self._leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
         self.version = version
 
     def control(self, i: int, path: str, body: dict, read_timeout: float) -> None:

@@ -20,6 +20,7 @@ from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe import SGLangServer, recipe_from_dict
 from rlrecipe.rollout.sglang import SGLangEngine
 from rlrecipe.rollout.sglang_api import sglang_sampling_params
+from rlrecipe.rollout.sglang_server import probe_health
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 BOOT_TIMEOUT_S = 90
@@ -474,7 +475,7 @@ def test_a_restarted_server_rejoins_the_broadcast_group_with_the_current_weights
         trajs = eng.generate(prompts(tok, 8), SamplingParams(max_new_tokens=6), seed=1)
         assert all(t.done for t in trajs) and eng.live == [0]
         deadline = time.monotonic() + BOOT_TIMEOUT_S
-        while not (eng.servers[1].alive() and eng.servers[1].proc.pid != first and _health(eng.urls[1])):
+        while not (eng.servers[1].alive() and eng.servers[1].proc.pid != first and probe_health(eng.urls[1], 10) is None):
             assert time.monotonic() < deadline, "server 1 was not started again"
             time.sleep(0.5)
         moved = {k: v * 1.05 for k, v in other.state_dict().items()}
@@ -489,13 +490,6 @@ def test_a_restarted_server_rejoins_the_broadcast_group_with_the_current_weights
         assert (torch.cat([recompute(pushed, t) - torch.tensor(t.logp_infer) for t in trajs])).abs().max() < 1e-4
     finally:
         eng.close()
-
-
-def _health(url: str) -> bool:
-    try:
-        return requests.get(url + "/health_generate", timeout=10).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 # A stand-in server with no model: token = port % 1000; max_new_tokens 999 hangs (to be killed).

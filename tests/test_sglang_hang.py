@@ -19,6 +19,7 @@ import pytest
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import SGLangServer
 from rlrecipe.rollout.sglang import SGLangEngine
+from rlrecipe.rollout.sglang_server import probe_health
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 GUARD_S = 120  # only a guard against a stalled test; the assertions are on the errors
@@ -228,13 +229,6 @@ def test_with_retry_and_every_server_frozen_the_error_says_so(tmp_path):
         eng.close()
 
 
-def _answering(url: str) -> bool:
-    try:
-        return urllib.request.urlopen(url + "/health_generate", timeout=5).status == 200
-    except OSError:
-        return False
-
-
 def test_a_dead_server_is_started_again_and_taken_back_at_the_next_weight_update(tmp_path, capsys):
     """retry_on_other_servers with max_restarts 1: server 1 dies, its share goes to the others, it
     is started again at once, and the first weight update after it answers takes it back (with
@@ -249,7 +243,7 @@ def test_a_dead_server_is_started_again_and_taken_back_at_the_next_weight_update
         out = within_guard(lambda: eng.generate(trajs(6), SamplingParams(max_new_tokens=8)))
         assert {t.response_ids[0] for t in out} == {tokens[0], tokens[2]} and eng.live == [0, 2]
         deadline = time.monotonic() + GUARD_S
-        while not (eng.servers[1].alive() and _answering(eng.urls[1])):
+        while not (eng.servers[1].alive() and probe_health(eng.urls[1], 5) is None):
             assert time.monotonic() < deadline, "server 1 was not started again"
             time.sleep(0.2)
         assert eng.servers[1].proc.pid != first
@@ -285,7 +279,7 @@ def test_a_hung_server_is_killed_before_it_is_started_again(tmp_path):
         within_guard(lambda: eng.generate(trajs(4), SamplingParams(max_new_tokens=8)))
         assert eng.live == [0]
         deadline = time.monotonic() + GUARD_S
-        while not (eng.servers[1].proc is not frozen and _answering(eng.urls[1])):
+        while not (eng.servers[1].proc is not frozen and probe_health(eng.urls[1], 5) is None):
             assert time.monotonic() < deadline, "server 1 was not started again"
             time.sleep(0.2)
         assert frozen.poll() == -signal.SIGKILL  # SIGTERM cannot reach a stopped process; SIGKILL did

@@ -8,7 +8,10 @@ is n distinct answers (all correct but in the last kind):
   math_verify  \boxed{i\sqrt{2}}    vs  \sqrt{2 i^2}: only math-verify can decide these
   math_verify_groups   the same forms as RL meets them: groups of 16 samples of one prompt share
                its reference \sqrt{2 g^2}; sample j answers (g+j)\sqrt{2}, so one in 16 is right and
-               no two answers are the same string (the grader grades a repeated one once)
+               no two answers are the same string (the grader grades a repeated one once).
+               It runs after math_verify on the same pool, whose answers include all of these:
+               math-verify's parse cache holds most of them, so it mostly measures `verify` of
+               wrong answers, the costly case
 
 A fifth measure is real: `boba_cases`, AReaL's 160 model responses to 10 boba rows (16 each,
 tests/data/boba_reward_cases.jsonl), graded against the rows' references twice on one started
@@ -23,6 +26,7 @@ run it beside the code it is compared with.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -58,6 +62,18 @@ def answers(kind: str, n: int) -> tuple[list[str], list[list[str]]]:
     raise ValueError(f"unknown kind {kind!r}")
 
 
+def workers_cpu_s(g: Grader) -> float | None:
+    """User + system CPU seconds of the grader's live workers so far (Linux /proc; None elsewhere)."""
+    total = 0.0
+    try:
+        for pid in g.worker_pids():
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return total
+
+
 def boba_cases() -> tuple[list[str], list[list[str]]]:
     """AReaL's real responses and the references of their rows (tests/data/README.md)."""
     from rlrecipe.data.convert import convert_file
@@ -74,10 +90,17 @@ def rates(n: int = 400, workers: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
 
     def timed(g: Grader, name: str, responses: list[str], refs: list[list[str]]) -> None:
+        busy0 = workers_cpu_s(g)
         t0 = time.perf_counter()
         res = g.grade(responses, refs)
-        out[f"{name}_answers_per_s"] = len(responses) / (time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        out[f"{name}_answers_per_s"] = len(responses) / wall
         out[f"{name}_correct_frac"] = sum(r.correct for r in res) / len(responses)
+        busy = workers_cpu_s(g)
+        if name.startswith("math_verify") and busy is not None and busy0 is not None:
+            # CPU the workers spent per answer, and the share of the call's wall time they were busy
+            out[f"{name}_worker_cpu_ms"] = 1e3 * (busy - busy0) / len(responses)
+            out[f"{name}_workers_busy_share"] = (busy - busy0) / (wall * len(g.worker_pids()))
 
     with Grader(timeout=2.0, workers=workers) as g:
         g.start()
@@ -88,6 +111,36 @@ def rates(n: int = 400, workers: int | None = None) -> dict[str, float]:
         real = boba_cases()
         timed(g, "boba_cases_first_pass", *real)
         timed(g, "boba_cases_second_pass", *real)
+    return out
+
+
+def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_groups"), n: int = 400) -> dict[str, float]:
+    """Where a math-verify answer's time goes, in this process on one core: parsing the answer,
+    parsing the reference (once per distinct reference, as workers cache it), and `verify`. Beside
+    `rates`' `<kind>_worker_cpu_ms` (the same work inside the pool, both cores busy) and
+    `<kind>_workers_busy_share`, this says whether a slow rate is the pool's or math-verify's.
+    The kinds run in `rates`' order, so math-verify's own parse cache is as warm as in the pool's."""
+    from rlrecipe.reward.answers import extract_boxed
+    from rlrecipe.reward.worker import _mv, _parse, math_verify_correct
+
+    _, verify, _ = _mv()
+    math_verify_correct("x^2+2x+1", ["(x+1)^2"])  # imports and sympy's first simplification, as a worker's warm-up
+    out: dict[str, float] = {}
+    for kind in kinds:
+        responses, refs = answers(kind, n)
+        preds = [extract_boxed(r) for r in responses]
+        distinct_refs = list(dict.fromkeys(a for ref in refs for a in ref))
+        t0 = time.perf_counter()
+        parsed_preds = [_parse(p) for p in preds]
+        t1 = time.perf_counter()
+        parsed_refs = {a: _parse(a) for a in distinct_refs}
+        t2 = time.perf_counter()
+        for pred, ref in zip(parsed_preds, refs, strict=True):
+            verify(parsed_refs[ref[0]], pred, timeout_seconds=None)
+        t3 = time.perf_counter()
+        per = {"parse_answer": (t1 - t0) / n, "parse_reference": (t2 - t1) / n, "verify": (t3 - t2) / n}
+        out.update({f"{kind}_{k}_ms": 1e3 * v for k, v in per.items()})
+        out[f"{kind}_one_core_answers_per_s"] = 1 / sum(per.values())
     return out
 
 
@@ -107,8 +160,13 @@ def file_times(sizes: tuple[int, ...] = (160, 800), kinds: tuple[str, ...] = ("s
     return {f"grade_file_{kind}_{rows}_rows_s": file_seconds(kind, rows) for kind in kinds for rows in sizes}
 
 
+def grading_bench() -> dict[str, float]:
+    """Everything `make bench` records for grading."""
+    return {**rates(), **math_verify_cost(), **file_times()}
+
+
 def main() -> None:
-    results = {**rates(), **file_times()}
+    results = grading_bench()
     table = Table(title="grading (one run; repeat on a shared machine)")
     table.add_column("measure")
     table.add_column("value", justify="right")

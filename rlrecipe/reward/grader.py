@@ -217,6 +217,10 @@ class Grader:
             self._grow(self.max_workers if n is None else min(n, self.max_workers))
             self._run(_Batch({}, deque(), {}, self.timeout, 1), wait_ready=True)
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live workers (for measuring them: `make bench` reads their CPU time)."""
+        return [w.proc.pid for w in self._workers]
+
     # -- grading
     def grade(self, responses: list[str], answers: list[list[str]], truncated: list[bool] | None = None,
               *, timeout: float | None = None) -> list[GradeResult]:

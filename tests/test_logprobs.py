@@ -7,7 +7,7 @@ from rlrecipe.algo.packing import pack
 from rlrecipe.modeling import build_tiny_model
 from rlrecipe.recipe import RecipeError, TinyModel, TrainerSection
 from rlrecipe.train.base import TrainSample
-from rlrecipe.train.logprobs import response_logprobs, token_logprobs
+from rlrecipe.train.logprobs import chunk_sizes, response_logprobs, token_logprobs
 
 
 def full_logits_reference(model, seqs: list[list[int]], starts: list[int], temperature: float):
@@ -93,3 +93,29 @@ def test_engine_uses_the_chunked_path(tmp_path, model):
     ref_lp, ref_ent, _, _ = full_logits_reference(eng.model, seqs, [3, 3], 0.7)
     torch.testing.assert_close(torch.cat([lp for lp, _ in out]).cpu(), ref_lp.detach(), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([en for _, en in out]).cpu(), ref_ent.detach(), atol=2e-5, rtol=1e-5)
+
+
+def test_chunk_sizes_put_the_remainder_first():
+    assert chunk_sizes(0, 4) == []
+    assert chunk_sizes(3, 4) == [3]
+    assert chunk_sizes(8, 4) == [4, 4]
+    assert chunk_sizes(9, 4) == [1, 4, 4]
+
+
+def test_every_chunk_but_the_last_is_recomputed_in_backward():
+    """The head runs once per chunk forward, and again in backward for every chunk but the last,
+    whose logits are still held when its backward runs (recomputing it would not lower the peak)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    calls = []
+    head.register_forward_hook(lambda _m, inp, _out: calls.append(inp[0].shape[0]))
+    hidden = torch.randn(23, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (23,))
+    lp, _ = token_logprobs(head, hidden, targets, chunk_tokens=10)
+    assert calls == [3, 10, 10]  # the remainder first
+    lp.sum().backward()
+    assert sorted(calls[3:]) == [3, 10]  # the first two chunks recomputed, not the last
+    with torch.no_grad():
+        calls.clear()
+        token_logprobs(head, hidden, targets, chunk_tokens=10)
+    assert calls == [3, 10, 10]

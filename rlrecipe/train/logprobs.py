@@ -4,8 +4,10 @@ At the real vocabulary (V = 152,064) one fp32 logits row is 608 KB, so a 30,720-
 micro-batch would hold 18.7 GB per copy, and the plain path (`.float()`, `log_softmax`, the
 entropy's `exp`) keeps several. Here the decoder's hidden states are kept (T x hidden, small),
 and the LM head, softmax and gather run one chunk of tokens at a time. Under autograd each chunk
-is checkpointed: only its hidden rows are saved and its logits are recomputed in backward, so
-peak memory is O(chunk x V) whatever the micro-batch length. The arithmetic per token is the
+but the last is checkpointed: only its hidden rows are saved and its logits are recomputed in
+backward, so peak memory is O(chunk x V) whatever the micro-batch length. (The last chunk's
+backward runs first, so its logits are held either way: at V = 152,064 the measured peaks were
+the same with it recomputed or kept, `python -m bench.logprob_memory --paths chunked`.) The arithmetic per token is the
 same as the plain path's (logits in fp32, divided by the sampling temperature).
 
 The decoder output is taken with a forward hook while the whole model runs with an empty
@@ -50,6 +52,13 @@ def _head_chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
     return logp, entropy
 
 
+def chunk_sizes(rows: int, chunk_tokens: int) -> list[int]:
+    """Chunk lengths covering `rows`: the remainder first, so that the last chunk (the one not
+    recomputed, see `token_logprobs`) is a whole one."""
+    whole, rest = divmod(rows, chunk_tokens)
+    return ([rest] if rest else []) + [chunk_tokens] * whole
+
+
 def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    chunk_tokens: int = 1024, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(target_t) and (optionally) the entropy of pi at each row of `hidden` [N, hidden].
@@ -57,8 +66,11 @@ def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
     Gradients flow to `hidden` and the head's weights through log-probs and entropy alike."""
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     logps, ents = [], []
-    for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
-        if grad:
+    sizes = chunk_sizes(hidden.shape[0], chunk_tokens)
+    for i, (h, t) in enumerate(zip(hidden.split(sizes), targets.split(sizes), strict=True)):
+        # The last chunk is not recomputed: its backward runs first, while everything the forward
+        # saved is still held, so recomputing it could not lower the peak, only cost its head twice.
+        if grad and i < len(sizes) - 1:
             lp, en = checkpoint(_head_chunk, head, h, t, temperature, with_entropy, use_reentrant=False)
         else:
             lp, en = _head_chunk(head, h, t, temperature, with_entropy)

@@ -20,6 +20,11 @@ module times the same rollout schedules with an explicit device cost model inste
   projection should come back to the measured CPU ratio (a check of the simulator).
 
     python -m bench.rollout_projection bench/c3po_server.json [--cost cost.json] [--calibrate] [--save-cost out.json]
+
+- `--recipe`: a recipe's own settings before it runs (`recipe_trace`: one rollout engine's share of a
+  step), over response lengths from a file or an assumed log-normal (`lognormal_groups`):
+
+    python -m bench.rollout_projection --recipe recipes/7b_boba_icepop_c3po.yaml --lognormal 10000,0.4,0.45
 """
 
 from __future__ import annotations
@@ -394,7 +399,8 @@ def simulate(trace: dict, cost: CostModel, *, layout: str | None = None, max_bat
             stream = ReplayStream(recorded)
         else:
             lengths = Lengths(params.max_new_tokens, groups=groups)
-            stream = SyntheticStream(prompt_len or round(sum(r[2] for r in recorded) / len(recorded)))
+            stream = SyntheticStream(prompt_len or settings.get("prompt_len")
+                                     or round(sum(r[2] for r in recorded) / len(recorded)))
         engine = SimEngine(cost, lengths, max_batch=max_batch, layout=layout,
                            refill_fraction=settings.get("refill_fraction") or 0.25)
         # as recorded: one uncounted step first (sets the budget, or fills the pool), then `steps`
@@ -422,6 +428,11 @@ def report(steps: dict[str, list[dict]], cost: CostModel) -> dict:
         c = {k: sum(s["counters"].get(k, 0) for s in st) for k in ("prefill_s", "decode_s", "refill_s")}
         for k, v in c.items():
             out[f"{mode}_share_{k[:-2]}"] = v / secs if secs else 0.0
+        rows, dsteps = (sum(s["counters"].get(k, 0) for s in st) for k in ("decode_rows", "decode_steps"))
+        # tokens decoded per token trained (> 1: work dropped with stale rollouts, or still in flight),
+        # and rows per decoding step (how full the device is kept)
+        out[f"{mode}_decoded_per_trained_token"] = rows / tokens if tokens else 0.0
+        out[f"{mode}_mean_decode_batch"] = rows / dsteps if dsteps else 0.0
         out[f"{mode}_cv_tokens_per_step"] = coefficient_of_variation([s["tokens"] for s in st])
         out[f"{mode}_cv_step_s"] = coefficient_of_variation([s["seconds"] for s in st])
     out["speedup_per_step"] = per["sync"][0] / per["c3po"][0]
@@ -434,6 +445,40 @@ def report(steps: dict[str, list[dict]], cost: CostModel) -> dict:
 def project(trace: dict, cost: CostModel, **kw) -> dict:
     """`report` of `simulate`: the projection of a recorded run under `cost`."""
     return report(simulate(trace, cost, **kw), cost)
+
+
+# -- a recipe's settings, projected before it runs ---------------------------------------------
+def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt_len: int = 256) -> dict:
+    """A `simulate` input (settings, no recorded trajectories) for one rollout engine's share of a
+    recipe's step: prompts per step, C3PO++ pool capacity and token budget divided by the number of
+    engines (servers x dp, or rollout.urls), its staleness and max_new_tokens as they are."""
+    ro, rl = recipe.rollout, recipe.rl
+    engines = (len(ro.urls) or ro.sglang.num_servers) * ro.sglang.dp_size if ro.engine == "sglang" else 1
+    prompts = max(1, round(rl.prompts_per_step / engines))
+    rows = prompts * rl.samples_per_prompt
+    pool = max(rl.samples_per_prompt, round(rl.c3po.pool_capacity / engines))
+    return {"settings": {"steps": steps, "prompts_per_step": prompts, "samples_per_prompt": rl.samples_per_prompt,
+                         "pool_capacity": pool, "max_staleness": rl.c3po.max_staleness,
+                         "token_budget": max(1, round(rl.c3po.token_budget / engines)),
+                         "max_new_tokens": ro.max_new_tokens, "max_batch": max_batch or max(rows, pool),
+                         "refill_fraction": 0.25, "layout": "server", "engines": engines, "prompt_len": prompt_len},
+            "trajectories": {"sync": [], "c3po": []}}
+
+
+def lognormal_groups(median: float, prompt_sigma: float, sample_sigma: float, samples: int, max_new_tokens: int,
+                     n_groups: int = 4096, seed: int = 0) -> list[list[int]]:
+    """Response lengths, one list per prompt: a prompt's median is `median` x exp(N(0, prompt_sigma))
+    (some prompts are harder), each sample log-normal around it with `sample_sigma`; lengths past
+    max_new_tokens are cut there (truncated rollouts). An assumption to state, not a measurement."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_groups):
+        mu = math.log(median) + rng.gauss(0.0, prompt_sigma)
+        out.append([max(1, min(max_new_tokens, round(rng.lognormvariate(mu, sample_sigma)))) for _ in range(samples)])
+    return out
 
 
 # -- calibration ------------------------------------------------------------------------------
@@ -569,8 +614,15 @@ def measured_ratio(trace: dict) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("run", help="a bench.c3po_compare result with its trace (bench/c3po_server.json, or "
-                                "bench/results.json's c3po_vs_sync)")
+    ap.add_argument("run", nargs="?", help="a bench.c3po_compare result with its trace (bench/c3po_server.json, or "
+                                           "bench/results.json's c3po_vs_sync)")
+    ap.add_argument("--recipe", help="instead of a run: this recipe's settings, one rollout engine's share of a "
+                                     "step (needs --lengths or --lognormal)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
+    ap.add_argument("--lognormal", metavar="MEDIAN,PROMPT_SIGMA,SAMPLE_SIGMA",
+                    help="draw response lengths from this assumed distribution (see lognormal_groups)")
+    ap.add_argument("--steps", type=int, default=5, help="steps projected after the first (--recipe)")
+    ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (--recipe)")
     ap.add_argument("--cost", help="cost model JSON (CostModel fields); default: the H100 / 7B assumption")
     ap.add_argument("--calibrate", action="store_true", help="fit the cost model to this run's step times first")
     ap.add_argument("--by", default="total", choices=("total", "components", "events"))
@@ -578,16 +630,28 @@ def main(argv: list[str] | None = None) -> dict:
                                      "values of --cost (or of the default assumption)")
     ap.add_argument("--save-cost", help="write the (calibrated) cost model here")
     ap.add_argument("--layout", choices=("server", "inprocess"), help="default: the recorded engine's")
-    ap.add_argument("--max-batch", type=int, help="slots of the projected engine; default: the recorded engine's")
+    ap.add_argument("--max-batch", type=int, help="slots of the projected engine; default: the recorded engine's "
+                                                  "(--recipe: every rollout of its share at once)")
     ap.add_argument("--lengths", help="JSON list of response lengths (or of lists, one per prompt) to draw from "
                                       "instead of replaying the run's")
     args = ap.parse_args(argv)
-    data = json.loads(Path(args.run).read_text())
-    trace = data.get("trace") or data.get("c3po_vs_sync", {}).get("trace")
-    if trace is None:
-        raise SystemExit(f"{args.run}: no trace (per-step timings and lengths); rerun bench.c3po_compare")
+    if (args.run is None) == (args.recipe is None):
+        ap.error("give a recorded run or --recipe, one of them")
     cost = CostModel.from_json(args.cost) if args.cost else H100_7B_ASSUMED
     out: dict = {}
+    if args.recipe:
+        if args.calibrate or not (args.lengths or args.lognormal):
+            ap.error("--recipe projects lengths given by --lengths or --lognormal, and has no run to calibrate on")
+        from rlrecipe.recipe import load_recipe
+
+        recipe = load_recipe(args.recipe, args.set).recipe
+        trace = recipe_trace(recipe, steps=args.steps, max_batch=args.max_batch, prompt_len=args.prompt_len)
+        out["settings"] = trace["settings"]
+    else:
+        data = json.loads(Path(args.run).read_text())
+        trace = data.get("trace") or data.get("c3po_vs_sync", {}).get("trace")
+        if trace is None:
+            raise SystemExit(f"{args.run}: no trace (per-step timings and lengths); rerun bench.c3po_compare")
     if args.calibrate:
         params = tuple(args.params.split(",")) if args.params else None
         fitted, check = calibrate(trace, by=args.by, layout=args.layout, params=params,
@@ -598,9 +662,17 @@ def main(argv: list[str] | None = None) -> dict:
                              f"{args.cost or 'the default assumption'}")
         out["calibration"] = {**asdict(fitted), **check}
     groups = json.loads(Path(args.lengths).read_text()) if args.lengths else None
+    if args.lognormal:
+        median, prompt_sigma, sample_sigma = (float(x) for x in args.lognormal.split(","))
+        settings = trace["settings"]
+        groups = lognormal_groups(median, prompt_sigma, sample_sigma, settings["samples_per_prompt"],
+                                  settings["max_new_tokens"])
+        out["lengths"] = f"ASSUMPTION: log-normal, median {median:g}, prompt sigma {prompt_sigma:g}, sample sigma " \
+                         f"{sample_sigma:g}, cut at {settings['max_new_tokens']}"
     out["cost_model"] = cost.label
     out["projected"] = project(trace, cost, layout=args.layout, max_batch=args.max_batch, groups=groups)
-    out["measured_speedup_per_trained_token"] = measured_ratio(trace)
+    if args.run:
+        out["measured_speedup_per_trained_token"] = measured_ratio(trace)
     if args.save_cost:
         cost.to_json(args.save_cost)
     print(json.dumps(out, indent=2))

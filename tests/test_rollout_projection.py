@@ -232,3 +232,63 @@ def test_calibration_of_some_parameters_holds_the_others():
     assert (fitted.step_s, fitted.row_s) == pytest.approx((truth.step_s, truth.row_s), rel=1e-6)
     assert (fitted.ctx_s, fitted.prefill_token_s) == (truth.ctx_s, truth.prefill_token_s)
     assert 1 <= check["condition_number"] < float("inf")
+
+
+def test_recipe_trace_is_one_rollout_engines_share_of_a_step():
+    from bench.rollout_projection import recipe_trace
+    from rlrecipe.recipe import load_recipe
+
+    recipe = load_recipe("recipes/7b_boba_icepop_c3po.yaml").recipe  # 64 servers, 512 x 16, pool 16384, budget 1e8
+    s = recipe_trace(recipe, steps=3)["settings"]
+    assert (s["engines"], s["prompts_per_step"], s["samples_per_prompt"]) == (64, 8, 16)
+    assert (s["pool_capacity"], s["token_budget"], s["max_staleness"]) == (256, 1_562_500, 2)
+    assert (s["max_new_tokens"], s["max_batch"], s["steps"], s["layout"]) == (27_648, 256, 3, "server")
+
+
+def test_lognormal_groups_by_hand():
+    from bench.rollout_projection import lognormal_groups
+
+    # no spread: every length is the median; a median past max_new_tokens is cut there
+    assert lognormal_groups(100, 0.0, 0.0, 4, 1000, n_groups=3) == [[100] * 4] * 3
+    assert lognormal_groups(5000, 0.0, 0.0, 2, 1000, n_groups=1) == [[1000, 1000]]
+    drawn = lognormal_groups(100, 0.5, 0.5, 8, 300, n_groups=50, seed=3)
+    assert drawn == lognormal_groups(100, 0.5, 0.5, 8, 300, n_groups=50, seed=3)
+    assert len(drawn) == 50 and all(len(g) == 8 and all(1 <= x <= 300 for x in g) for g in drawn)
+
+
+def test_report_counts_decoded_tokens_and_batch_by_hand():
+    from bench.rollout_projection import report
+
+    def step(seconds, tokens, rows, steps, warmup=False):
+        rec = {"seconds": seconds, "tokens": tokens, "trained": 1,
+               "counters": {"decode_rows": rows, "decode_steps": steps, "prefill_s": 0.0, "decode_s": seconds}}
+        return {**rec, "warmup": True} if warmup else rec
+
+    steps = {"sync": [step(9, 9, 9, 9, warmup=True), step(2, 10, 10, 4), step(4, 20, 20, 6)],
+             "c3po": [step(9, 9, 9, 9, warmup=True), step(1, 10, 15, 3), step(2, 10, 15, 2)]}
+    out = report(steps, CostModel(step_s=1, row_s=0, ctx_s=0, prefill_call_s=0, prefill_token_s=0))
+    assert out["sync_decoded_per_trained_token"] == pytest.approx(30 / 30)
+    assert out["sync_mean_decode_batch"] == pytest.approx(30 / 10)
+    assert out["c3po_decoded_per_trained_token"] == pytest.approx(30 / 20)  # 10 decoded tokens not trained
+    assert out["c3po_mean_decode_batch"] == pytest.approx(30 / 5)
+
+
+@pytest.mark.parametrize("pool, waits_for_the_longest", [(4, True), (8, False)])
+def test_a_pool_of_one_batch_at_a_budget_of_its_tokens_waits_for_the_longest_rollout(pool, waits_for_the_longest):
+    """Each prompt: three rollouts of 2 tokens and one of 6, so a batch (one prompt) holds 12 tokens.
+    With the pool holding one batch and the budget at 12, a step can only reach its budget when
+    the 6-token rollout ends: it decodes as long as a synchronous step. With two batches in flight,
+    the six short rollouts reach it first and the step ends early."""
+    settings = {"steps": 4, "prompts_per_step": 1, "samples_per_prompt": 4, "pool_capacity": pool,
+                "max_staleness": 3, "token_budget": 12, "max_new_tokens": 50, "max_batch": 8,
+                "refill_fraction": 0.25, "layout": "server", "prompt_len": 2}
+    cost = CostModel(step_s=1.0, row_s=0.0, ctx_s=0.0, prefill_call_s=0.0, prefill_token_s=0.0)
+    steps = simulate({"settings": settings, "trajectories": {"sync": [], "c3po": []}}, cost,
+                     groups=[[2, 2, 2, 6]])
+    sync = [s["seconds"] for s in steps["sync"][1:]]
+    c3po = [s["seconds"] for s in steps["c3po"][1:]]
+    assert len(set(sync)) == 1  # every synchronous step decodes until its 6-token rollout ends
+    if waits_for_the_longest:
+        assert c3po == sync
+    else:
+        assert sum(c3po) < sum(sync)

@@ -428,10 +428,12 @@ def report(steps: dict[str, list[dict]], cost: CostModel) -> dict:
         c = {k: sum(s["counters"].get(k, 0) for s in st) for k in ("prefill_s", "decode_s", "refill_s")}
         for k, v in c.items():
             out[f"{mode}_share_{k[:-2]}"] = v / secs if secs else 0.0
-        rows, dsteps = (sum(s["counters"].get(k, 0) for s in st) for k in ("decode_rows", "decode_steps"))
-        # tokens decoded per token trained (> 1: work dropped with stale rollouts, or still in flight),
-        # and rows per decoding step (how full the device is kept)
-        out[f"{mode}_decoded_per_trained_token"] = rows / tokens if tokens else 0.0
+        rows, dsteps, prefilled = (sum(s["counters"].get(k, 0) for s in st)
+                                   for k in ("decode_rows", "decode_steps", "prefill_rows"))
+        # tokens generated (each prefilled row's first token, then one per row and decoding step) per
+        # token trained: > 1 is work dropped with stale rollouts or still in flight; and rows per
+        # decoding step, how full the device is kept
+        out[f"{mode}_generated_per_trained_token"] = (rows + prefilled) / tokens if tokens else 0.0
         out[f"{mode}_mean_decode_batch"] = rows / dsteps if dsteps else 0.0
         out[f"{mode}_cv_tokens_per_step"] = coefficient_of_variation([s["tokens"] for s in st])
         out[f"{mode}_cv_step_s"] = coefficient_of_variation([s["seconds"] for s in st])

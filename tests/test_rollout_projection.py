@@ -259,18 +259,20 @@ def test_lognormal_groups_by_hand():
 def test_report_counts_decoded_tokens_and_batch_by_hand():
     from bench.rollout_projection import report
 
-    def step(seconds, tokens, rows, steps, warmup=False):
+    def step(seconds, tokens, rows, steps, warmup=False, prefilled=2):
         rec = {"seconds": seconds, "tokens": tokens, "trained": 1,
-               "counters": {"decode_rows": rows, "decode_steps": steps, "prefill_s": 0.0, "decode_s": seconds}}
+               "counters": {"decode_rows": rows, "decode_steps": steps, "prefill_rows": prefilled, "prefill_s": 0.0,
+                            "decode_s": seconds}}
         return {**rec, "warmup": True} if warmup else rec
 
-    steps = {"sync": [step(9, 9, 9, 9, warmup=True), step(2, 10, 10, 4), step(4, 20, 20, 6)],
-             "c3po": [step(9, 9, 9, 9, warmup=True), step(1, 10, 15, 3), step(2, 10, 15, 2)]}
+    # each prefilled row gives its first token, so sync's 2 + 8 and 2 + 18 tokens are all it trains
+    steps = {"sync": [step(9, 9, 9, 9, warmup=True), step(2, 10, 8, 4), step(4, 20, 18, 6)],
+             "c3po": [step(9, 9, 9, 9, warmup=True), step(1, 10, 13, 3), step(2, 10, 13, 2)]}
     out = report(steps, CostModel(step_s=1, row_s=0, ctx_s=0, prefill_call_s=0, prefill_token_s=0))
-    assert out["sync_decoded_per_trained_token"] == pytest.approx(30 / 30)
-    assert out["sync_mean_decode_batch"] == pytest.approx(30 / 10)
-    assert out["c3po_decoded_per_trained_token"] == pytest.approx(30 / 20)  # 10 decoded tokens not trained
-    assert out["c3po_mean_decode_batch"] == pytest.approx(30 / 5)
+    assert out["sync_generated_per_trained_token"] == pytest.approx(30 / 30)
+    assert out["sync_mean_decode_batch"] == pytest.approx(26 / 10)
+    assert out["c3po_generated_per_trained_token"] == pytest.approx(30 / 20)  # 10 generated tokens not trained
+    assert out["c3po_mean_decode_batch"] == pytest.approx(26 / 5)
 
 
 @pytest.mark.parametrize("pool, waits_for_the_longest", [(4, True), (8, False)])
@@ -292,3 +294,17 @@ def test_a_pool_of_one_batch_at_a_budget_of_its_tokens_waits_for_the_longest_rol
         assert c3po == sync
     else:
         assert sum(c3po) < sum(sync)
+
+
+def test_projection_cli_takes_a_recipe_and_assumed_lengths(capsys):
+    from bench.rollout_projection import main
+
+    out = main(["--recipe", "recipes/tiny_rl.yaml", "--lognormal", "40,0.3,0.3", "--steps", "2",
+                "--set", "rl.c3po.pool_capacity=512"])
+    s = out["settings"]
+    assert (s["engines"], s["prompts_per_step"], s["pool_capacity"], s["max_new_tokens"]) == (1, 32, 512, 160)
+    assert out["lengths"].startswith("ASSUMPTION: log-normal, median 40")
+    assert out["projected"]["sync_generated_per_trained_token"] == pytest.approx(1.0)  # sync trains all it generates
+    assert '"projected"' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--recipe", "recipes/tiny_rl.yaml"])  # no lengths to project with

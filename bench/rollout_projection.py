@@ -431,8 +431,9 @@ def report(steps: dict[str, list[dict]], cost: CostModel) -> dict:
         rows, dsteps, prefilled = (sum(s["counters"].get(k, 0) for s in st)
                                    for k in ("decode_rows", "decode_steps", "prefill_rows"))
         # tokens generated (each prefilled row's first token, then one per row and decoding step) per
-        # token trained: > 1 is work dropped with stale rollouts or still in flight; and rows per
-        # decoding step, how full the device is kept
+        # token trained: > 1 is work dropped with stale rollouts or still in flight at the end, < 1
+        # tokens trained that were generated before the first step counted; and rows per decoding
+        # step, how full the device is kept
         out[f"{mode}_generated_per_trained_token"] = (rows + prefilled) / tokens if tokens else 0.0
         out[f"{mode}_mean_decode_batch"] = rows / dsteps if dsteps else 0.0
         out[f"{mode}_cv_tokens_per_step"] = coefficient_of_variation([s["tokens"] for s in st])

@@ -7,8 +7,9 @@ and the LM head, softmax and gather run one chunk of tokens at a time. Under aut
 but the last is checkpointed: only its hidden rows are saved and its logits are recomputed in
 backward, so peak memory is O(chunk x V) whatever the micro-batch length. (The last chunk's
 backward runs first, so its logits are held either way: at V = 152,064 the measured peaks were
-the same with it recomputed or kept, `python -m bench.logprob_memory --paths chunked`.) The arithmetic per token is the
-same as the plain path's (logits in fp32, divided by the sampling temperature).
+the same with it recomputed or kept, `python -m bench.logprob_memory --paths chunked`.) The
+arithmetic per token is the same as the plain path's (logits in fp32, divided by the sampling
+temperature).
 
 The decoder output is taken with a forward hook while the whole model runs with an empty
 `logits_to_keep`, so wrappers (DeepSpeed's engine and its ZeRO-3 parameter hooks) see an

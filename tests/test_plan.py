@@ -96,3 +96,17 @@ def test_a_kl_penalty_adds_a_whole_reference_model_to_every_rank():
     b = train_budget(kl, d)
     assert b.parts["reference model"] == 2 * d.params()  # bf16, not divided by the 64 ranks
     assert b.total == pytest.approx(train_budget(base, d).total + 2 * d.params())
+
+
+def test_c3po_pool_host_memory_and_checkpoint_size_by_hand():
+    dims = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
+    on = rollout_budget(load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml", []).recipe, dims, "rl")
+    # 16,384 rollouts of 1,024 prompt + 27,648 response tokens: as lists 36 and 76 bytes a token,
+    # as checkpoint arrays 4 (int32 ids) and 12 (int32 id, float32 log-prob, int32 version)
+    held = 16_384 * (1_024 * 36 + 27_648 * 76) / 2**30
+    saved = 16_384 * (1_024 * 4 + 27_648 * 12) / 2**30
+    assert (round(held, 1), round(saved, 1)) == (32.6, 5.1)
+    (note,) = [n for n in on.notes if n.startswith("C3PO++ pool")]
+    assert f"at most {held:.1f} GiB of host memory" in note and f"at most {saved:.1f} GiB)" in note
+    off = rollout_budget(load_recipe(REPO / "recipes/7b_boba.yaml", []).recipe, dims, "rl")
+    assert not [n for n in off.notes if n.startswith("C3PO++ pool")]  # synchronous rollout: no pool between steps

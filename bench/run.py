@@ -199,6 +199,27 @@ def bench_projection(c3po: dict, end_to_end: dict | None) -> dict:
 
 
 
+# The shipped C3PO++ recipe, projected at reasoning lengths (README.md, "C3PO++ at the 7B recipe's size")
+RECIPE_PROJECTED = "recipes/7b_boba_icepop_c3po.yaml"
+ASSUMED_LENGTHS = (10_000, 0.4, 0.45)  # log-normal median, prompt and sample sigma: an assumption
+
+
+def bench_recipe_projection() -> dict:
+    """The 7B C3PO++ recipe's own settings (one rollout engine's share of a step) under the GPU cost
+    model, over assumed log-normal lengths: the projection `make bench` keeps current."""
+    from bench.rollout_projection import H100_7B_ASSUMED, CostModel, lognormal_groups, project, recipe_trace
+    from rlrecipe.recipe import load_recipe
+
+    trace = recipe_trace(load_recipe(RECIPE_PROJECTED).recipe)
+    s = trace["settings"]
+    path = Path("bench/cost_model.json")
+    cost = CostModel.from_json(path) if path.exists() else H100_7B_ASSUMED
+    groups = lognormal_groups(*ASSUMED_LENGTHS, s["samples_per_prompt"], s["max_new_tokens"])
+    return {"recipe": RECIPE_PROJECTED, "cost_model": cost.label or str(path),
+            "lengths": "ASSUMPTION: log-normal, median {}, prompt sigma {}, sample sigma {}".format(*ASSUMED_LENGTHS),
+            **project(trace, cost, groups=groups)}
+
+
 def _sft_samples(n: int = 256):
     tok = load_tokenizer(MODEL)
     samples, _ = build_sft_samples(load_rows(str(DATA / "sft.jsonl"), "sft")[:n], tok, "plain", 512)
@@ -408,6 +429,8 @@ def main() -> None:
         console.print(f"[bold]bench[/] {name} ...")
         results[name] = fn()
     results["c3po_projection"] = bench_projection(results["c3po_vs_sync"], results["c3po_vs_sync_end_to_end"])
+    console.print("[bold]bench[/] c3po_recipe_projection ...")
+    results["c3po_recipe_projection"] = bench_recipe_projection()
     results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "time": time.time()}
     OUT.write_text(json.dumps(results, indent=2))
     table = Table(title="rlrecipe bench (ratios from one run, same machine)")

@@ -455,8 +455,10 @@ def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt
     """A `simulate` input (settings, no recorded trajectories) for one rollout engine's share of a
     recipe's step: prompts per step, C3PO++ pool capacity and token budget divided by the number of
     engines (servers x dp, or rollout.urls), its staleness and max_new_tokens as they are."""
+    from rlrecipe.plan import rollout_engines
+
     ro, rl = recipe.rollout, recipe.rl
-    engines = (len(ro.urls) or ro.sglang.num_servers) * ro.sglang.dp_size if ro.engine == "sglang" else 1
+    engines = rollout_engines(recipe)
     prompts = max(1, round(rl.prompts_per_step / engines))
     rows = prompts * rl.samples_per_prompt
     pool = max(rl.samples_per_prompt, round(rl.c3po.pool_capacity / engines))
@@ -482,6 +484,20 @@ def lognormal_groups(median: float, prompt_sigma: float, sample_sigma: float, sa
         mu = math.log(median) + rng.gauss(0.0, prompt_sigma)
         out.append([max(1, min(max_new_tokens, round(rng.lognormvariate(mu, sample_sigma)))) for _ in range(samples)])
     return out
+
+
+def lognormal_label(median: float, prompt_sigma: float, sample_sigma: float, max_new_tokens: int) -> str:
+    """How results name the lengths `lognormal_groups` drew: an assumption."""
+    return (f"ASSUMPTION: log-normal, median {median:g}, prompt sigma {prompt_sigma:g}, sample sigma {sample_sigma:g}, "
+            f"cut at {max_new_tokens}")
+
+
+def gpu_cost_model(path: str | Path = "bench/cost_model.json") -> tuple[CostModel, str]:
+    """The GPU cost model and its name: fitted by `make bench-sglang` when it has run, else the
+    H100 assumption."""
+    path = Path(path)
+    cost = CostModel.from_json(path) if path.exists() else H100_7B_ASSUMED
+    return cost, cost.label or str(path)
 
 
 # -- calibration ------------------------------------------------------------------------------
@@ -670,8 +686,7 @@ def main(argv: list[str] | None = None) -> dict:
         settings = trace["settings"]
         groups = lognormal_groups(median, prompt_sigma, sample_sigma, settings["samples_per_prompt"],
                                   settings["max_new_tokens"])
-        out["lengths"] = f"ASSUMPTION: log-normal, median {median:g}, prompt sigma {prompt_sigma:g}, sample sigma " \
-                         f"{sample_sigma:g}, cut at {settings['max_new_tokens']}"
+        out["lengths"] = lognormal_label(median, prompt_sigma, sample_sigma, settings["max_new_tokens"])
     out["cost_model"] = cost.label
     out["projected"] = project(trace, cost, layout=args.layout, max_batch=args.max_batch, groups=groups)
     if args.run:

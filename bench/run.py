@@ -58,6 +58,11 @@ def paired_rounds(fns: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def round_ratios(times: dict[str, list[float]], num: str, den: str) -> list[float]:
+    """Each round's `num` time over its `den` time (paired_rounds: the two taken seconds apart)."""
+    return [a / b for a, b in zip(times[num], times[den], strict=True)]
+
+
 def ensure_inputs() -> None:
     """The benchmarks use the demo's SFT model: its responses have the task's long-tail lengths."""
     if not (DATA / "rl.jsonl").exists():
@@ -178,7 +183,7 @@ def bench_projection(c3po: dict, end_to_end: dict | None) -> dict:
     `make bench-sglang`; else the default, an ASSUMPTION)."""
     from dataclasses import replace
 
-    from bench.rollout_projection import H100_7B_ASSUMED, CostModel, calibrate, fit_train_model, project
+    from bench.rollout_projection import calibrate, fit_train_model, gpu_cost_model, project
 
     trace = c3po["trace"]
     out: dict = {}
@@ -191,9 +196,7 @@ def bench_projection(c3po: dict, end_to_end: dict | None) -> dict:
         cost = replace(cost, train_step_s=train[0], train_token_s=train[1])
         out[f"cpu_{by}"] = {**project(trace, cost, layout="inprocess"), **check,
                             **{k: v for k, v in vars(cost).items() if k != "label"}}
-    path = Path("bench/cost_model.json")
-    gpu = CostModel.from_json(path) if path.exists() else H100_7B_ASSUMED
-    out["gpu_cost_model"] = gpu.label or str(path)
+    gpu, out["gpu_cost_model"] = gpu_cost_model()
     out["gpu"] = project(trace, gpu, layout="server")
     return out
 
@@ -207,17 +210,21 @@ ASSUMED_LENGTHS = (10_000, 0.4, 0.45)  # log-normal median, prompt and sample si
 def bench_recipe_projection() -> dict:
     """The 7B C3PO++ recipe's own settings (one rollout engine's share of a step) under the GPU cost
     model, over assumed log-normal lengths: the projection `make bench` keeps current."""
-    from bench.rollout_projection import H100_7B_ASSUMED, CostModel, lognormal_groups, project, recipe_trace
+    from bench.rollout_projection import (
+        gpu_cost_model,
+        lognormal_groups,
+        lognormal_label,
+        project,
+        recipe_trace,
+    )
     from rlrecipe.recipe import load_recipe
 
     trace = recipe_trace(load_recipe(RECIPE_PROJECTED).recipe)
     s = trace["settings"]
-    path = Path("bench/cost_model.json")
-    cost = CostModel.from_json(path) if path.exists() else H100_7B_ASSUMED
+    cost, cost_name = gpu_cost_model()
     groups = lognormal_groups(*ASSUMED_LENGTHS, s["samples_per_prompt"], s["max_new_tokens"])
-    return {"recipe": RECIPE_PROJECTED, "cost_model": cost.label or str(path),
-            "lengths": "ASSUMPTION: log-normal, median {}, prompt sigma {}, sample sigma {}".format(*ASSUMED_LENGTHS),
-            **project(trace, cost, groups=groups)}
+    return {"recipe": RECIPE_PROJECTED, "cost_model": cost_name,
+            "lengths": lognormal_label(*ASSUMED_LENGTHS, s["max_new_tokens"]), **project(trace, cost, groups=groups)}
 
 
 def _sft_samples(n: int = 256):
@@ -258,7 +265,7 @@ def bench_packing(budget: int = 2048, rounds: int = 5) -> dict:
 
     steps = {"packed": lambda: engine.train_step(samples, sft_loss), "padded": padded_step}
     times = paired_rounds(steps, rounds)
-    ratios = [b / a for a, b in zip(times["packed"], times["padded"], strict=True)]
+    ratios = round_ratios(times, "padded", "packed")
     padded_tokens = sum(max(len(s.input_ids) for s in samples[i:i + per_mb]) * len(samples[i:i + per_mb])
                         for i in range(0, len(samples), per_mb))
     return {"packed_s_per_step": median(times["packed"]), "padded_s_per_step": median(times["padded"]),
@@ -280,7 +287,7 @@ def one_thread_speedup(steps: dict, rounds: int) -> dict:
         times = paired_rounds(steps, rounds)
     finally:
         torch.set_num_threads(threads)
-    return {"packed_speedup_1_thread": median([b / a for a, b in zip(times["packed"], times["padded"], strict=True)]),
+    return {"packed_speedup_1_thread": median(round_ratios(times, "padded", "packed")),
             "packed_s_per_step_1_thread": median(times["packed"]),
             "padded_s_per_step_1_thread": median(times["padded"])}
 
@@ -305,12 +312,12 @@ def bench_trainer_overhead(rounds: int = 5) -> dict:
 
     times = paired_rounds({"ours": lambda: engine.train_step(samples, sft_loss), "bare": bare}, rounds)
     return {"ours_s_per_step": median(times["ours"]), "bare_torch_s_per_step": median(times["bare"]),
-            "overhead_ratio": median([a / b for a, b in zip(times["ours"], times["bare"], strict=True)])}
+            "overhead_ratio": median(round_ratios(times, "ours", "bare"))}
 
 
 def bench_grading() -> dict:
-    """Answers per second by kind (fast path, short, math-verify only), math-verify's own cost and the
-    pool's share of the bound it sets, and `rlrecipe grade` wall times."""
+    """Answers per second by kind (fast path, short, math-verify only), the workers' CPU per answer,
+    math-verify's own cost split on one core, and `rlrecipe grade` wall times."""
     return grading_bench()
 
 

@@ -219,6 +219,15 @@ def stage_of(recipe: Recipe) -> str:
     return "eval"
 
 
+def rollout_engines(recipe: Recipe) -> int:
+    """Rollout engines a step's rollouts are spread over: each SGLang server's dp replicas (servers
+    launched, or rollout.urls), or the one in-process engine."""
+    ro = recipe.rollout
+    if ro.engine != "sglang":
+        return 1
+    return (len(ro.urls) or ro.sglang.num_servers) * ro.sglang.dp_size
+
+
 def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
     """RL: the step's rollouts; SFT and evaluation: the benchmark samples (n per problem)."""
     ro, rl, ev = recipe.rollout, recipe.rl, recipe.eval
@@ -233,7 +242,7 @@ def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
     notes = ["rollouts of an RL step" if stage == "rl" else "evaluation rollouts"]
     if ro.engine == "sglang":
         s = ro.sglang
-        tp, engines = s.tp_size, (len(ro.urls) or s.num_servers) * s.dp_size
+        tp, engines = s.tp_size, rollout_engines(recipe)
         pool = s.mem_fraction_static * gpu
         weights = b * d.params() / tp
         kv_token = 2 * d.layers * d.kv_dim * b / tp

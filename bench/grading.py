@@ -10,8 +10,9 @@ is n distinct answers (all correct but in the last kind):
                its reference \sqrt{2 g^2}; sample j answers (g+j)\sqrt{2}, so one in 16 is right and
                no two answers are the same string (the grader grades a repeated one once).
                It runs after math_verify on the same pool, whose answers include all of these:
-               math-verify's parse cache holds most of them, so it mostly measures `verify` of
-               wrong answers, the costly case
+               math-verify's parse cache holds most of them, so it mostly measures settling
+               wrong answers, the costly case for `verify`; the worker's `values_apart` settles
+               these (constants far apart) without it
 
 A fifth measure is real: `boba_cases`, AReaL's 160 model responses to 10 boba rows (16 each,
 tests/data/boba_reward_cases.jsonl), graded against the rows' references twice on one started
@@ -116,12 +117,16 @@ def rates(n: int = 400, workers: int | None = None) -> dict[str, float]:
 
 def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_groups"), n: int = 400) -> dict[str, float]:
     """Where a math-verify answer's time goes, in this process on one core: parsing the answer,
-    parsing the reference (once per distinct reference, as workers cache it), and `verify`. Beside
+    parsing the reference (once per distinct reference, as workers cache it), and settling it:
+    `values_apart`, then `verify` where that cannot decide (`_settle_ms`), as a worker does, beside
+    `verify` alone (`_verify_ms`, what settling cost before `values_apart`). Beside
     `rates`' `<kind>_worker_cpu_ms` (the same work inside the pool, both cores busy) and
     `<kind>_workers_busy_share`, this says whether a slow rate is the pool's or math-verify's.
     The kinds run in `rates`' order, so math-verify's own parse cache is as warm as in the pool's."""
+    from sympy.core.cache import clear_cache
+
     from rlrecipe.reward.answers import extract_boxed
-    from rlrecipe.reward.worker import _mv, _parse, math_verify_correct
+    from rlrecipe.reward.worker import _mv, _parse, math_verify_correct, values_apart
 
     _, verify, _ = _mv()
     math_verify_correct("x^2+2x+1", ["(x+1)^2"])  # imports and sympy's first simplification, as a worker's warm-up
@@ -134,12 +139,25 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
         parsed_preds = [_parse(p) for p in preds]
         t1 = time.perf_counter()
         parsed_refs = {a: _parse(a) for a in distinct_refs}
-        t2 = time.perf_counter()
-        for pred, ref in zip(parsed_preds, refs, strict=True):
-            verify(parsed_refs[ref[0]], pred, timeout_seconds=None)
-        t3 = time.perf_counter()
-        per = {"parse_answer": (t1 - t0) / n, "parse_reference": (t2 - t1) / n, "verify": (t3 - t2) / n}
+        parse_reference = time.perf_counter() - t1
+        pairs = [(parsed_refs[ref[0]], pred) for pred, ref in zip(parsed_preds, refs, strict=True)]
+
+        def settle(gold, pred) -> None:  # as a worker does
+            if not values_apart(gold, pred):
+                verify(gold, pred, timeout_seconds=None)
+
+        def timed_loop(fn) -> float:
+            clear_cache()  # sympy's: whichever loop ran second would find the other's results
+            start = time.perf_counter()
+            for gold, pred in pairs:
+                fn(gold, pred)
+            return time.perf_counter() - start
+
+        per = {"parse_answer": (t1 - t0) / n, "parse_reference": parse_reference / n,
+               "settle": timed_loop(settle) / n}
         out.update({f"{kind}_{k}_ms": 1e3 * v for k, v in per.items()})
+        out[f"{kind}_verify_ms"] = 1e3 * timed_loop(lambda g, p: verify(g, p, timeout_seconds=None)) / n
+        out[f"{kind}_settled_by_values_apart_frac"] = sum(values_apart(g, p) for g, p in pairs) / n
         out[f"{kind}_one_core_answers_per_s"] = 1 / sum(per.values())
     return out
 

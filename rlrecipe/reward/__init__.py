@@ -8,7 +8,8 @@ reference answer(s):
    reference, both are plain integers (``070 == 70``), both are plain numbers equal as exact
    rationals (``0.5 == \frac{2}{4}``), or single letters (a choice, ``b == B``). Wrong only where
    math-verify would say so too. This keeps RL on numeric and multiple-choice answers cheap.
-2. Otherwise math-verify (`parse` + `verify`, run by `worker`) decides, in a pool of worker
+2. Otherwise math-verify (`parse` + `verify`, run by `worker`; wrong constants far apart are
+   settled there by their values, `values_apart`) decides, in a pool of worker
    processes with a hard time limit per answer (`grader`).
 """
 

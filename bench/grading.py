@@ -123,8 +123,6 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
     `rates`' `<kind>_worker_cpu_ms` (the same work inside the pool, both cores busy) and
     `<kind>_workers_busy_share`, this says whether a slow rate is the pool's or math-verify's.
     The kinds run in `rates`' order, so math-verify's own parse cache is as warm as in the pool's."""
-    from sympy.core.cache import clear_cache
-
     from rlrecipe.reward.answers import extract_boxed
     from rlrecipe.reward.worker import _mv, _parse, math_verify_correct, values_apart
 
@@ -142,24 +140,33 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
         parse_reference = time.perf_counter() - t1
         pairs = [(parsed_refs[ref[0]], pred) for pred, ref in zip(parsed_preds, refs, strict=True)]
 
-        def settle(gold, pred) -> None:  # as a worker does
-            if not values_apart(gold, pred):
-                verify(gold, pred, timeout_seconds=None)
-
-        def timed_loop(fn) -> float:
-            clear_cache()  # sympy's: whichever loop ran second would find the other's results
-            start = time.perf_counter()
-            for gold, pred in pairs:
-                fn(gold, pred)
-            return time.perf_counter() - start
-
         per = {"parse_answer": (t1 - t0) / n, "parse_reference": parse_reference / n,
-               "settle": timed_loop(settle) / n}
+               "settle": _timed_loop(_settle, pairs) / n}
         out.update({f"{kind}_{k}_ms": 1e3 * v for k, v in per.items()})
-        out[f"{kind}_verify_ms"] = 1e3 * timed_loop(lambda g, p: verify(g, p, timeout_seconds=None)) / n
+        out[f"{kind}_verify_ms"] = 1e3 * _timed_loop(lambda g, p: verify(g, p, timeout_seconds=None), pairs) / n
         out[f"{kind}_settled_by_values_apart_frac"] = sum(values_apart(g, p) for g, p in pairs) / n
         out[f"{kind}_one_core_answers_per_s"] = 1 / sum(per.values())
     return out
+
+
+def _settle(gold: list, pred: list) -> None:
+    """What a worker does with a parsed answer and reference: `values_apart`, else `verify`."""
+    from rlrecipe.reward.worker import _mv, values_apart
+
+    if not values_apart(gold, pred):
+        _mv()[1](gold, pred, timeout_seconds=None)
+
+
+def _timed_loop(fn, pairs: list) -> float:
+    """Seconds `fn(gold, pred)` takes over all pairs, from an empty sympy cache (whichever of two
+    loops over the same pairs ran second would otherwise find the other's results)."""
+    from sympy.core.cache import clear_cache
+
+    clear_cache()
+    start = time.perf_counter()
+    for gold, pred in pairs:
+        fn(gold, pred)
+    return time.perf_counter() - start
 
 
 def file_seconds(kind: str, rows: int) -> float:

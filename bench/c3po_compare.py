@@ -102,11 +102,11 @@ class StepRunner:
         engine, clock = self.engine, self.clock
         events = getattr(engine, "events", None)  # the engine's own record of each prefill/step/refill, if kept
         c0, n0, t0 = engine_counters(engine), len(events or ()), clock()
-        batch, _ = self.pool.collect(engine, self.params, seed=len(self.steps))
+        batch, stats = self.pool.collect(engine, self.params, seed=len(self.steps))
         seconds = clock() - t0
         c1 = engine_counters(engine)
         rec = {"seconds": seconds, "tokens": sum(len(t.response_ids) for t in batch), "trained": len(batch),
-               "counters": {k: c1[k] - c0[k] for k in c1}}
+               "dropped": stats.dropped, "counters": {k: c1[k] - c0[k] for k in c1}}
         if events is not None:
             rec["events"] = events[n0:]
         self.steps.append(rec)
@@ -173,16 +173,17 @@ def summarize(sync: list[dict], c3po: list[dict]) -> dict:
 
 def compare(engine: RolloutEngine, rows: list[dict], tokenizer, template: str, params: SamplingParams, *,
             steps: int, prompts_per_step: int, samples_per_prompt: int, pool_capacity: int, max_staleness: int = 2,
-            between_steps: Callable[[int], None] | None = None) -> dict:
+            refill: str = "per_call", between_steps: Callable[[int], None] | None = None) -> dict:
     """Rollout time per step and per trained token, synchronous vs C3PO++ (steady state)."""
     return compare_streams(engine, lambda: PromptStream(rows, tokenizer, template, seed=0), params, steps=steps,
                            prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
-                           pool_capacity=pool_capacity, max_staleness=max_staleness, between_steps=between_steps)
+                           pool_capacity=pool_capacity, max_staleness=max_staleness, refill=refill,
+                           between_steps=between_steps)
 
 
 def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], params: SamplingParams, *,
                     steps: int, prompts_per_step: int, samples_per_prompt: int, pool_capacity: int,
-                    max_staleness: int = 2, between_steps: Callable[[int], None] | None = None,
+                    max_staleness: int = 2, refill: str = "per_call", between_steps: Callable[[int], None] | None = None,
                     clock: Callable[[], float] = time.perf_counter) -> dict:
     """`compare` over any prompt stream (each mode gets a fresh one from `make_stream`).
 
@@ -195,7 +196,7 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
     """
     trace = {"settings": {"steps": steps, "prompts_per_step": prompts_per_step,
                           "samples_per_prompt": samples_per_prompt, "pool_capacity": pool_capacity,
-                          "max_staleness": max_staleness, "max_new_tokens": params.max_new_tokens,
+                          "max_staleness": max_staleness, "refill": refill, "max_new_tokens": params.max_new_tokens,
                           "max_batch": getattr(engine, "max_batch", None),
                           "refill_fraction": getattr(engine, "refill_fraction", None),
                           # how the engine batches: the in-process engine's slots, or a server's
@@ -223,7 +224,7 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
     # a first synchronous step (not counted) sets C3PO++'s budget: the tokens one synchronous step trains
     budget = max(1, step(sync, warmup=True)["tokens"])
     trace["settings"]["token_budget"] = budget
-    c3po = StepRunner(engine, RLSection(**common, c3po={"enabled": True, "token_budget": budget,
+    c3po = StepRunner(engine, RLSection(**common, c3po={"enabled": True, "token_budget": budget, "refill": refill,
                                                         "pool_capacity": pool_capacity, "max_staleness": max_staleness}),
                       streams["c3po"], params, clock=clock)
     step(c3po, warmup=True)  # C3PO++'s first step fills an empty pool; steady state after it
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts-per-step", type=int, default=32)
     ap.add_argument("--samples-per-prompt", type=int, default=8)
     ap.add_argument("--pool-capacity", type=int, default=0, help="default: 1.25 x one synchronous batch")
+    ap.add_argument("--refill", choices=("per_call", "continuous"), default="per_call",
+                    help="rl.c3po.refill: new prompts enter the pool before each generate call, or as rollouts finish")
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out", default="bench/c3po_server.json")
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = compare(engine, rows, tok, args.template,
                          SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens),
                          steps=args.steps, prompts_per_step=args.prompts_per_step,
-                         samples_per_prompt=args.samples_per_prompt, pool_capacity=capacity, between_steps=reload)
+                         samples_per_prompt=args.samples_per_prompt, pool_capacity=capacity, refill=args.refill,
+                         between_steps=reload)
     finally:
         engine.close()
     result.update(model=args.model, server="sglang" if not args.launch_cmd else args.launch_cmd.split()[0])

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench.c3po_compare import coefficient_of_variation, run_steps
 from rlrecipe.recipe import RLSection
-from rlrecipe.rollout.base import RolloutEngine
+from rlrecipe.rollout.base import Refill, RolloutEngine
 from rlrecipe.rollout.inprocess import EngineCounters
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
@@ -298,7 +298,8 @@ class SimEngine(RolloutEngine):
                     {"decode_steps": 1, "decode_rows": batch, "decode_cells": cells})
 
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
-                 token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
+                 token_budget: int | None = None, seed: int | None = None,
+                 refill: Refill | None = None) -> list[Trajectory]:
         # the same control flow as InProcessEngine.generate, with work counted instead of done
         queue = [t for t in trajs if not t.done and t.status != Status.ABORTED]
         queue.reverse()
@@ -329,6 +330,7 @@ class SimEngine(RolloutEngine):
                 if server or len(live) <= len(rows) // 2:
                     rows, cache = [rows[i] for i in live], [cache[i] for i in live]
                     self._copy(cache)
+            ended = 0
             for t in rows:
                 if t.status != Status.RUNNING:
                     continue
@@ -342,8 +344,11 @@ class SimEngine(RolloutEngine):
                     t.status = Status.TRUNCATED
                 if t.done:
                     finished_tokens += len(t.response_ids)
+                    ended += 1
             if token_budget is not None and finished_tokens >= token_budget:
                 break
+            if refill is not None and ended:
+                queue[:0] = refill(ended)[::-1]  # fresh, behind those queued already (pop() takes the last)
             if any(r.status == Status.RUNNING for r in rows):
                 self._decode(rows, cache)
             else:
@@ -357,7 +362,8 @@ def _configs(settings: dict) -> tuple[RLSection, RLSection]:
     sync = RLSection(**common, c3po={"enabled": False})
     c3po = RLSection(**common, c3po={"enabled": True, "token_budget": settings["token_budget"],
                                      "pool_capacity": settings["pool_capacity"],
-                                     "max_staleness": settings["max_staleness"]})
+                                     "max_staleness": settings["max_staleness"],
+                                     "refill": settings.get("refill", "per_call")})
     return sync, c3po
 
 
@@ -436,6 +442,11 @@ def report(steps: dict[str, list[dict]], cost: CostModel) -> dict:
         # step, how full the device is kept
         out[f"{mode}_generated_per_trained_token"] = (rows + prefilled) / tokens if tokens else 0.0
         out[f"{mode}_mean_decode_batch"] = rows / dsteps if dsteps else 0.0
+        # rollouts dropped as too stale (C3PO++'s sigma), per rollout trained or dropped: work lost,
+        # and the longest responses missing from training; and the mean length of those trained
+        trained, dropped = sum(s["trained"] for s in st), sum(s.get("dropped", 0) for s in st)
+        out[f"{mode}_dropped_share"] = dropped / (trained + dropped) if trained + dropped else 0.0
+        out[f"{mode}_mean_trained_length"] = tokens / trained if trained else 0.0
         out[f"{mode}_cv_tokens_per_step"] = coefficient_of_variation([s["tokens"] for s in st])
         out[f"{mode}_cv_step_s"] = coefficient_of_variation([s["seconds"] for s in st])
     out["speedup_per_step"] = per["sync"][0] / per["c3po"][0]
@@ -463,7 +474,7 @@ def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt
     rows = prompts * rl.samples_per_prompt
     pool = max(rl.samples_per_prompt, round(rl.c3po.pool_capacity / engines))
     return {"settings": {"steps": steps, "prompts_per_step": prompts, "samples_per_prompt": rl.samples_per_prompt,
-                         "pool_capacity": pool, "max_staleness": rl.c3po.max_staleness,
+                         "pool_capacity": pool, "max_staleness": rl.c3po.max_staleness, "refill": rl.c3po.refill,
                          "token_budget": max(1, round(rl.c3po.token_budget / engines)),
                          "max_new_tokens": ro.max_new_tokens, "max_batch": max_batch or max(rows, pool),
                          "refill_fraction": 0.25, "layout": "server", "engines": engines, "prompt_len": prompt_len},

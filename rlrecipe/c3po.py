@@ -4,7 +4,8 @@ Each step the engine generates over a pool of in-flight trajectories (capacity O
 trajectories that finished hold Phi tokens; those are trained on. Unfinished ones stay in the
 pool, resume next step under the new weights (each token keeps its own logp_infer and
 version), and age by one per step; one older than sigma steps is dropped. New prompts, each
-sampled n times as a group, refill the pool.
+sampled n times as a group, refill the pool: before each generate call, or (`refill:
+continuous`) during it, as soon as n rollouts have finished.
 """
 
 from __future__ import annotations
@@ -110,12 +111,13 @@ class RolloutPool:
         before = {t.uid: len(t.response_ids) for t in self.in_flight}
         finished: list[Trajectory] = []
         round_ = 0
+        n = self.cfg.samples_per_prompt
         while self._tokens(finished) < c3.token_budget:
-            n = self.cfg.samples_per_prompt
             while len(self.in_flight) + n <= max(c3.pool_capacity, n):
                 self.in_flight += self.stream.next_group(n)
+            refill = self._refill_as_finished(n) if c3.refill == "continuous" else None
             engine.generate(self.in_flight, params, token_budget=c3.token_budget - self._tokens(finished),
-                            seed=seed * 1009 + round_)
+                            seed=seed * 1009 + round_, refill=refill)
             round_ += 1
             finished += [t for t in self.in_flight if t.done]
             self.in_flight = [t for t in self.in_flight if not t.done]
@@ -129,6 +131,23 @@ class RolloutPool:
         self.total_dropped += stats.dropped
         self.total_resumed += sum(1 for t in finished if t.uid in before)
         return finished, stats
+
+    def _refill_as_finished(self, n: int):
+        """The engine's `refill` for one generate call: finished rollouts free their slots, and a
+        new group of n starts whenever n slots are free, so at most Omega are ever in flight."""
+        free = max(self.cfg.c3po.pool_capacity, n) - len(self.in_flight)
+
+        def refill(finished: int) -> list[Trajectory]:
+            nonlocal free
+            free += finished
+            new: list[Trajectory] = []
+            while free >= n:
+                new += self.stream.next_group(n)
+                free -= n
+            self.in_flight = self.in_flight + new  # a new list: the engine's own `trajs` stays as given
+            return new
+
+        return refill
 
     # -- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -151,6 +151,12 @@ class C3PO(Section):
     token_budget: int = Field(16384, gt=0, description="Phi: finished tokens that end a rollout phase")
     pool_capacity: int = Field(512, gt=0, description="Omega: trajectories in flight")
     max_staleness: int = Field(2, ge=0, description="sigma: steps an unfinished rollout may age")
+    # per_call: the pool is topped up to Omega before each generate call, so within a step the
+    # engine's batch shrinks as rollouts finish. continuous: a finished rollout's slot is handed
+    # back at once and a new group starts as soon as samples_per_prompt slots are free, so the
+    # engine keeps Omega rollouts running until the budget is reached.
+    refill: Literal["per_call", "continuous"] = Field(
+        "per_call", description="when new prompts enter the pool: before each generate call, or as rollouts finish")
 
 
 class Cov(Section):

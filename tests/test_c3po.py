@@ -56,6 +56,26 @@ def test_budget_ends_the_phase_and_unfinished_rollouts_carry_over(tiny_model_dir
         assert set(t.versions[:carried[t.uid]]) <= {0} and t.versions[-1] == 1
 
 
+@pytest.mark.parametrize("refill", ["per_call", "continuous"])
+def test_continuous_refill_starts_a_group_as_soon_as_its_slots_are_free(tiny_model_dir, refill):
+    """Omega = 12, n = 3: the head group (30 tokens in) and three fresh groups fill the pool. The
+    head group ends 10 tokens later, the others at max_new_tokens (40) another 30 later, which
+    crosses the budget of 200. Per call, nothing enters during the call; continuous, a fourth
+    group starts in the head group's three slots and is 30 tokens in (its first token, from its
+    prefill, is sampled beside the others' 11th) when the budget ends the call: it stays in the
+    pool. Never more than Omega in flight."""
+    pool, engine = _setup(tiny_model_dir, token_budget=200, refill=refill)
+    finished, stats = pool.collect(engine, SamplingParams(max_new_tokens=40), seed=1)
+    assert len(finished) == 12 and sum(len(t.response_ids) for t in finished) == 12 * 40
+    if refill == "per_call":
+        assert pool.stream.cursor == 4 and pool.in_flight == []
+    else:
+        assert pool.stream.cursor == 5 and len(pool.in_flight) == 3
+        assert len({t.group_id for t in pool.in_flight}) == 1
+        assert all(t.status == Status.RUNNING and len(t.response_ids) == 30 and t.age == 1 for t in pool.in_flight)
+        assert stats.generated_tokens == 3 * 10 + 9 * 40 + 3 * 30  # head: 10 more; the new group counts too
+
+
 def test_stale_rollouts_are_dropped_and_counted(tiny_model_dir):
     pool, engine = _setup(tiny_model_dir, max_staleness=0)
     params = SamplingParams(max_new_tokens=40)

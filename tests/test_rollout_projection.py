@@ -296,6 +296,24 @@ def test_a_pool_of_one_batch_at_a_budget_of_its_tokens_waits_for_the_longest_rol
         assert sum(c3po) < sum(sync)
 
 
+def test_continuous_refill_keeps_the_servers_batch_full():
+    """The same schedule as above, two batches in flight: per call, the batch shrinks as the short
+    rollouts end; continuous, their slots take new groups at once, so decoding steps carry more
+    rows (never more than the pool), and every step trains exactly its budget's 12 tokens or more."""
+    settings = {"steps": 6, "prompts_per_step": 1, "samples_per_prompt": 4, "pool_capacity": 8,
+                "max_staleness": 3, "token_budget": 12, "max_new_tokens": 50, "max_batch": 8,
+                "refill_fraction": 0.25, "layout": "server", "prompt_len": 2}
+    cost = CostModel(step_s=1.0, row_s=0.0, ctx_s=0.0, prefill_call_s=0.0, prefill_token_s=0.0)
+    batch = {}
+    for refill in ("per_call", "continuous"):
+        trace = {"settings": {**settings, "refill": refill}, "trajectories": {"sync": [], "c3po": []}}
+        steps = simulate(trace, cost, groups=[[2, 2, 2, 6]])["c3po"][1:]
+        rows = sum(s["counters"]["decode_rows"] for s in steps)
+        batch[refill] = rows / sum(s["counters"]["decode_steps"] for s in steps)
+        assert all(s["tokens"] >= 12 for s in steps)
+    assert batch["per_call"] < batch["continuous"] <= 8
+
+
 def test_projection_cli_takes_a_recipe_and_assumed_lengths(capsys):
     from bench.rollout_projection import main
 

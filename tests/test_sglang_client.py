@@ -257,6 +257,26 @@ def test_token_budget_aborts_in_flight_and_a_later_call_resumes(engine, tok, tin
         assert (recompute(model, t) - torch.tensor(t.logp_infer)).abs().max() < 1e-4
 
 
+def test_refill_sends_new_trajectories_within_the_call(engine, tok):
+    """`refill` is asked as trajectories finish; what it returns is sent at once, completes in the
+    same call, under the engine's version, and goes to the server (the only one) as a group."""
+    trajs = prompts(tok, 4)
+    extra = [Trajectory(uid=f"x{i}", group_id="gx", prompt_ids=tok.encode(f"Add {i} and 5.")) for i in range(2)]
+    asked: list[int] = []
+
+    def refill(finished: int) -> list[Trajectory]:
+        asked.append(finished)
+        return extra if len(asked) == 1 else []
+
+    params = SamplingParams(max_new_tokens=12)
+    assert engine.generate(trajs, params, refill=refill) is trajs and len(trajs) == 4
+    assert all(t.done for t in trajs + extra)
+    assert sum(asked) == 6  # each of the six finished trajectories was reported once
+    for t in extra:
+        check_consistent(t)
+        assert t.response_ids and set(t.versions) == {engine.version}
+
+
 def test_weight_update_mid_run(engine, tok, tiny_model_dir, other_model_dir, server):
     params = SamplingParams(max_new_tokens=64)
     trajs, near = _budgeted_call(engine, tok, params)

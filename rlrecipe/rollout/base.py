@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 
 from rlrecipe.trajectory import SamplingParams, Trajectory
+
+# `generate(..., refill=f)`: f(k) is called after k trajectories finished in the call (none once the
+# budget is reached) and returns new trajectories to start in the same call, possibly none.
+Refill = Callable[[int], list[Trajectory]]
 
 # `Trajectory.meta[SEED_KEY]`: the trajectory's own sampling seed. Engines that honour it draw each
 # token from a stream fixed by (that seed, the token's position), so a sample does not depend on
@@ -20,12 +25,15 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
-                 token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
+                 token_budget: int | None = None, seed: int | None = None,
+                 refill: Refill | None = None) -> list[Trajectory]:
         """Continue every trajectory (fresh ones have empty responses) until eos or max_new_tokens.
 
         With `token_budget`, stop as soon as the trajectories that finished during this call hold
         at least that many response tokens; the others come back with status RUNNING and what
         they have so far, and a later call resumes them (tokens then carry the new version).
+        With `refill` (see `Refill`), trajectories it returns join the call as others finish;
+        the caller keeps them (they are not in the returned list) and they count toward the budget.
         Trajectories are updated in place and returned in the same order.
         """
 

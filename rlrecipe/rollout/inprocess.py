@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from rlrecipe.modeling import load_model, load_weights_into
-from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
+from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 
@@ -340,7 +340,8 @@ class InProcessEngine(RolloutEngine):
             self.events.append(["refill", seconds, {"refill_cells": batch.mask.numel()}])
 
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
-                 token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
+                 token_budget: int | None = None, seed: int | None = None,
+                 refill: Refill | None = None) -> list[Trajectory]:
         gen = torch.Generator().manual_seed(0 if seed is None else seed)
         # its own stream, so turning the stress test on leaves the sampling stream as it was
         noise = torch.Generator().manual_seed((0 if seed is None else seed) ^ _NOISE_SALT)
@@ -382,6 +383,7 @@ class InProcessEngine(RolloutEngine):
             t0 = clock()
             tok, lp = self._sample(batch.logits, params, gen, rows, noise)
             tokens, logps = tok.tolist(), lp.tolist()  # one conversion per step, not one per row
+            ended = 0
             for i, t in enumerate(rows):
                 if t.status != Status.RUNNING:
                     continue
@@ -392,10 +394,13 @@ class InProcessEngine(RolloutEngine):
                     t.status = Status.TRUNCATED
                 if t.done:
                     finished_tokens += len(t.response_ids)
+                    ended += 1
             sampled = clock() - t0
             c.sample_s += sampled
             if token_budget is not None and finished_tokens >= token_budget:
                 break
+            if refill is not None and ended:
+                queue[:0] = refill(ended)[::-1]  # fresh, behind those queued already (pop() takes the last)
             if any(r.status == Status.RUNNING for r in rows):
                 t0 = clock()
                 batch = self._step(tok, batch)

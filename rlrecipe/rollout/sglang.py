@@ -47,7 +47,7 @@ from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import Recipe, SGLangServer
 from rlrecipe.rollout.api_key import auth_headers
-from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
+from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
 from rlrecipe.rollout.http_pool import HttpPool, Post, PostFailed
 from rlrecipe.rollout.server_recovery import ServerRecovery
 from rlrecipe.rollout.sglang_api import apply_output, context_length, generate_payload, sglang_sampling_params
@@ -370,7 +370,8 @@ class SGLangEngine(RolloutEngine):
         apply_output(t, out, params, version)
 
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
-                 token_budget: int | None = None, seed: int | None = None) -> list[Trajectory]:
+                 token_budget: int | None = None, seed: int | None = None,
+                 refill: Refill | None = None) -> list[Trajectory]:
         # `seed` is not sent: SGLang draws from its own --random-seed stream.
         if self._closed:
             raise RuntimeError("SGLangEngine is closed")
@@ -384,10 +385,76 @@ class SGLangEngine(RolloutEngine):
         if not todo:
             return trajs
         version = self.version
-        # a group's samples go to one server, which then shares their prompt's prefix cache
         groups: dict[str, int] = {}
-        reqs: list[_Request] = []
         contexts: dict[int, int | None] = {}
+        reqs = self._requests(todo, params, groups, contexts)
+        futures: dict[Future, _Request] = {self._submit(r): r for r in reqs}
+        pending = set(futures)
+        finished_tokens = 0
+        stopping = False
+        last_abort, abort_rounds = 0.0, 0
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                ended = 0
+                for fut in done:
+                    req = futures.pop(fut)
+                    out = self._answer(req, fut)
+                    if out is not None:
+                        self._apply(req.traj, out, params, version, req.endpoint)
+                        if req.traj.done:
+                            finished_tokens += len(req.traj.response_ids)
+                            ended += 1
+                    elif req.lost and not stopping:
+                        # its server was left out: the same request, from the start, on another
+                        req.endpoint = self.live[hash(req.rid) % len(self.live)]
+                        req.payload = {**req.payload, "rid": uuid.uuid4().hex}
+                        req.rid, req.lost = req.payload["rid"], False
+                        new = self._submit(req)
+                        futures[new] = req
+                        pending.add(new)
+                if not stopping and token_budget is not None and finished_tokens >= token_budget:
+                    stopping = True
+                    # not sent yet: withdrawn, the trajectory stays as it is
+                    pending = {f for f in pending if not self._http.withdraw(futures[f].post)}
+                elif not stopping and refill is not None and ended:
+                    fresh = refill(ended)
+                    self._to_least_loaded(fresh, [futures[f].endpoint for f in pending], groups)
+                    for req in self._requests(fresh, params, groups, contexts):
+                        new = self._submit(req)
+                        futures[new] = req
+                        pending.add(new)
+                if stopping and pending and time.monotonic() - last_abort > ABORT_RESEND_S:
+                    self._abort([futures[f] for f in pending if futures[f].post.sent],
+                                all_on_own_servers=abort_rounds > 0)
+                    last_abort, abort_rounds = time.monotonic(), abort_rounds + 1
+                self._check_alive()
+        except BaseException:
+            sent = [futures[f] for f in pending if not self._http.withdraw(futures[f].post) and not f.done()]
+            self._abort(sent)  # servers left out are among the failed: none is asked
+            raise
+        return trajs
+
+    def _to_least_loaded(self, fresh: list[Trajectory], busy: list[int], groups: dict[str, int]) -> None:
+        """Send each new group to the live server with the fewest requests in flight (where
+        rollouts just finished), by entering it in `groups` as `_requests` reads it."""
+        if self.router is not None:
+            return
+        load = {e: 0 for e in self.live}
+        for e in busy:
+            if e in load:
+                load[e] += 1
+        for t in fresh:
+            gid = t.group_id or t.uid
+            if gid not in groups:
+                groups[gid] = self.live.index(min(self.live, key=load.__getitem__))
+            load[self.live[groups[gid] % len(self.live)]] += 1
+
+    def _requests(self, todo: list[Trajectory], params: SamplingParams, groups: dict[str, int],
+                  contexts: dict[int, int | None]) -> list[_Request]:
+        """One request per running trajectory, each group's samples to one server (which then
+        shares their prompt's prefix cache); `groups` and `contexts` persist over one call."""
+        reqs: list[_Request] = []
         for t in todo:
             if self.router is not None:
                 endpoint = 0  # the router keeps a prompt's samples together itself (cache_aware)
@@ -409,43 +476,7 @@ class SGLangEngine(RolloutEngine):
             if SEED_KEY in t.meta:  # honoured by SGLang >= 0.5.3 (exactly so with --enable-deterministic-inference)
                 sp["sampling_seed"] = int(t.meta[SEED_KEY])
             reqs.append(_Request(t, endpoint, generate_payload(input_ids, sp, rid), rid))
-        futures: dict[Future, _Request] = {self._submit(r): r for r in reqs}
-        pending = set(futures)
-        finished_tokens = 0
-        stopping = False
-        last_abort, abort_rounds = 0.0, 0
-        try:
-            while pending:
-                done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    req = futures.pop(fut)
-                    out = self._answer(req, fut)
-                    if out is not None:
-                        self._apply(req.traj, out, params, version, req.endpoint)
-                        if req.traj.done:
-                            finished_tokens += len(req.traj.response_ids)
-                    elif req.lost and not stopping:
-                        # its server was left out: the same request, from the start, on another
-                        req.endpoint = self.live[hash(req.rid) % len(self.live)]
-                        req.payload = {**req.payload, "rid": uuid.uuid4().hex}
-                        req.rid, req.lost = req.payload["rid"], False
-                        new = self._submit(req)
-                        futures[new] = req
-                        pending.add(new)
-                if not stopping and token_budget is not None and finished_tokens >= token_budget:
-                    stopping = True
-                    # not sent yet: withdrawn, the trajectory stays as it is
-                    pending = {f for f in pending if not self._http.withdraw(futures[f].post)}
-                if stopping and pending and time.monotonic() - last_abort > ABORT_RESEND_S:
-                    self._abort([futures[f] for f in pending if futures[f].post.sent],
-                                all_on_own_servers=abort_rounds > 0)
-                    last_abort, abort_rounds = time.monotonic(), abort_rounds + 1
-                self._check_alive()
-        except BaseException:
-            sent = [futures[f] for f in pending if not self._http.withdraw(futures[f].post) and not f.done()]
-            self._abort(sent)  # servers left out are among the failed: none is asked
-            raise
-        return trajs
+        return reqs
 
     # -- weights ---------------------------------------------------------------------------------
     def _update_one(self, i: int, model_path: str, version: int) -> None:

@@ -277,6 +277,18 @@ def test_refill_sends_new_trajectories_within_the_call(engine, tok):
         assert t.response_ids and set(t.versions) == {engine.version}
 
 
+def test_refilled_groups_go_to_the_least_loaded_live_server():
+    """A new group goes where fewest requests are in flight (where rollouts just ended), skipping
+    a server left out; its samples stay together. Only the assignment is exercised here."""
+    eng = object.__new__(SGLangEngine)
+    eng.router, eng.live = None, [0, 2]  # server 1 is left out
+    groups = {"a": 0}
+    fresh = [Trajectory(uid=f"{g}{j}", group_id=g, prompt_ids=[1]) for g in ("n", "m") for j in range(2)]
+    eng._to_least_loaded(fresh, [0, 0, 0, 2], groups)
+    # n: server 2 (1 in flight against 3), which then has 3 too; m: the first of the two, server 0
+    assert eng.live[groups["n"] % 2] == 2 and eng.live[groups["m"] % 2] == 0 and groups["a"] == 0
+
+
 def test_weight_update_mid_run(engine, tok, tiny_model_dir, other_model_dir, server):
     params = SamplingParams(max_new_tokens=64)
     trajs, near = _budgeted_call(engine, tok, params)

@@ -222,14 +222,22 @@ class SimEngine(RolloutEngine):
     halves it; attention over the left-padded width; joining and compacting copy the cache).
     layout "server" is a server's continuous batching: a finished row leaves at once, a free slot
     is refilled at the next step, attention reads each row's own context, nothing is copied.
+    With `kv_tokens` (its KV cache, in tokens) a server admits a newcomer only while the cache
+    holds it beside the running rows, and when decoding outgrows the cache it retracts the
+    running row with the fewest response tokens (SGLang's choice) back to the front of its queue,
+    to be prefilled again, prompt and response so far, when there is room.
     Each prefill runs the distinct prompt + response-so-far sequences of its newcomers.
     """
 
     def __init__(self, cost: CostModel, lengths: Lengths, *, eos_token_id: int = 2, max_batch: int | None = None,
-                 refill_fraction: float = 0.25, layout: str = "server", version: int = 0):
+                 refill_fraction: float = 0.25, layout: str = "server", version: int = 0,
+                 kv_tokens: int | None = None):
         if layout not in ("server", "inprocess"):
             raise ValueError(f"layout: server or inprocess, not {layout!r}")
+        if kv_tokens is not None and layout != "server":
+            raise ValueError("kv_tokens: a server's KV cache (layout server)")
         self.cost, self.lengths, self.eos = cost, lengths, eos_token_id
+        self.kv_tokens = kv_tokens
         self.max_batch = max_batch or 1 << 30
         self.refill_fraction, self.layout, self.version = refill_fraction, layout, version
         self.counters = EngineCounters()
@@ -316,8 +324,11 @@ class SimEngine(RolloutEngine):
         while queue or rows:
             live = [i for i, r in enumerate(rows) if r.status == Status.RUNNING]
             free = self.max_batch - len(live)
-            if queue and (not live or free >= refill_at):
-                new = [queue.pop() for _ in range(min(free, len(queue)))]
+            take = min(free, len(queue)) if queue and (not live or free >= refill_at) else 0
+            if take and self.kv_tokens is not None:
+                take = self._admissible(queue, take, sum(cache[i] for i in live), not live)
+            if take:
+                new = [queue.pop() for _ in range(take)]
                 self._prefill(new)
                 rows = [rows[i] for i in live] + new
                 cache = [cache[i] for i in live] + [t.num_tokens for t in new]
@@ -350,10 +361,39 @@ class SimEngine(RolloutEngine):
             if refill is not None and ended:
                 queue[:0] = refill(ended)[::-1]  # fresh, behind those queued already (pop() takes the last)
             if any(r.status == Status.RUNNING for r in rows):
+                if self.kv_tokens is not None:
+                    rows, cache = self._retract(rows, cache, queue)
                 self._decode(rows, cache)
             else:
                 rows, cache = [], []
         return trajs
+
+    def _admissible(self, queue: list[Trajectory], take: int, used: int, idle: bool) -> int:
+        """How many of the next `take` queued rows the KV cache holds beside `used` tokens (each
+        with room for its next token); one at least on an idle server, which must make progress."""
+        n = 0
+        while n < take and used + queue[-1 - n].num_tokens + 1 <= self.kv_tokens:
+            used += queue[-1 - n].num_tokens + 1
+            n += 1
+        return max(n, 1 if idle else 0)
+
+    def _retract(self, rows: list[Trajectory], cache: list[int], queue: list[Trajectory]):
+        """Before a decoding step: while the running rows' next tokens would not fit, the one with
+        the fewest response tokens (the longest prompt among those) goes back to the queue's front."""
+        running = [i for i, t in enumerate(rows) if t.status == Status.RUNNING]
+        used = sum(cache[i] for i in running) + len(running)
+        out = set()
+        while used > self.kv_tokens and len(running) - len(out) > 1:
+            i = min((i for i in running if i not in out),
+                    key=lambda i: (len(rows[i].response_ids), -len(rows[i].prompt_ids)))
+            out.add(i)
+            used -= cache[i] + 1
+            queue.append(rows[i])  # pop() takes it first
+            self.counters.retracted_rows += 1
+        if not out:
+            return rows, cache
+        keep = [i for i in range(len(rows)) if i not in out]
+        return [rows[i] for i in keep], [cache[i] for i in keep]
 
 
 # -- running schedules ------------------------------------------------------------------------
@@ -408,7 +448,8 @@ def simulate(trace: dict, cost: CostModel, *, layout: str | None = None, max_bat
             stream = SyntheticStream(prompt_len or settings.get("prompt_len")
                                      or round(sum(r[2] for r in recorded) / len(recorded)))
         engine = SimEngine(cost, lengths, max_batch=max_batch, layout=layout,
-                           refill_fraction=settings.get("refill_fraction") or 0.25)
+                           refill_fraction=settings.get("refill_fraction") or 0.25,
+                           kv_tokens=settings.get("kv_tokens") if layout == "server" else None)
         # as recorded: one uncounted step first (sets the budget, or fills the pool), then `steps`
         out[mode] = run_steps(engine, cfg, stream, params, settings["steps"] + 1, clock=lambda e=engine: e.clock)
         out[mode][0]["warmup"] = True
@@ -447,6 +488,8 @@ def report(steps: dict[str, list[dict]], cost: CostModel) -> dict:
         trained, dropped = sum(s["trained"] for s in st), sum(s.get("dropped", 0) for s in st)
         out[f"{mode}_dropped_share"] = dropped / (trained + dropped) if trained + dropped else 0.0
         out[f"{mode}_mean_trained_length"] = tokens / trained if trained else 0.0
+        # rows a server preempted for KV-cache room (each prefilled again later), per step
+        out[f"{mode}_retracted_per_step"] = sum(s["counters"].get("retracted_rows", 0) for s in st) / len(st)
         out[f"{mode}_cv_tokens_per_step"] = coefficient_of_variation([s["tokens"] for s in st])
         out[f"{mode}_cv_step_s"] = coefficient_of_variation([s["seconds"] for s in st])
     out["speedup_per_step"] = per["sync"][0] / per["c3po"][0]
@@ -462,10 +505,12 @@ def project(trace: dict, cost: CostModel, **kw) -> dict:
 
 
 # -- a recipe's settings, projected before it runs ---------------------------------------------
-def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt_len: int = 256) -> dict:
+def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt_len: int = 256,
+                 kv_tokens: int | None = None) -> dict:
     """A `simulate` input (settings, no recorded trajectories) for one rollout engine's share of a
     recipe's step: prompts per step, C3PO++ pool capacity and token budget divided by the number of
-    engines (servers x dp, or rollout.urls), its staleness and max_new_tokens as they are."""
+    engines (servers x dp, or rollout.urls), its staleness and max_new_tokens as they are; with
+    `kv_tokens` (`rlrecipe.plan.kv_cache_tokens`), the engine's KV cache bounds what it runs at once."""
     from rlrecipe.plan import rollout_engines
 
     ro, rl = recipe.rollout, recipe.rl
@@ -477,7 +522,8 @@ def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt
                          "pool_capacity": pool, "max_staleness": rl.c3po.max_staleness, "refill": rl.c3po.refill,
                          "token_budget": max(1, round(rl.c3po.token_budget / engines)),
                          "max_new_tokens": ro.max_new_tokens, "max_batch": max_batch or max(rows, pool),
-                         "refill_fraction": 0.25, "layout": "server", "engines": engines, "prompt_len": prompt_len},
+                         "refill_fraction": 0.25, "layout": "server", "engines": engines, "prompt_len": prompt_len,
+                         "kv_tokens": kv_tokens},
             "trajectories": {"sync": [], "c3po": []}}
 
 
@@ -664,6 +710,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                   "(--recipe: every rollout of its share at once)")
     ap.add_argument("--lengths", help="JSON list of response lengths (or of lists, one per prompt) to draw from "
                                       "instead of replaying the run's")
+    ap.add_argument("--kv-tokens", type=int, help="a server's KV cache in tokens (0: unbounded); default: "
+                                                  "--recipe's from rlrecipe plan, a recorded run's none")
     args = ap.parse_args(argv)
     if (args.run is None) == (args.recipe is None):
         ap.error("give a recorded run or --recipe, one of them")
@@ -672,10 +720,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.recipe:
         if args.calibrate or not (args.lengths or args.lognormal):
             ap.error("--recipe projects lengths given by --lengths or --lognormal, and has no run to calibrate on")
+        from rlrecipe.plan import kv_cache_tokens
         from rlrecipe.recipe import load_recipe
 
-        recipe = load_recipe(args.recipe, args.set).recipe
-        trace = recipe_trace(recipe, steps=args.steps, max_batch=args.max_batch, prompt_len=args.prompt_len)
+        loaded = load_recipe(args.recipe, args.set)
+        kv = kv_cache_tokens(loaded) if args.kv_tokens is None else args.kv_tokens or None
+        trace = recipe_trace(loaded.recipe, steps=args.steps, max_batch=args.max_batch, prompt_len=args.prompt_len,
+                             kv_tokens=kv)
         out["settings"] = trace["settings"]
     else:
         data = json.loads(Path(args.run).read_text())
@@ -691,6 +742,8 @@ def main(argv: list[str] | None = None) -> dict:
                        label=f"{fitted.label}: {args.run} {source}; train model from "
                              f"{args.cost or 'the default assumption'}")
         out["calibration"] = {**asdict(fitted), **check}
+    if args.run and args.kv_tokens:
+        trace["settings"]["kv_tokens"] = args.kv_tokens
     groups = json.loads(Path(args.lengths).read_text()) if args.lengths else None
     if args.lognormal:
         median, prompt_sigma, sample_sigma = (float(x) for x in args.lognormal.split(","))

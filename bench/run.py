@@ -208,8 +208,9 @@ ASSUMED_LENGTHS = (10_000, 0.4, 0.45)  # log-normal median, prompt and sample si
 
 
 def bench_recipe_projection() -> dict:
-    """The 7B C3PO++ recipe's own settings (one rollout engine's share of a step) under the GPU cost
-    model, over assumed log-normal lengths: the projection `make bench` keeps current."""
+    """The 7B C3PO++ recipe's own settings (one rollout engine's share of a step, its KV cache as
+    `rlrecipe plan` sizes it) under the GPU cost model, over assumed log-normal lengths: the
+    projection `make bench` keeps current."""
     from bench.rollout_projection import (
         gpu_cost_model,
         lognormal_groups,
@@ -217,9 +218,11 @@ def bench_recipe_projection() -> dict:
         project,
         recipe_trace,
     )
+    from rlrecipe.plan import kv_cache_tokens
     from rlrecipe.recipe import load_recipe
 
-    trace = recipe_trace(load_recipe(RECIPE_PROJECTED).recipe)
+    loaded = load_recipe(RECIPE_PROJECTED)
+    trace = recipe_trace(loaded.recipe, kv_tokens=kv_cache_tokens(loaded))
     s = trace["settings"]
     cost, cost_name = gpu_cost_model()
     groups = lognormal_groups(*ASSUMED_LENGTHS, s["samples_per_prompt"], s["max_new_tokens"])

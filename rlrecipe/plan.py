@@ -228,6 +228,24 @@ def rollout_engines(recipe: Recipe) -> int:
     return (len(ro.urls) or ro.sglang.num_servers) * ro.sglang.dp_size
 
 
+def sglang_memory(recipe: Recipe, d: ModelDims) -> tuple[float, float, float, float]:
+    """Bytes per GPU of one SGLang engine: its static pool (mem_fraction_static x GPU), the
+    weights' share, what is left for the KV cache, and one token's K and V (all layers)."""
+    s, b = recipe.rollout.sglang, BYTES[recipe.rollout.dtype]
+    pool = s.mem_fraction_static * recipe.trainer.gpu_memory_gib * GIB
+    weights = b * d.params() / s.tp_size
+    return pool, weights, max(0.0, pool - weights), 2 * d.layers * d.kv_dim * b / s.tp_size
+
+
+def kv_cache_tokens(loaded: LoadedRecipe) -> int | None:
+    """Tokens the KV cache of one of the recipe's SGLang engines holds (the rows it can decode at
+    once hold this many tokens together); None for the in-process engine, sized per batch."""
+    if loaded.recipe.rollout.engine != "sglang":
+        return None
+    _, _, kv, kv_token = sglang_memory(loaded.recipe, model_dims(loaded))
+    return int(kv // kv_token)
+
+
 def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
     """RL: the step's rollouts; SFT and evaluation: the benchmark samples (n per problem)."""
     ro, rl, ev = recipe.rollout, recipe.rl, recipe.eval
@@ -243,10 +261,7 @@ def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
     if ro.engine == "sglang":
         s = ro.sglang
         tp, engines = s.tp_size, rollout_engines(recipe)
-        pool = s.mem_fraction_static * gpu
-        weights = b * d.params() / tp
-        kv_token = 2 * d.layers * d.kv_dim * b / tp
-        kv = max(0.0, pool - weights)
+        pool, weights, kv, kv_token = sglang_memory(recipe, d)
         wanted = math.ceil(wanted_total / engines)
         notes.append(f"SGLang pool {s.mem_fraction_static:.2f} x GPU; {engines} engines of tp {tp}")
     else:  # in-process engine: one process holds weights and the KV cache of its decoding slots

@@ -314,6 +314,43 @@ def test_continuous_refill_keeps_the_servers_batch_full():
     assert batch["per_call"] < batch["continuous"] <= 8
 
 
+@pytest.mark.parametrize("kv_tokens, clock, decode_rows, prefill_tokens", [
+    # Two 3-token prompts, 4-token responses each, a cache of 10 tokens. Both are admitted (3 + 1
+    # and 3 + 1 of 10). Steps 1 and 2 decode both (contexts then 4 + 4 + 2 = 10: still fits);
+    # before step 3 the next tokens need 5 + 5 + 2 = 12, so A (as few response tokens as B, the
+    # first of them) is retracted and B decodes alone (1 row). B then ends, but A (6 tokens + 1)
+    # cannot come back beside B's 6; once B has left, A is prefilled again (its prompt and 3
+    # response tokens) and ends. 3 decoding steps of 2, 2, 1 rows; 2 prefills of 6 tokens each:
+    # 3 x 1 + 5 x 0.1 + 2 x 0.5 + 12 x 0.01 = 4.62
+    (10, 4.62, 5, 12),
+    # unbounded: 3 steps of 2 rows, one prefill of 6 tokens: 3 + 0.6 + 0.5 + 0.06
+    (None, 4.16, 6, 6),
+])
+def test_a_full_kv_cache_retracts_the_row_with_the_fewest_tokens(kv_tokens, clock, decode_rows, prefill_tokens):
+    cost = CostModel(step_s=1.0, row_s=0.1, ctx_s=0.0, prefill_call_s=0.5, prefill_token_s=0.01)
+    trajs = _rows([4, 4])
+    lengths = Lengths(100, known={t.uid: (4, "finished") for t in trajs})
+    eng = SimEngine(cost, lengths, max_batch=8, kv_tokens=kv_tokens)
+    eng.generate(trajs, SamplingParams(max_new_tokens=100))
+    assert all(t.status == Status.FINISHED and len(t.response_ids) == 4 for t in trajs)
+    c = eng.counters
+    assert (c.decode_steps, c.decode_rows, c.prefill_tokens) == (3, decode_rows, prefill_tokens)
+    assert (c.retracted_rows, c.reprefill_tokens) == ((1, 3) if kv_tokens else (0, 0))
+    assert eng.clock == pytest.approx(clock)
+
+
+def test_the_plans_kv_cache_bounds_the_7b_recipes_projection():
+    from rlrecipe.plan import kv_cache_tokens
+    from rlrecipe.recipe import load_recipe
+
+    # 0.80 x 80 GiB of SGLang pool, less the bf16 weights of R1-Distill-Qwen-7B's 7,615,616,512
+    # parameters, in tokens of K and V over 28 layers x 4 kv heads x 128 dims in bf16
+    by_hand = (int(0.80 * 80 * 2**30) - 2 * 7_615_616_512) // (2 * 28 * 4 * 128 * 2)
+    assert by_hand == 932_760
+    assert kv_cache_tokens(load_recipe("recipes/7b_boba_icepop_c3po.yaml", [])) == by_hand
+    assert kv_cache_tokens(load_recipe("recipes/tiny_rl.yaml", [])) is None  # the in-process engine
+
+
 def test_projection_cli_takes_a_recipe_and_assumed_lengths(capsys):
     from bench.rollout_projection import main
 
@@ -324,5 +361,6 @@ def test_projection_cli_takes_a_recipe_and_assumed_lengths(capsys):
     assert out["lengths"].startswith("ASSUMPTION: log-normal, median 40")
     assert out["projected"]["sync_generated_per_trained_token"] == pytest.approx(1.0)  # sync trains all it generates
     assert '"projected"' in capsys.readouterr().out
+    assert s["kv_tokens"] is None  # tiny_rl's in-process engine: no server cache to bound it
     with pytest.raises(SystemExit):
         main(["--recipe", "recipes/tiny_rl.yaml"])  # no lengths to project with

@@ -145,6 +145,7 @@ class EngineCounters:
     decode_rows: int = 0           # sum over decoding steps of the rows in the batch
     decode_cells: int = 0          # sum over decoding steps of rows x cache width (what attention reads)
     refill_cells: int = 0          # rows x cache width of each cache rebuilt by a refill or compaction
+    retracted_rows: int = 0        # rows a server preempted when its KV cache ran out (simulated servers only)
 
     def as_dict(self) -> dict:
         return asdict(self)

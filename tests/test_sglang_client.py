@@ -259,19 +259,23 @@ def test_token_budget_aborts_in_flight_and_a_later_call_resumes(engine, tok, tin
 
 def test_refill_sends_new_trajectories_within_the_call(engine, tok):
     """`refill` is asked as trajectories finish; what it returns is sent at once, completes in the
-    same call, under the engine's version, and goes to the server (the only one) as a group."""
+    same call, under the engine's version. A refilled prompt that fills the server's context (256
+    tokens) ends unsent, and its slot is reported at once."""
     trajs = prompts(tok, 4)
+    too_long = Trajectory(uid="long", group_id="gl", prompt_ids=tok.encode("0123456789" * 30)[:256])
     extra = [Trajectory(uid=f"x{i}", group_id="gx", prompt_ids=tok.encode(f"Add {i} and 5.")) for i in range(2)]
     asked: list[int] = []
 
     def refill(finished: int) -> list[Trajectory]:
         asked.append(finished)
-        return extra if len(asked) == 1 else []
+        return {1: [too_long], 2: extra}.get(len(asked), [])
 
     params = SamplingParams(max_new_tokens=12)
     assert engine.generate(trajs, params, refill=refill) is trajs and len(trajs) == 4
     assert all(t.done for t in trajs + extra)
-    assert sum(asked) == 6  # each of the six finished trajectories was reported once
+    assert too_long.status == Status.TRUNCATED and not too_long.response_ids
+    assert asked[1] == 1  # the unsent one, reported right after it was handed out
+    assert sum(asked) == 7  # each of the seven finished trajectories was reported once
     for t in extra:
         check_consistent(t)
         assert t.response_ids and set(t.versions) == {engine.version}

@@ -419,11 +419,15 @@ class SGLangEngine(RolloutEngine):
                     pending = {f for f in pending if not self._http.withdraw(futures[f].post)}
                 elif not stopping and refill is not None and ended:
                     fresh = refill(ended)
-                    self._to_least_loaded(fresh, [futures[f].endpoint for f in pending], groups)
-                    for req in self._requests(fresh, params, groups, contexts):
-                        new = self._submit(req)
-                        futures[new] = req
-                        pending.add(new)
+                    while fresh:
+                        self._to_least_loaded(fresh, [futures[f].endpoint for f in pending], groups)
+                        for req in self._requests(fresh, params, groups, contexts):
+                            new = self._submit(req)
+                            futures[new] = req
+                            pending.add(new)
+                        # a prompt that fills the server's context ends unsent: its slot is free again
+                        full = sum(t.done for t in fresh)
+                        fresh = refill(full) if full else []
                 if stopping and pending and time.monotonic() - last_abort > ABORT_RESEND_S:
                     self._abort([futures[f] for f in pending if futures[f].post.sent],
                                 all_on_own_servers=abort_rounds > 0)

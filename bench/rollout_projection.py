@@ -225,19 +225,22 @@ class SimEngine(RolloutEngine):
     With `kv_tokens` (its KV cache, in tokens) a server admits a newcomer only while the cache
     holds it beside the running rows, and when decoding outgrows the cache it retracts the
     running row with the fewest response tokens (SGLang's choice) back to the front of its queue,
-    to be prefilled again, prompt and response so far, when there is room.
+    to be prefilled again, prompt and response so far, when there is room. `kv_reserve` is the
+    share of each admitted row's tokens still to come (at most 4,096 a row, as SGLang clips its
+    estimate) that admission keeps free: SGLang's new_token_ratio, which it moves between about
+    0.1 and 0.7 as it goes; 0 admits on present contexts alone, which retracts the most.
     Each prefill runs the distinct prompt + response-so-far sequences of its newcomers.
     """
 
     def __init__(self, cost: CostModel, lengths: Lengths, *, eos_token_id: int = 2, max_batch: int | None = None,
                  refill_fraction: float = 0.25, layout: str = "server", version: int = 0,
-                 kv_tokens: int | None = None):
+                 kv_tokens: int | None = None, kv_reserve: float = 0.0):
         if layout not in ("server", "inprocess"):
             raise ValueError(f"layout: server or inprocess, not {layout!r}")
         if kv_tokens is not None and layout != "server":
             raise ValueError("kv_tokens: a server's KV cache (layout server)")
         self.cost, self.lengths, self.eos = cost, lengths, eos_token_id
-        self.kv_tokens = kv_tokens
+        self.kv_tokens, self.kv_reserve = kv_tokens, kv_reserve
         self.max_batch = max_batch or 1 << 30
         self.refill_fraction, self.layout, self.version = refill_fraction, layout, version
         self.counters = EngineCounters()
@@ -326,7 +329,8 @@ class SimEngine(RolloutEngine):
             free = self.max_batch - len(live)
             take = min(free, len(queue)) if queue and (not live or free >= refill_at) else 0
             if take and self.kv_tokens is not None:
-                take = self._admissible(queue, take, sum(cache[i] for i in live), not live)
+                used = sum(cache[i] + self._to_come(rows[i], params) for i in live)
+                take = self._admissible(queue, take, used, not live, params)
             if take:
                 new = [queue.pop() for _ in range(take)]
                 self._prefill(new)
@@ -368,12 +372,26 @@ class SimEngine(RolloutEngine):
                 rows, cache = [], []
         return trajs
 
-    def _admissible(self, queue: list[Trajectory], take: int, used: int, idle: bool) -> int:
+    _RESERVE_CLIP = 4096  # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION default
+
+    def _to_come(self, t: Trajectory, params: SamplingParams) -> float:
+        """KV room admission keeps for a row's tokens still to come (`kv_reserve`)."""
+        if not self.kv_reserve:
+            return 0.0
+        return self.kv_reserve * min(params.max_new_tokens - len(t.response_ids), self._RESERVE_CLIP)
+
+    def _admissible(self, queue: list[Trajectory], take: int, used: float, idle: bool,
+                    params: SamplingParams) -> int:
         """How many of the next `take` queued rows the KV cache holds beside `used` tokens (each
-        with room for its next token); one at least on an idle server, which must make progress."""
+        with room for its next token, and its reserve); one at least on an idle server, which
+        must make progress."""
         n = 0
-        while n < take and used + queue[-1 - n].num_tokens + 1 <= self.kv_tokens:
-            used += queue[-1 - n].num_tokens + 1
+        while n < take:
+            t = queue[-1 - n]
+            need = t.num_tokens + 1 + self._to_come(t, params)
+            if used + need > self.kv_tokens:
+                break
+            used += need
             n += 1
         return max(n, 1 if idle else 0)
 
@@ -449,7 +467,8 @@ def simulate(trace: dict, cost: CostModel, *, layout: str | None = None, max_bat
                                      or round(sum(r[2] for r in recorded) / len(recorded)))
         engine = SimEngine(cost, lengths, max_batch=max_batch, layout=layout,
                            refill_fraction=settings.get("refill_fraction") or 0.25,
-                           kv_tokens=settings.get("kv_tokens") if layout == "server" else None)
+                           kv_tokens=settings.get("kv_tokens") if layout == "server" else None,
+                           kv_reserve=settings.get("kv_reserve") or 0.0)
         # as recorded: one uncounted step first (sets the budget, or fills the pool), then `steps`
         out[mode] = run_steps(engine, cfg, stream, params, settings["steps"] + 1, clock=lambda e=engine: e.clock)
         out[mode][0]["warmup"] = True
@@ -506,7 +525,7 @@ def project(trace: dict, cost: CostModel, **kw) -> dict:
 
 # -- a recipe's settings, projected before it runs ---------------------------------------------
 def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt_len: int = 256,
-                 kv_tokens: int | None = None) -> dict:
+                 kv_tokens: int | None = None, kv_reserve: float = 0.0) -> dict:
     """A `simulate` input (settings, no recorded trajectories) for one rollout engine's share of a
     recipe's step: prompts per step, C3PO++ pool capacity and token budget divided by the number of
     engines (servers x dp, or rollout.urls), its staleness and max_new_tokens as they are; with
@@ -523,7 +542,7 @@ def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt
                          "token_budget": max(1, round(rl.c3po.token_budget / engines)),
                          "max_new_tokens": ro.max_new_tokens, "max_batch": max_batch or max(rows, pool),
                          "refill_fraction": 0.25, "layout": "server", "engines": engines, "prompt_len": prompt_len,
-                         "kv_tokens": kv_tokens},
+                         "kv_tokens": kv_tokens, "kv_reserve": kv_reserve},
             "trajectories": {"sync": [], "c3po": []}}
 
 
@@ -712,6 +731,9 @@ def main(argv: list[str] | None = None) -> dict:
                                       "instead of replaying the run's")
     ap.add_argument("--kv-tokens", type=int, help="a server's KV cache in tokens (0: unbounded); default: "
                                                   "--recipe's from rlrecipe plan, a recorded run's none")
+    ap.add_argument("--kv-reserve", type=float, default=0.0,
+                    help="share of each admitted row's tokens to come (at most 4,096) kept free in the KV cache "
+                         "(SGLang's new_token_ratio, about 0.1 to 0.7); default 0")
     args = ap.parse_args(argv)
     if (args.run is None) == (args.recipe is None):
         ap.error("give a recorded run or --recipe, one of them")
@@ -726,7 +748,7 @@ def main(argv: list[str] | None = None) -> dict:
         loaded = load_recipe(args.recipe, args.set)
         kv = kv_cache_tokens(loaded) if args.kv_tokens is None else args.kv_tokens or None
         trace = recipe_trace(loaded.recipe, steps=args.steps, max_batch=args.max_batch, prompt_len=args.prompt_len,
-                             kv_tokens=kv)
+                             kv_tokens=kv, kv_reserve=args.kv_reserve)
         out["settings"] = trace["settings"]
     else:
         data = json.loads(Path(args.run).read_text())
@@ -743,7 +765,7 @@ def main(argv: list[str] | None = None) -> dict:
                              f"{args.cost or 'the default assumption'}")
         out["calibration"] = {**asdict(fitted), **check}
     if args.run and args.kv_tokens:
-        trace["settings"]["kv_tokens"] = args.kv_tokens
+        trace["settings"].update(kv_tokens=args.kv_tokens, kv_reserve=args.kv_reserve)
     groups = json.loads(Path(args.lengths).read_text()) if args.lengths else None
     if args.lognormal:
         median, prompt_sigma, sample_sigma = (float(x) for x in args.lognormal.split(","))

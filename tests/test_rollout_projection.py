@@ -339,6 +339,20 @@ def test_a_full_kv_cache_retracts_the_row_with_the_fewest_tokens(kv_tokens, cloc
     assert eng.clock == pytest.approx(clock)
 
 
+def test_a_kv_reserve_admits_fewer_rows_and_retracts_none():
+    """The same two rollouts and cache, keeping half of each row's tokens to come free (50 of
+    max_new_tokens 100): B (3 + 1 + 50 tokens) cannot join A, so they run one after the other,
+    3 decoding steps each, and nothing is retracted: 6 x 1.1 + 2 x 0.5 + 6 x 0.01 = 7.66."""
+    cost = CostModel(step_s=1.0, row_s=0.1, ctx_s=0.0, prefill_call_s=0.5, prefill_token_s=0.01)
+    trajs = _rows([4, 4])
+    lengths = Lengths(100, known={t.uid: (4, "finished") for t in trajs})
+    eng = SimEngine(cost, lengths, max_batch=8, kv_tokens=10, kv_reserve=0.5)
+    eng.generate(trajs, SamplingParams(max_new_tokens=100))
+    c = eng.counters
+    assert (c.decode_steps, c.decode_rows, c.prefill_calls, c.retracted_rows) == (6, 6, 2, 0)
+    assert eng.clock == pytest.approx(7.66)
+
+
 def test_the_plans_kv_cache_bounds_the_7b_recipes_projection():
     from rlrecipe.plan import kv_cache_tokens
     from rlrecipe.recipe import load_recipe

@@ -124,9 +124,8 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
     `<kind>_workers_busy_share`, this says whether a slow rate is the pool's or math-verify's.
     The kinds run in `rates`' order, so math-verify's own parse cache is as warm as in the pool's."""
     from rlrecipe.reward.answers import extract_boxed
-    from rlrecipe.reward.worker import _mv, _parse, math_verify_correct, values_apart
+    from rlrecipe.reward.worker import _parse, math_verify_correct, values_apart, verdict
 
-    _, verify, _ = _mv()
     math_verify_correct("x^2+2x+1", ["(x+1)^2"])  # imports and sympy's first simplification, as a worker's warm-up
     out: dict[str, float] = {}
     for kind in kinds:
@@ -141,20 +140,12 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
         pairs = [(parsed_refs[ref[0]], pred) for pred, ref in zip(parsed_preds, refs, strict=True)]
 
         per = {"parse_answer": (t1 - t0) / n, "parse_reference": parse_reference / n,
-               "settle": _timed_loop(_settle, pairs) / n}
+               "settle": _timed_loop(verdict, pairs) / n}
         out.update({f"{kind}_{k}_ms": 1e3 * v for k, v in per.items()})
-        out[f"{kind}_verify_ms"] = 1e3 * _timed_loop(lambda g, p: verify(g, p, timeout_seconds=None), pairs) / n
+        out[f"{kind}_verify_ms"] = 1e3 * _timed_loop(lambda g, p: verdict(g, p, shortcut=False), pairs) / n
         out[f"{kind}_settled_by_values_apart_frac"] = sum(values_apart(g, p) for g, p in pairs) / n
         out[f"{kind}_one_core_answers_per_s"] = 1 / sum(per.values())
     return out
-
-
-def _settle(gold: list, pred: list) -> None:
-    """What a worker does with a parsed answer and reference: `values_apart`, else `verify`."""
-    from rlrecipe.reward.worker import _mv, values_apart
-
-    if not values_apart(gold, pred):
-        _mv()[1](gold, pred, timeout_seconds=None)
 
 
 def _timed_loop(fn, pairs: list) -> float:

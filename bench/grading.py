@@ -122,7 +122,9 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
     `verify` alone (`_verify_ms`, what settling cost before `values_apart`). Beside
     `rates`' `<kind>_worker_cpu_ms` (the same work inside the pool, both cores busy) and
     `<kind>_workers_busy_share`, this says whether a slow rate is the pool's or math-verify's.
-    The kinds run in `rates`' order, so math-verify's own parse cache is as warm as in the pool's."""
+    The kinds run in `rates`' order, so math-verify's own parse cache is as warm as in the pool's.
+    `<kind>_parse_answer_unpatched_ms` parses the same answers again with latex2sympy's own methods
+    (`rlrecipe.reward.latex_parsing` uninstalled, caches emptied): what the workers' patches save."""
     from rlrecipe.reward.answers import extract_boxed
     from rlrecipe.reward.worker import _parse, math_verify_correct, values_apart, verdict
 
@@ -145,7 +147,30 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
         out[f"{kind}_verify_ms"] = 1e3 * _timed_loop(lambda g, p: verdict(g, p, shortcut=False), pairs) / n
         out[f"{kind}_settled_by_values_apart_frac"] = sum(values_apart(g, p) for g, p in pairs) / n
         out[f"{kind}_one_core_answers_per_s"] = 1 / sum(per.values())
+        if kind == "math_verify":
+            out[f"{kind}_parse_answer_unpatched_ms"] = 1e3 * _unpatched_parse_s(preds) / n
     return out
+
+
+def _unpatched_parse_s(strings: list[str]) -> float:
+    """Seconds math-verify's `parse` takes over `strings` with latex2sympy's own methods, from empty
+    caches; the patches are reinstalled after."""
+    from math_verify.parser import parse_latex_cached
+    from sympy.core.cache import clear_cache
+
+    from rlrecipe.reward import latex_parsing
+    from rlrecipe.reward.worker import _parse
+
+    latex_parsing.uninstall()
+    try:
+        parse_latex_cached.cache_clear()
+        clear_cache()
+        start = time.perf_counter()
+        for s in strings:
+            _parse(s)
+        return time.perf_counter() - start
+    finally:
+        latex_parsing.install()
 
 
 def _timed_loop(fn, pairs: list) -> float:

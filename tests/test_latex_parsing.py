@@ -24,7 +24,8 @@ EDGE_STRINGS = ["0", "00", "007", "1,000", "1,000,000", "0,5", "3.14", ".5", "1e
 
 
 def corpus() -> list[str]:
-    """Answers of every shape, AReaL's real references and responses, and AIME 2025's answers."""
+    """Answers of every shape, AReaL's real references and responses, AIME 2025's answers and
+    MATH-500's 500 references (tests/data/README.md)."""
     from rlrecipe.reward import extract_boxed
 
     out = [*APART_STRINGS, *EDGE_STRINGS]
@@ -34,6 +35,8 @@ def corpus() -> list[str]:
         out += [b for b in (extract_boxed(g) for g in case["generateds"]) if b]
     for line in (DATA / "aime25_test.jsonl").read_text(encoding="utf-8").splitlines():
         out.append(str(json.loads(line)["answer"]))
+    for line in (DATA / "math500_answers.jsonl").read_text(encoding="utf-8").splitlines():
+        out.append(json.loads(line)["answer"])
     out += [f"{a}\\sqrt{{{b}}}" for a in (1, 7, 40) for b in (2, 12, 300)]
     out += [f"\\frac{{{a}}}{{{b}}}" for a in (0, 3, 250) for b in (1, 4, 1000)]
     return list(dict.fromkeys(out))
@@ -71,7 +74,7 @@ def convert_all(strings: list[str], patched: bool) -> dict:
 
 def test_same_results_as_latex2sympy_on_every_answer_shape_and_real_answers():
     strings = corpus()
-    assert len(strings) > 150
+    assert len(strings) > 450
     plain, fast = convert_all(strings, patched=False), convert_all(strings, patched=True)
     assert (plain["installed"], fast["installed"]) == (False, True)
     raised = [s for s, (direct, _) in plain["out"].items() if direct.startswith("raised")]

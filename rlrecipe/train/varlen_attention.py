@@ -63,7 +63,9 @@ def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     # row and adds it in (documents x T of memory traffic); split's backward is one concatenation.
     # Batching documents of similar length into one padded call was tried and lost on CPU: the
     # kernel is compute-bound at these lengths, so padding and the gathers' backward cost more
-    # than the calls they save (the demo's SFT step: 1.35 s against 1.21 s).
+    # than the calls they save (the demo's SFT step: 1.35 s against 1.21 s). Also lost on CPU: one
+    # autograd node over the flash kernels writing gradients in the projections' layout (1.5% slower
+    # a step), and documents split over two Python threads of one intra-op thread each (8% slower).
     lengths = document_lengths(position_ids)
     outs = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)]

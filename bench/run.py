@@ -129,24 +129,36 @@ def bench_prefill(budget: int = 25_000, repeats: int = 3) -> dict:
 
 
 def bench_c3po_end_to_end(steps: int = 5) -> dict:
-    """Whole RL steps (rollout + grading + training + weight push) with tiny_rl.yaml, C3PO++ on vs off."""
+    """Whole RL steps (rollout + grading + training + weight push) with tiny_rl.yaml, C3PO++ on vs off.
+
+    Four runs in the order sync, C3PO++, C3PO++, sync: a whole run cannot alternate with the other
+    step by step, and this machine drifts between speeds for minutes (one bench run found C3PO++'s
+    training 30% slower a token than sync's when the two ran one after the other); the mirrored
+    order cancels a steady drift, and the two pairs' ratios show what is left."""
     from rlrecipe.recipe import load_recipe
     from rlrecipe.rl import run_rl
 
-    per_token, steps_kept = {}, {}
-    for mode, enabled in (("sync", False), ("c3po", True)):
+    runs: list[tuple[str, list[dict]]] = []
+    for i, mode in enumerate(("sync", "c3po", "c3po", "sync")):
         loaded = load_recipe("recipes/tiny_rl.yaml", [
-            f"run.name=bench-rl-{mode}", f"run.init_from={MODEL}", f"rl.steps={steps}", "eval.benchmarks=[]",
-            f"rl.c3po.enabled={str(enabled).lower()}", "run.output_dir=.cache/bench-runs"])
+            f"run.name=bench-rl-{mode}-{i}", f"run.init_from={MODEL}", f"rl.steps={steps}", "eval.benchmarks=[]",
+            f"rl.c3po.enabled={str(mode == 'c3po').lower()}", "run.output_dir=.cache/bench-runs"])
         run_rl(loaded, overwrite=True)  # the bench's own scratch runs
         rows = [json.loads(line) for line in
-                (Path(".cache/bench-runs") / f"bench-rl-{mode}" / "metrics.jsonl").read_text().splitlines()]
+                (Path(".cache/bench-runs") / f"bench-rl-{mode}-{i}" / "metrics.jsonl").read_text().splitlines()]
         rows = rows[1:]  # the first C3PO++ step fills an empty pool
-        per_token[mode] = sum(r["rollout_s"] + r["train_s"] for r in rows) / sum(r["tokens_trained"] for r in rows)
-        steps_kept[mode] = [{k: r[k] for k in ("rollout_s", "grade_s", "train_s", "tokens_trained")} for r in rows]
-    return {"sync_s_per_1k_trained_tokens": 1000 * per_token["sync"],
-            "c3po_s_per_1k_trained_tokens": 1000 * per_token["c3po"],
-            "end_to_end_speedup": per_token["sync"] / per_token["c3po"], "steps": steps_kept}
+        runs.append((mode, [{k: r[k] for k in ("rollout_s", "grade_s", "train_s", "tokens_trained")} for r in rows]))
+
+    def per_token(rows: list[dict]) -> float:
+        return sum(r["rollout_s"] + r["train_s"] for r in rows) / sum(r["tokens_trained"] for r in rows)
+
+    steps_kept = {mode: [r for m, rows in runs if m == mode for r in rows] for mode in ("sync", "c3po")}
+    pair_ratios = [per_token(runs[a][1]) / per_token(runs[b][1]) for a, b in ((0, 1), (3, 2))]
+    return {"sync_s_per_1k_trained_tokens": 1000 * per_token(steps_kept["sync"]),
+            "c3po_s_per_1k_trained_tokens": 1000 * per_token(steps_kept["c3po"]),
+            "end_to_end_speedup": per_token(steps_kept["sync"]) / per_token(steps_kept["c3po"]),
+            "end_to_end_speedup_first_pair": pair_ratios[0], "end_to_end_speedup_second_pair": pair_ratios[1],
+            "steps": steps_kept}
 
 
 def bench_demo_steps(end_to_end: dict, steps: int = 5) -> dict:

@@ -160,3 +160,21 @@ def test_packed_prefill_attention_is_per_document_in_every_band():
         ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
                                                                is_causal=True, scale=0.3, enable_gqa=True)
         assert torch.allclose(out[0, s:e], ref[0].transpose(0, 1), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_growing_cache_samples_exactly_what_dynamic_cache_samples(tiny_model_dir, monkeypatch, dtype):
+    """The engine's KV cache writes each step into spare room instead of concatenating: the same
+    numbers, so the same tokens and log-probabilities to the last bit, refills and compactions
+    included (max_batch 5 over 12 prompts)."""
+    from transformers import DynamicCache
+
+    def sample():
+        eng, tok = _engine(tiny_model_dir, dtype=dtype, max_batch=5)
+        trajs = eng.generate(_trajs(tok), SamplingParams(temperature=1.0, max_new_tokens=40), seed=11)
+        return [(t.response_ids, t.logp_infer) for t in trajs]
+
+    growing = sample()
+    monkeypatch.setattr(inprocess, "GrowingCache", DynamicCache)
+    assert sample() == growing
+    assert sum(len(ids) for ids, _ in growing) > 200

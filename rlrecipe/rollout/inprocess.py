@@ -4,7 +4,9 @@ Batched decoding with a KV cache over a fixed number of slots. When a share of t
 finished, queued trajectories are prefilled on their own and their cache rows joined to those
 in flight (left-padded to a common width); finished rows leave the cache. A trajectory that
 comes back with a partial response (a C3PO++ resume under new weights) is prefilled from
-prompt + partial response, since its old cache belongs to old weights.
+prompt + partial response, since its old cache belongs to old weights. The cache is a
+`GrowingCache` (rollout/kv_cache.py): a decoding step writes its keys and values into spare room
+rather than copying the whole cache, as transformers' DynamicCache does.
 
 Prefill is packed: the sequences to prefill are laid end to end in one row, positions
 restarting at each, and attended per document, so its cost follows their real tokens and not
@@ -26,6 +28,7 @@ from transformers import DynamicCache
 
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
+from rlrecipe.rollout.kv_cache import GrowingCache
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 
@@ -263,7 +266,7 @@ class InProcessEngine(RolloutEngine):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         self.counters.prefill_tokens += ids.numel()
         # only the last position's logits are needed: [rows, V], not [rows, width, V]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(),
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=GrowingCache(),
                          use_cache=True, logits_to_keep=1)
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1])
 
@@ -281,7 +284,7 @@ class InProcessEngine(RolloutEngine):
         pos = (torch.arange(total) - starts.repeat_interleave(lens))[None]
         self.counters.prefill_tokens += total
         layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=DynamicCache(), use_cache=True,
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=GrowingCache(), use_cache=True,
                          attention_mask={lt: None for lt in layer_types},  # no mask: documents come from cu_seq_lens
                          cu_seq_lens_q=torch.cat([starts[:1], ends]).to(torch.int32), max_length_q=int(lens.max()),
                          logits_to_keep=ends - 1)

@@ -113,12 +113,12 @@ def test_a_failed_fast_parse_is_done_again_as_latex2sympy_does(monkeypatch):
 
     def flaky(self, latex_str):
         parser = self.create_parser(latex_str)
-        modes.append(parser._interp.predictionMode)
+        modes.append((parser._interp.predictionMode, type(parser._errHandler).__name__))
         if parser._interp.predictionMode == PredictionMode.SLL:
             raise Exception("as if SLL reported a syntax error")  # noqa: TRY002
         return inner(self, latex_str)
 
     monkeypatch.setitem(latex_parsing._originals, "parse", flaky)
     assert latex2sympy("\\frac{3}{4}") == sympy.Rational(3, 4)
-    assert modes == [PredictionMode.SLL, PredictionMode.LL]
+    assert modes == [(PredictionMode.SLL, "BailErrorStrategy"), (PredictionMode.LL, "DefaultErrorStrategy")]
     assert _Latex2Sympy.parse is not flaky  # the installed wrapper, calling the original through the table

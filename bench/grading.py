@@ -123,8 +123,9 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
     `rates`' `<kind>_worker_cpu_ms` (the same work inside the pool, both cores busy) and
     `<kind>_workers_busy_share`, this says whether a slow rate is the pool's or math-verify's.
     The kinds run in `rates`' order, so math-verify's own parse cache is as warm as in the pool's.
-    `<kind>_parse_answer_unpatched_ms` parses the same answers again with latex2sympy's own methods
-    (`rlrecipe.reward.latex_parsing` uninstalled, caches emptied): what the workers' patches save."""
+    `<kind>_parse_answer_patched_ms` and `_unpatched_ms` parse the same answers again from emptied
+    caches, with the workers' latex2sympy patches and without (`rlrecipe.reward.latex_parsing`
+    uninstalled): what the patches save, the two sides measured alike."""
     from rlrecipe.reward.answers import extract_boxed
     from rlrecipe.reward.worker import _parse, math_verify_correct, values_apart, verdict
 
@@ -147,21 +148,24 @@ def math_verify_cost(kinds: tuple[str, ...] = ("math_verify", "math_verify_group
         out[f"{kind}_verify_ms"] = 1e3 * _timed_loop(lambda g, p: verdict(g, p, shortcut=False), pairs) / n
         out[f"{kind}_settled_by_values_apart_frac"] = sum(values_apart(g, p) for g, p in pairs) / n
         out[f"{kind}_one_core_answers_per_s"] = 1 / sum(per.values())
-        if kind == "math_verify":
-            out[f"{kind}_parse_answer_unpatched_ms"] = 1e3 * _unpatched_parse_s(preds) / n
+        if kind == "math_verify":  # both from emptied caches, so only the patches differ
+            for patched in (True, False):
+                name = "patched" if patched else "unpatched"
+                out[f"{kind}_parse_answer_{name}_ms"] = 1e3 * _parse_s(preds, patched) / n
     return out
 
 
-def _unpatched_parse_s(strings: list[str]) -> float:
-    """Seconds math-verify's `parse` takes over `strings` with latex2sympy's own methods, from empty
-    caches; the patches are reinstalled after."""
+def _parse_s(strings: list[str], patched: bool) -> float:
+    """Seconds math-verify's `parse` takes over `strings` from emptied caches, with the workers'
+    latex2sympy patches or with latex2sympy's own methods (the patches are installed again after)."""
     from math_verify.parser import parse_latex_cached
     from sympy.core.cache import clear_cache
 
     from rlrecipe.reward import latex_parsing
     from rlrecipe.reward.worker import _parse
 
-    latex_parsing.uninstall()
+    if not patched:
+        latex_parsing.uninstall()
     try:
         parse_latex_cached.cache_clear()
         clear_cache()

@@ -173,18 +173,19 @@ def summarize(sync: list[dict], c3po: list[dict]) -> dict:
 
 def compare(engine: RolloutEngine, rows: list[dict], tokenizer, template: str, params: SamplingParams, *,
             steps: int, prompts_per_step: int, samples_per_prompt: int, pool_capacity: int, max_staleness: int = 2,
-            refill: str = "per_call", between_steps: Callable[[int], None] | None = None) -> dict:
+            refill: str = "per_call", surplus: str = "carry",
+            between_steps: Callable[[int], None] | None = None) -> dict:
     """Rollout time per step and per trained token, synchronous vs C3PO++ (steady state)."""
     return compare_streams(engine, lambda: PromptStream(rows, tokenizer, template, seed=0), params, steps=steps,
                            prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
                            pool_capacity=pool_capacity, max_staleness=max_staleness, refill=refill,
-                           between_steps=between_steps)
+                           surplus=surplus, between_steps=between_steps)
 
 
 def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], params: SamplingParams, *,
                     steps: int, prompts_per_step: int, samples_per_prompt: int, pool_capacity: int,
-                    max_staleness: int = 2, refill: str = "per_call", between_steps: Callable[[int], None] | None = None,
-                    clock: Callable[[], float] = time.perf_counter) -> dict:
+                    max_staleness: int = 2, refill: str = "per_call", surplus: str = "carry",
+                    between_steps: Callable[[int], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> dict:
     """`compare` over any prompt stream (each mode gets a fresh one from `make_stream`).
 
     Each mode runs one uncounted step first (the synchronous one sets C3PO++'s token budget; C3PO++'s
@@ -196,7 +197,8 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
     """
     trace = {"settings": {"steps": steps, "prompts_per_step": prompts_per_step,
                           "samples_per_prompt": samples_per_prompt, "pool_capacity": pool_capacity,
-                          "max_staleness": max_staleness, "refill": refill, "max_new_tokens": params.max_new_tokens,
+                          "max_staleness": max_staleness, "refill": refill, "surplus": surplus,
+                          "max_new_tokens": params.max_new_tokens,
                           "max_batch": getattr(engine, "max_batch", None),
                           "refill_fraction": getattr(engine, "refill_fraction", None),
                           # how the engine batches: the in-process engine's slots, or a server's
@@ -225,7 +227,8 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
     budget = max(1, step(sync, warmup=True)["tokens"])
     trace["settings"]["token_budget"] = budget
     c3po = StepRunner(engine, RLSection(**common, c3po={"enabled": True, "token_budget": budget, "refill": refill,
-                                                        "pool_capacity": pool_capacity, "max_staleness": max_staleness}),
+                                                        "surplus": surplus, "pool_capacity": pool_capacity,
+                                                        "max_staleness": max_staleness}),
                       streams["c3po"], params, clock=clock)
     step(c3po, warmup=True)  # C3PO++'s first step fills an empty pool; steady state after it
     for _ in range(steps):  # alternating, so a machine whose load drifts weighs on both modes alike
@@ -258,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pool-capacity", type=int, default=0, help="default: 1.25 x one synchronous batch")
     ap.add_argument("--refill", choices=("per_call", "continuous"), default="per_call",
                     help="rl.c3po.refill: new prompts enter the pool before each generate call, or as rollouts finish")
+    ap.add_argument("--surplus", choices=("carry", "train"), default="carry",
+                    help="rl.c3po.surplus: finished rollouts past the budget train next step, or this one")
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out", default="bench/c3po_server.json")
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
                          SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens),
                          steps=args.steps, prompts_per_step=args.prompts_per_step,
                          samples_per_prompt=args.samples_per_prompt, pool_capacity=capacity, refill=args.refill,
-                         between_steps=reload)
+                         surplus=args.surplus, between_steps=reload)
     finally:
         engine.close()
     result.update(model=args.model, server="sglang" if not args.launch_cmd else args.launch_cmd.split()[0])

@@ -421,7 +421,9 @@ def _configs(settings: dict) -> tuple[RLSection, RLSection]:
     c3po = RLSection(**common, c3po={"enabled": True, "token_budget": settings["token_budget"],
                                      "pool_capacity": settings["pool_capacity"],
                                      "max_staleness": settings["max_staleness"],
-                                     "refill": settings.get("refill", "per_call")})
+                                     "refill": settings.get("refill", "per_call"),
+                                     # runs recorded before surplus carry trained every finished rollout
+                                     "surplus": settings.get("surplus", "train")})
     return sync, c3po
 
 
@@ -539,6 +541,7 @@ def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt
     pool = max(rl.samples_per_prompt, round(rl.c3po.pool_capacity / engines))
     return {"settings": {"steps": steps, "prompts_per_step": prompts, "samples_per_prompt": rl.samples_per_prompt,
                          "pool_capacity": pool, "max_staleness": rl.c3po.max_staleness, "refill": rl.c3po.refill,
+                         "surplus": rl.c3po.surplus,
                          "token_budget": max(1, round(rl.c3po.token_budget / engines)),
                          "max_new_tokens": ro.max_new_tokens, "max_batch": max_batch or max(rows, pool),
                          "refill_fraction": 0.25, "layout": "server", "engines": engines, "prompt_len": prompt_len,

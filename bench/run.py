@@ -74,16 +74,18 @@ def ensure_inputs() -> None:
                         "--set", "eval.benchmarks=[]"], check=True)
 
 
-def bench_c3po(steps: int = 6) -> dict:
+def bench_c3po(steps: int = 6, surplus: str = "carry") -> dict:
     """Synchronous batches vs C3PO++ with the same tokens trained per step (same weights; between
     steps the weights are pushed again under the next version, so partial rollouts re-prefill as
-    in training). Also: where each mode's rollout seconds go, and steadiness over the steps."""
+    in training). Also: where each mode's rollout seconds go, and steadiness over the steps.
+    `surplus`: rl.c3po.surplus (`train` gives the behaviour before finished rollouts past the
+    budget were carried to the next step)."""
     tok = load_tokenizer(MODEL)
     engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="bfloat16", max_batch=1024)
     state = {k: v.clone() for k, v in engine.model.state_dict().items()}
     return compare(engine, load_rows(str(DATA / "rl.jsonl"), "rl"), tok, "plain",
                    SamplingParams(temperature=1.0, max_new_tokens=160), steps=steps, prompts_per_step=64,
-                   samples_per_prompt=8, pool_capacity=1024,
+                   samples_per_prompt=8, pool_capacity=1024, surplus=surplus,
                    between_steps=lambda s: engine.update_weights_from_state(state, s + 1))
 
 

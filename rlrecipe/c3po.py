@@ -6,6 +6,13 @@ pool, resume next step under the new weights (each token keeps its own logp_infe
 version), and age by one per step; one older than sigma steps is dropped. New prompts, each
 sampled n times as a group, refill the pool: before each generate call, or (`refill:
 continuous`) during it, as soon as n rollouts have finished.
+
+Rollouts that end on the decoding step that reaches Phi all finish at once. With `surplus:
+carry` the step trains the oldest of them (pool order: carried, then resumed, then fresh) until
+Phi is reached, and the others wait, finished, to train first next step (fewer than Phi tokens of
+them: the next step must still generate), so a step trains between Phi and Phi plus one rollout
+unless a single decoding step finished more than 2 Phi. Waiting rollouts age like unfinished
+ones and obey the same sigma.
 """
 
 from __future__ import annotations
@@ -68,7 +75,29 @@ class RolloutStats:
     pool_size: int = 0
     mean_age: float = 0.0
     max_age: int = 0
+    carried: int = 0  # finished past the budget, left to train next step
     extra: dict = field(default_factory=dict)
+
+
+def within_budget(finished: list[Trajectory], budget: int) -> tuple[list[Trajectory], list[Trajectory]]:
+    """Split `finished` (oldest first) into what trains now and what waits for the next step.
+
+    Now: the first until they hold `budget` response tokens (the one that reaches it included).
+    Waiting: the rest, as long as they hold fewer than `budget` tokens; past that, the oldest of
+    them train now too, so the next step still has a budget left to generate for (otherwise its
+    unfinished rollouts would age a step without a token)."""
+    total = 0
+    cut = len(finished)
+    for i, t in enumerate(finished):
+        if total >= budget:
+            cut = i
+            break
+        total += len(t.response_ids)
+    waiting = sum(len(t.response_ids) for t in finished[cut:])
+    while waiting >= budget:
+        waiting -= len(finished[cut].response_ids)
+        cut += 1
+    return finished[:cut], finished[cut:]
 
 
 class RolloutPool:
@@ -78,6 +107,7 @@ class RolloutPool:
         self.cfg = cfg
         self.stream = stream
         self.in_flight: list[Trajectory] = []
+        self.carried: list[Trajectory] = []  # finished past an earlier step's budget, not trained yet
         self.total_dropped = 0
         self.total_resumed = 0
 
@@ -98,18 +128,13 @@ class RolloutPool:
     def _collect_budgeted(self, engine, params, seed):
         c3 = self.cfg.c3po
         stats = RolloutStats()
-        # Stale rollouts are dropped before they can waste more compute.
-        kept = []
-        for t in self.in_flight:
-            if t.age > c3.max_staleness:
-                t.status = Status.ABORTED
-                stats.dropped += 1
-            else:
-                kept.append(t)
-        stats.resumed = len(kept)
-        self.in_flight = kept
+        # Stale rollouts are dropped before they can waste more compute, and finished ones still
+        # waiting before they train on tokens more than sigma policies old.
+        self.in_flight = self._drop_stale(self.in_flight, stats)
+        carried = self._drop_stale(self.carried, stats)
+        stats.resumed = len(self.in_flight)
         before = {t.uid: len(t.response_ids) for t in self.in_flight}
-        finished: list[Trajectory] = []
+        finished: list[Trajectory] = list(carried)  # they count toward this budget first
         round_ = 0
         n = self.cfg.samples_per_prompt
         while self._tokens(finished) < c3.token_budget:
@@ -121,16 +146,32 @@ class RolloutPool:
             round_ += 1
             finished += [t for t in self.in_flight if t.done]
             self.in_flight = [t for t in self.in_flight if not t.done]
-        stats.generated_tokens = sum(len(t.response_ids) - before.get(t.uid, 0) for t in finished + self.in_flight)
-        for t in self.in_flight:
+        new = finished[len(carried):]
+        stats.generated_tokens = sum(len(t.response_ids) - before.get(t.uid, 0) for t in new + self.in_flight)
+        self.total_resumed += sum(1 for t in new if t.uid in before)
+        if c3.surplus == "carry":
+            finished, self.carried = within_budget(finished, c3.token_budget)
+        else:
+            self.carried = []
+        for t in self.in_flight + self.carried:
             t.age += 1
         stats.finished = len(finished)
+        stats.carried = len(self.carried)
         stats.pool_size = len(self.in_flight)
         ages = [t.age for t in self.in_flight] or [0]
         stats.mean_age, stats.max_age = sum(ages) / len(ages), max(ages)
         self.total_dropped += stats.dropped
-        self.total_resumed += sum(1 for t in finished if t.uid in before)
         return finished, stats
+
+    def _drop_stale(self, trajs: list[Trajectory], stats: RolloutStats) -> list[Trajectory]:
+        kept = []
+        for t in trajs:
+            if t.age > self.cfg.c3po.max_staleness:
+                t.status = Status.ABORTED
+                stats.dropped += 1
+            else:
+                kept.append(t)
+        return kept
 
     def _refill_as_finished(self, n: int):
         """The engine's `refill` for one generate call: finished rollouts free their slots, and a
@@ -152,21 +193,27 @@ class RolloutPool:
     # -- checkpoint ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"cursor": self.stream.cursor, "in_flight": [t.to_dict() for t in self.in_flight],
+                "carried": [t.to_dict() for t in self.carried],
                 "total_dropped": self.total_dropped, "total_resumed": self.total_resumed}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.cursor = state["cursor"]
         self.in_flight = [Trajectory.from_dict(d) for d in state["in_flight"]]
+        self.carried = [Trajectory.from_dict(d) for d in state.get("carried", [])]  # absent before surplus carry
         self.total_dropped = state["total_dropped"]
         self.total_resumed = state["total_resumed"]
 
     def save(self, path: str | Path) -> None:
-        """The in-flight rollouts as arrays (safetensors), the counters beside them."""
-        save_trajectories(path, self.in_flight, {"cursor": self.stream.cursor, "total_dropped": self.total_dropped,
-                                                 "total_resumed": self.total_resumed})
+        """The rollouts in the pool as arrays (safetensors), the counters beside them; the carried
+        ones are those finished (their status tells them apart)."""
+        save_trajectories(path, self.in_flight + self.carried,
+                          {"cursor": self.stream.cursor, "total_dropped": self.total_dropped,
+                           "total_resumed": self.total_resumed})
 
     def load(self, path: str | Path) -> None:
-        self.in_flight, extra = load_trajectories(path)
+        trajs, extra = load_trajectories(path)
+        self.in_flight = [t for t in trajs if not t.done]
+        self.carried = [t for t in trajs if t.done]
         self.stream.cursor = extra["cursor"]
         self.total_dropped = extra["total_dropped"]
         self.total_resumed = extra["total_resumed"]

@@ -157,6 +157,12 @@ class C3PO(Section):
     # engine keeps Omega rollouts running until the budget is reached.
     refill: Literal["per_call", "continuous"] = Field(
         "per_call", description="when new prompts enter the pool: before each generate call, or as rollouts finish")
+    # Rollouts that end on the decoding step that reaches the budget all finish together (a cohort
+    # started together and truncated at max_new_tokens can be thousands of tokens). carry: the
+    # step trains the oldest finished rollouts until Phi is reached, and the rest wait, finished,
+    # to train first next step; train: every rollout finished by then trains now (over budget).
+    surplus: Literal["carry", "train"] = Field(
+        "carry", description="finished rollouts past the budget: train them next step, or this step")
 
 
 class Cov(Section):

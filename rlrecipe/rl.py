@@ -269,7 +269,8 @@ def sampling_params(ro: RolloutSection) -> SamplingParams:
 
 def pool_metrics(roll) -> dict[str, float]:
     return {"tokens_generated": roll.generated_tokens, "pool_size": roll.pool_size, "pool_mean_age": roll.mean_age,
-            "pool_max_age": roll.max_age, "dropped": roll.dropped, "resumed": roll.resumed, **roll.extra}
+            "pool_max_age": roll.max_age, "dropped": roll.dropped, "resumed": roll.resumed, "carried": roll.carried,
+            **roll.extra}
 
 
 class StepTimer:

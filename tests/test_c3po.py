@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from rlrecipe.c3po import PromptStream, RolloutPool
+from rlrecipe.c3po import PromptStream, RolloutPool, within_budget
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.inprocess import InProcessEngine
-from rlrecipe.trajectory import SamplingParams, Status
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 
 def _setup(model_dir, **c3po):
@@ -27,33 +27,77 @@ def _setup(model_dir, **c3po):
     return pool, engine
 
 
-def test_budget_ends_the_phase_and_unfinished_rollouts_carry_over(tiny_model_dir):
-    pool, engine = _setup(tiny_model_dir)
+@pytest.mark.parametrize("surplus", ["carry", "train"])
+def test_budget_ends_the_phase_and_unfinished_rollouts_carry_over(tiny_model_dir, surplus):
+    """Budget 60: the head group (30 tokens in) ends first, its three rollouts on the same decoding
+    step at max_new_tokens = 40, 120 tokens together. surplus: train trains all three; carry
+    trains two (the second reaches 60) and keeps the third, finished, to train first next step."""
+    pool, engine = _setup(tiny_model_dir, surplus=surplus)
     params = SamplingParams(max_new_tokens=40)
     head = pool.in_flight[0].group_id
     finished, stats = pool.collect(engine, params, seed=1)
-    assert sum(len(t.response_ids) for t in finished) >= 60
     assert all(t.done for t in finished)
     # the group 30 tokens ahead reaches max_new_tokens first; anything else that ended this early
     # ended on eos
-    ahead = [t for t in finished if t.group_id == head]
+    ahead = [t for t in finished + pool.carried if t.group_id == head]
     assert len(ahead) == 3 and all(len(t.response_ids) == 40 and t.status == Status.TRUNCATED for t in ahead)
     assert all(t.response_ids[-1] == engine.eos for t in finished if t.group_id != head)
+    if surplus == "carry":
+        assert [t.uid for t in finished] == [f"{head}#0", f"{head}#1"] and stats.finished == 2
+        assert [t.uid for t in pool.carried] == [f"{head}#2"] and stats.carried == 1
+        assert pool.carried[0].age == 1
+    else:
+        assert sum(len(t.response_ids) for t in finished) >= 60 and pool.carried == [] and stats.carried == 0
     assert stats.pool_size == len(pool.in_flight) > 0
     assert all(t.status == Status.RUNNING and t.age == 1 for t in pool.in_flight)
-    assert len(finished) + len(pool.in_flight) <= 12 + 3 * 4  # capacity plus refills within the phase
+    assert len(finished) + len(pool.carried) + len(pool.in_flight) <= 12 + 3 * 4  # capacity plus refills
     # groups are sampled n = 3 times from one prompt
     groups = {}
-    for t in finished + pool.in_flight:
+    for t in finished + pool.carried + pool.in_flight:
         groups.setdefault(t.group_id, set()).add(tuple(t.prompt_ids))
     assert all(len(p) == 1 for p in groups.values())
+    waiting = list(pool.carried)
     carried = {t.uid: len(t.response_ids) for t in pool.in_flight}
     engine.version = 1
     finished2, stats2 = pool.collect(engine, params, seed=2)
+    # the rollout that waited trains first, as it was (no token of version 1)
+    assert finished2[:len(waiting)] == waiting and all(set(t.versions) == {0} for t in waiting)
     resumed = [t for t in finished2 if t.uid in carried]
     assert stats2.resumed == len(carried)
     for t in resumed:  # earlier tokens keep version 0, the continuation is version 1
         assert set(t.versions[:carried[t.uid]]) <= {0} and t.versions[-1] == 1
+    assert not {t.uid for t in finished} & {t.uid for t in finished2}  # nothing trains twice
+    if surplus == "carry":
+        # the second step's other rollouts all end together at 40 tokens, 11 x 40 past what it
+        # needed: it trains all but one, so that what waits (40) is below the budget
+        assert sum(len(t.response_ids) for t in finished2) >= 60
+        assert [len(t.response_ids) for t in pool.carried] == [40] and stats2.carried == 1
+
+
+def test_within_budget_takes_rollouts_in_order_until_the_budget_is_reached():
+    trajs = [Trajectory(uid=str(i), prompt_ids=[1], response_ids=[0] * n) for i, n in enumerate([30, 20, 10, 5])]
+
+    def split(budget):
+        return [[t.uid for t in part] for part in within_budget(trajs, budget)]
+
+    assert split(40) == [["0", "1"], ["2", "3"]]  # 30 + 20 reaches 40; 15 tokens wait
+    assert split(50) == [["0", "1"], ["2", "3"]]
+    assert split(51) == [["0", "1", "2"], ["3"]]
+    # what waits must hold fewer tokens than the budget: at 12, 30 reaches it, but 35 would wait,
+    # so "1" and "2" train as well and only "3" (5 tokens) waits
+    assert split(12) == [["0", "1", "2"], ["3"]]
+    assert split(5) == [["0", "1", "2", "3"], []]
+    assert split(1000) == [["0", "1", "2", "3"], []]
+
+
+def test_a_carried_rollout_past_max_staleness_is_dropped(tiny_model_dir):
+    pool, engine = _setup(tiny_model_dir, max_staleness=0)
+    pool.collect(engine, SamplingParams(max_new_tokens=40), seed=1)
+    waiting = list(pool.carried)
+    assert len(waiting) == 1 and waiting[0].age == 1
+    finished, stats = pool.collect(engine, SamplingParams(max_new_tokens=40), seed=2)
+    assert waiting[0].status == Status.ABORTED and waiting[0] not in finished
+    assert stats.dropped >= 1
 
 
 @pytest.mark.parametrize("refill", ["per_call", "continuous"])
@@ -64,7 +108,7 @@ def test_continuous_refill_starts_a_group_as_soon_as_its_slots_are_free(tiny_mod
     group starts in the head group's three slots and is 30 tokens in (its first token, from its
     prefill, is sampled beside the others' 11th) when the budget ends the call: it stays in the
     pool. Never more than Omega in flight."""
-    pool, engine = _setup(tiny_model_dir, token_budget=200, refill=refill)
+    pool, engine = _setup(tiny_model_dir, token_budget=200, refill=refill, surplus="train")
     finished, stats = pool.collect(engine, SamplingParams(max_new_tokens=40), seed=1)
     assert len(finished) == 12 and sum(len(t.response_ids) for t in finished) == 12 * 40
     if refill == "per_call":
@@ -80,7 +124,7 @@ def test_stale_rollouts_are_dropped_and_counted(tiny_model_dir):
     pool, engine = _setup(tiny_model_dir, max_staleness=0)
     params = SamplingParams(max_new_tokens=40)
     pool.collect(engine, params, seed=1)
-    stale = sum(t.age > 0 for t in pool.in_flight)
+    stale = sum(t.age > 0 for t in pool.in_flight + pool.carried)
     assert stale > 0
     _, stats = pool.collect(engine, params, seed=2)
     assert stats.dropped == stale and pool.total_dropped == stale
@@ -94,6 +138,7 @@ def test_pool_state_round_trips_through_json(tiny_model_dir):
     other.load_state_dict(state)
     assert other.stream.cursor == pool.stream.cursor
     assert [t.to_dict() for t in other.in_flight] == [t.to_dict() for t in pool.in_flight]
+    assert pool.carried and [t.to_dict() for t in other.carried] == [t.to_dict() for t in pool.carried]
 
 
 def test_synchronous_mode_finishes_every_sample(tiny_model_dir):
@@ -106,7 +151,7 @@ def test_synchronous_mode_finishes_every_sample(tiny_model_dir):
 def test_pool_round_trips_through_its_array_checkpoint(tiny_model_dir, tmp_path):
     pool, engine = _setup(tiny_model_dir)
     pool.collect(engine, SamplingParams(max_new_tokens=40), seed=1)
-    assert pool.in_flight  # unfinished rollouts to carry over
+    assert pool.in_flight and pool.carried  # unfinished rollouts, and one finished past the budget
     pool.save(tmp_path / "pool.safetensors")
     other, _ = _setup(tiny_model_dir)
     other.load(tmp_path / "pool.safetensors")
@@ -114,6 +159,7 @@ def test_pool_round_trips_through_its_array_checkpoint(tiny_model_dir, tmp_path)
         (pool.stream.cursor, pool.total_dropped, pool.total_resumed)
     # the engine's log-probs are float32 values, so the array form loses nothing
     assert [t.to_dict() for t in other.in_flight] == [t.to_dict() for t in pool.in_flight]
+    assert [t.to_dict() for t in other.carried] == [t.to_dict() for t in pool.carried]
 
 
 def test_prompts_over_max_prompt_tokens_are_left_out_and_counted(tiny_model_dir):

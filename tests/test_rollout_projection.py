@@ -145,7 +145,8 @@ def test_budget_interrupt_and_resume_follow_the_inprocess_engine(tiny_model_dir)
     assert all(t.done for t in real)
 
 
-def test_pool_over_the_simulator_makes_the_engines_steps(tiny_model_dir):
+@pytest.mark.parametrize("surplus", ["carry", "train"])
+def test_pool_over_the_simulator_makes_the_engines_steps(tiny_model_dir, surplus):
     eng, tok = _engine_with_ragged_lengths(tiny_model_dir, max_batch=6)
     params = SamplingParams(max_new_tokens=30)
     rows = [{"id": f"p{i}", "prompt": f"Add {i * 37} and {10 ** (i % 7)}.", "answers": ["0"]} for i in range(40)]
@@ -154,7 +155,8 @@ def test_pool_over_the_simulator_makes_the_engines_steps(tiny_model_dir):
     eng.generate(reference, params)
     known = {t.uid: (len(t.response_ids), t.status.value) for t in reference}
     cfg = RLSection(prompts_per_step=4, samples_per_prompt=1,
-                    c3po={"enabled": True, "token_budget": 40, "pool_capacity": 8, "max_staleness": 1})
+                    c3po={"enabled": True, "token_budget": 40, "pool_capacity": 8, "max_staleness": 1,
+                          "surplus": surplus})
     sim = SimEngine(CostModel(0, 0, 0, 0, 0), Lengths(30, known=known), max_batch=6, layout="inprocess",
                     eos_token_id=eng.eos)
     pools = [RolloutPool(cfg, _SeededStream(PromptStream(rows, tok, "plain", seed=0))) for _ in range(2)]
@@ -164,6 +166,7 @@ def test_pool_over_the_simulator_makes_the_engines_steps(tiny_model_dir):
         assert [(t.uid, len(t.response_ids), t.status) for t in got[0]] == [
             (t.uid, len(t.response_ids), t.status) for t in got[1]]
         assert [t.uid for t in pools[0].in_flight] == [t.uid for t in pools[1].in_flight]
+        assert [t.uid for t in pools[0].carried] == [t.uid for t in pools[1].carried]
     for k in WORK:
         assert getattr(eng.counters, k) - before[k] == getattr(sim.counters, k), k
     assert sim.counters.reprefill_tokens > 0  # rollouts carried over and resumed

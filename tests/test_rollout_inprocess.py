@@ -178,3 +178,35 @@ def test_growing_cache_samples_exactly_what_dynamic_cache_samples(tiny_model_dir
     monkeypatch.setattr(inprocess, "GrowingCache", DynamicCache)
     assert sample() == growing
     assert sum(len(ids) for ids, _ in growing) > 200
+
+
+def test_decode_bands_group_rows_longest_first_within_pad_ratio():
+    # a row joins the band while the band's longest is at most 1.25 x its length: 100 <= 1.25 x 80,
+    # 100 > 1.25 x 79; 40 <= 1.25 x 32 (the bound is inclusive)
+    assert inprocess.decode_bands([100, 90, 80, 79, 40, 33, 32, 5]) == [(0, 3, 100), (3, 4, 79), (4, 7, 40),
+                                                                         (7, 8, 5)]
+    assert inprocess.decode_bands([7, 7, 7]) == [(0, 3, 7)]
+    assert inprocess.decode_bands([]) == []
+
+
+def test_banded_decoding_samples_what_full_width_decoding_samples(tiny_model_dir, monkeypatch):
+    """Decoding attends band by band over the cache columns each band's longest row fills; on
+    ragged rows with refills (max_batch 4 over 12), the same greedy tokens and log-probs as
+    attending every row over the whole padded width. Every step's rows are longest first (the
+    bands are taken, never the one-band fallback), and the cells read are counted."""
+    eng, tok = _engine(tiny_model_dir, max_batch=4)
+    banded_steps = []
+    bands_of = inprocess.decode_bands
+    monkeypatch.setattr(inprocess, "decode_bands", lambda lengths: banded_steps.append(lengths) or bands_of(lengths))
+    banded = eng.generate(_ragged(tok), SamplingParams(max_new_tokens=15, greedy=True))
+    steps, cells = eng.counters.decode_steps, eng.counters.decode_cells
+    assert len(banded_steps) == steps and any(len(bands_of(ls)) > 1 for ls in banded_steps)
+    assert cells == sum((e - s) * w for ls in banded_steps for s, e, w in bands_of(ls))
+    assert cells < sum(len(ls) * max(ls) for ls in banded_steps)  # less than the padded width read
+
+    monkeypatch.setattr(inprocess, "decode_bands", lambda lengths: [(0, len(lengths), max(lengths))])
+    eng, _ = _engine(tiny_model_dir, max_batch=4)
+    full = eng.generate(_ragged(tok), SamplingParams(max_new_tokens=15, greedy=True))
+    assert [t.response_ids for t in banded] == [t.response_ids for t in full]
+    gaps = [abs(a - b) for x, y in zip(banded, full, strict=True) for a, b in zip(x.logp_infer, y.logp_infer, strict=True)]
+    assert max(gaps) < 1e-5

@@ -33,15 +33,6 @@ DATA = Path("data/tiny-arith")
 MODEL = Path("runs/tiny-sft/final")
 
 
-def seconds_per_call(fn, repeats: int) -> float:
-    """Mean wall time of `fn` after one warm-up call."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
-
-
 def paired_rounds(fns: dict, rounds: int) -> dict[str, list[float]]:
     """Wall times of each of `fns`, taken in turn within each round (after one warm-up call each).
     This machine drifts between speeds for minutes at a time (the same training step measured
@@ -347,8 +338,10 @@ def generated_tokens(new: torch.Tensor, eos: int) -> int:
     return int(lengths.sum())
 
 
-def bench_engine(n: int = 256) -> dict:
-    """Slot-refilling engine vs plain transformers generate on the same prompts, same model."""
+def bench_engine(n: int = 256, rounds: int = 3) -> dict:
+    """Slot-refilling engine vs plain transformers generate on the same prompts, same model: tokens
+    per second of each, the two taken in turn within each round (paired_rounds); the speed-up is
+    the median of the rounds' ratios."""
     tok = load_tokenizer(MODEL)
     rows = load_rows(str(DATA / "rl.jsonl"), "rl")[:n]
     from rlrecipe.data.templates import prompt_token_ids
@@ -358,24 +351,26 @@ def bench_engine(n: int = 256) -> dict:
     model = load_model(MODEL)
     tok.padding_side = "left"
 
-    def ours() -> int:
+    tokens: dict[str, list[int]] = {"ours": [], "hf": []}  # each call's; HF's sampling is not seeded
+
+    def ours() -> None:
         trajs = [Trajectory(uid=str(i), prompt_ids=p) for i, p in enumerate(prompts)]
         engine.generate(trajs, SamplingParams(max_new_tokens=160), seed=0)
-        return sum(len(t.response_ids) for t in trajs)
+        tokens["ours"].append(sum(len(t.response_ids) for t in trajs))
 
-    def hf() -> int:
-        tokens = 0
+    def hf() -> None:
+        count = 0
         for i in range(0, n, 128):
             batch = tok.pad({"input_ids": prompts[i:i + 128]}, return_tensors="pt")
             out = model.generate(**batch, max_new_tokens=160, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id)
-            new = out[:, batch["input_ids"].shape[1]:]
-            tokens += generated_tokens(new, tok.eos_token_id)
-        return tokens
+            count += generated_tokens(out[:, batch["input_ids"].shape[1]:], tok.eos_token_id)
+        tokens["hf"].append(count)
 
-    ours_tokens, hf_tokens = ours(), hf()  # warm-up, and the token counts
-    ours_s, hf_s = seconds_per_call(ours, 3), seconds_per_call(hf, 3)
-    return {"ours_tokens_per_s": ours_tokens / ours_s, "hf_generate_tokens_per_s": hf_tokens / hf_s,
-            "speedup": (ours_tokens / ours_s) / (hf_tokens / hf_s)}
+    times = paired_rounds({"ours": ours, "hf": hf}, rounds)
+    rate = {k: [n / s for n, s in zip(tokens[k][1:], times[k], strict=True)] for k in times}  # [1:]: warm-up
+    ratios = [a / b for a, b in zip(rate["ours"], rate["hf"], strict=True)]
+    return {"ours_tokens_per_s": median(rate["ours"]), "hf_generate_tokens_per_s": median(rate["hf"]),
+            "speedup": median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios)}
 
 
 def bench_logprob_memory() -> dict:

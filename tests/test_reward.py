@@ -260,6 +260,19 @@ def test_fast_path_needs_no_pool():
         assert g.stats["workers_started"] == 0 and g.stats["math_verify"] == 0
 
 
+def test_grade_returns_only_once_every_worker_it_started_is_ready():
+    """One answer off the fast path starts one worker; then two start a second, but the first,
+    ready already, answers both in milliseconds. The call still waits for the second, so its
+    start-up is paid inside grade() and not in whatever runs next (an RL step's training, where
+    it cost a step about a core-second)."""
+    with Grader(timeout=10.0, workers=2) as g:
+        assert g.grade([r"\boxed{x^2+2x+1}"], [["(x+1)^2"]])[0].correct
+        res = g.grade([r"\boxed{2x+2}", r"\boxed{x^2-1}"], [["2(x+1)"], ["(x-1)(x+1)"]])
+        assert [r.correct for r in res] == [True, True]
+        assert g.stats["workers_started"] == 2 and g.stats["math_verify"] == 3
+        assert len(g._workers) == 2 and all(w.ready for w in g._workers)
+
+
 # -- the table of tricky cases (expected values written by hand) ---------------------------
 
 CASES = [

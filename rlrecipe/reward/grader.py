@@ -263,7 +263,10 @@ class Grader:
                         for i, (x, a) in enumerate(keys)}
             depth = max(1, min(_MAX_DEPTH, len(keys) // (8 * len(self._workers))))
             batch = _Batch(payloads, deque(range(len(keys))), {}, timeout, depth)
-            self._run(batch)
+            # wait_ready: a worker started for this call and not needed in the end (the others
+            # answered first) would otherwise go on importing math-verify (about a core-second)
+            # after grade() returned, in the time of whatever runs next: an RL step's training
+            self._run(batch, wait_ready=True)
         self.stats["timeouts"] += sum(1 for _, t in batch.out.values() if t)
         return [batch.out[i] for i in range(len(keys))]
 

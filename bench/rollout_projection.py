@@ -38,7 +38,7 @@ from pathlib import Path
 from bench.c3po_compare import coefficient_of_variation, run_steps
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.base import Refill, RolloutEngine
-from rlrecipe.rollout.inprocess import EngineCounters, decode_bands
+from rlrecipe.rollout.inprocess import EngineCounters, band_cells, decode_bands
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 
@@ -298,7 +298,7 @@ class SimEngine(RolloutEngine):
             cache[i] += 1
         if self.layout == "inprocess":  # every row in the batch, over its band's width (rows longest first)
             batch = len(cache)
-            cells = sum((end - start) * width for start, end, width in decode_bands(sorted(cache, reverse=True)))
+            cells = band_cells(decode_bands(sorted(cache, reverse=True)))
         else:  # the running rows, each over its own context
             running = [i for i, t in enumerate(rows) if t.status == Status.RUNNING]
             batch, cells = len(running), sum(cache[i] for i in running)

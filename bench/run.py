@@ -375,7 +375,7 @@ def bench_engine(n: int = 256, rounds: int = 3) -> dict:
         tokens["hf"].append(count)
 
     times = paired_rounds({"ours": ours, "hf": hf}, rounds)
-    rate = {k: [n / s for n, s in zip(tokens[k][1:], times[k], strict=True)] for k in times}  # [1:]: warm-up
+    rate = {k: [count / s for count, s in zip(tokens[k][1:], times[k], strict=True)] for k in times}  # [1:]: warm-up
     ratios = [a / b for a, b in zip(rate["ours"], rate["hf"], strict=True)]
     return {"ours_tokens_per_s": median(rate["ours"]), "hf_generate_tokens_per_s": median(rate["hf"]),
             "speedup": median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios)}

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
@@ -79,8 +80,6 @@ def _prefill_or_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     padding past a document's end is never attended to and the result is exact; attention costs
     sum L_i^2 within that bound, and the number of calls stays small (one per length band) where
     a call per document would cost more in overhead than in arithmetic on CPU."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     bands = kwargs.pop("decode_bands", None)
     if cu_seq_lens_q is None and bands is not None and query.shape[2] == 1:
         return _banded_decode(module, query, key, value, attention_mask, bands, dropout, scaling, **kwargs)
@@ -138,13 +137,16 @@ def decode_bands(lengths: list[int]) -> list[tuple[int, int, int]]:
     return bands
 
 
+def band_cells(bands: list[tuple[int, int, int]]) -> int:
+    """Cache cells a decoding step attends under `bands`: each band's rows x its width."""
+    return sum((end - start) * width for start, end, width in bands)
+
+
 def _banded_decode(module, query, key, value, attention_mask, bands, dropout, scaling, **kwargs):
     """A decoding step's attention band by band: each band's rows attend only to the last `width`
     columns of the left-padded cache, those its longest row fills (the columns left of them are
     padding for every row of the band). Rows longest first are what makes the bands contiguous
     slices: views, no copies."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     kv = key.shape[2]
     out = query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])  # [rows, 1, H, D]
     for start, end, width in bands:
@@ -367,7 +369,7 @@ class InProcessEngine(RolloutEngine):
         c.forward_passes += 1
         c.decode_steps += 1
         c.decode_rows += mask.shape[0]
-        self._step_cells = sum((end - start) * width for start, end, width in bands)
+        self._step_cells = band_cells(bands)
         c.decode_cells += self._step_cells
         c.decode_s += time.perf_counter() - t0
         return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos)

@@ -41,3 +41,10 @@ def test_workers_cpu_time_grows_with_math_verify_work():
         assert all(r.correct for r in res)
         assert workers_cpu_s(g) > started
     assert g.worker_pids() == []
+
+
+def test_causal_cells_count_the_pairs_a_causal_mask_keeps():
+    from bench.run import causal_cells
+
+    for n in (1, 2, 7, 160):
+        assert causal_cells(n) == int(torch.ones(n, n, dtype=torch.bool).tril().sum())

@@ -267,13 +267,13 @@ def bench_packing(budget: int = 2048, rounds: int = 5) -> dict:
     # right-padded, under transformers' sdpa (the engine's packed attention takes one row only)
     model = load_model(MODEL, "float32", "sdpa")
     per_mb = max(1, len(samples) // len(bins))
+    padded_mbs = [samples[i:i + per_mb] for i in range(0, len(samples), per_mb)]
+    widths = [max(len(s.input_ids) for s in mb) for mb in padded_mbs]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def padded_step():
         opt.zero_grad()
-        for i in range(0, len(samples), per_mb):
-            mb = samples[i:i + per_mb]
-            width = max(len(s.input_ids) for s in mb)
+        for mb, width in zip(padded_mbs, widths, strict=True):
             ids = torch.zeros((len(mb), width), dtype=torch.long)
             mask = torch.zeros((len(mb), width), dtype=torch.long)
             for j, s in enumerate(mb):
@@ -287,11 +287,9 @@ def bench_packing(budget: int = 2048, rounds: int = 5) -> dict:
     steps = {"packed": lambda: engine.train_step(samples, sft_loss), "padded": padded_step}
     times = paired_rounds(steps, rounds)
     ratios = round_ratios(times, "padded", "packed")
-    padded_tokens = sum(max(len(s.input_ids) for s in samples[i:i + per_mb]) * len(samples[i:i + per_mb])
-                        for i in range(0, len(samples), per_mb))
+    padded_tokens = sum(len(mb) * width for mb, width in zip(padded_mbs, widths, strict=True))
     # causal attention cells (query-key pairs) each side computes: padded rows attend their padding too
-    padded_cells = sum(len(mb) * causal_cells(max(len(s.input_ids) for s in mb))
-                       for mb in (samples[i:i + per_mb] for i in range(0, len(samples), per_mb)))
+    padded_cells = sum(len(mb) * causal_cells(width) for mb, width in zip(padded_mbs, widths, strict=True))
     return {"packed_s_per_step": median(times["packed"]), "padded_s_per_step": median(times["padded"]),
             "packed_speedup": median(ratios), "packed_speedup_min": min(ratios), "packed_speedup_max": max(ratios),
             "speedup_ceiling_from_padding": padded_tokens / sum(lengths),

@@ -40,8 +40,25 @@ def _is_number_field(annotation: Any) -> bool:
     return bool(args & {int, float}) and bool not in args
 
 
+# No count, size or step in a recipe comes near this; a bigger integer is a typo (`rl.steps: 1e30`
+# read as a number) that would only fail, or silently overflow, deep inside a stage.
+MAX_INT = 2**31 - 1
+
+
+def _too_big(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) > MAX_INT
+    if isinstance(value, (list, tuple)):
+        return any(_too_big(v) for v in value)
+    if isinstance(value, dict):
+        return any(_too_big(v) for v in value.values())
+    return False
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `lr: .inf` or `reward_correct: .nan` in any float field is refused here,
+    # not found as NaN weights after a run that exited 0
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -51,20 +68,35 @@ class Section(BaseModel):
             raise ValueError("expected a number, not true/false")
         return value
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded_ints(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name != "seed" and _too_big(value):
+            raise ValueError(f"integers in a recipe are at most {MAX_INT} (2**31 - 1)")
+        return value
+
 
 class TinyModel(Section):
     """A Qwen2-architecture model built from scratch with a local character tokenizer."""
 
-    hidden_size: int = 128
-    num_layers: int = 3
-    num_heads: int = 4
-    num_kv_heads: int = 4
-    intermediate_size: int = 384
-    max_position_embeddings: int = 512
+    hidden_size: int = Field(128, ge=1)
+    num_layers: int = Field(3, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(384, ge=1)
+    max_position_embeddings: int = Field(512, ge=2)
     tie_word_embeddings: bool = True
     # Embedding rows beyond the tokenizer's (null: exactly the tokenizer's), as Qwen pads 151,665
     # tokens to 152,064: lets the CPU path run at the real vocabulary's memory footprint.
     vocab_size: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModel:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        return self
 
 
 class ModelSection(Section):
@@ -421,6 +453,15 @@ class EvalSection(Section):
     # times the engine's concurrency so no wave waits long on its slowest sample alone.
     wave_size: int = Field(1024, ge=1)
 
+    @model_validator(mode="after")
+    def _pass_k_within_samples(self) -> EvalSection:
+        # pass@k needs k samples: a k set above n_samples would be dropped from the report. The
+        # default list is kept as is (its k above n_samples are simply not reported).
+        if "pass_k" in self.model_fields_set and self.pass_k and max(self.pass_k) > self.n_samples:
+            raise ValueError(f"pass_k {max(self.pass_k)} is above n_samples ({self.n_samples}): pass@k needs "
+                             "k samples per problem")
+        return self
+
 
 class Tracking(Section):
     wandb: bool = False
@@ -431,7 +472,8 @@ class Tracking(Section):
 class RunSection(Section):
     name: str
     output_dir: str = "runs"
-    seed: int = 1
+    # what every random generator the run seeds accepts (numpy's limit)
+    seed: int = Field(1, ge=0, le=2**32 - 1)
     # Where this stage starts from: a path, or `run:<name>` for another run's final export.
     init_from: str | None = None
     keep_checkpoints: int = Field(2, ge=1)
@@ -444,6 +486,10 @@ class RunSection(Section):
         # output_dir or nests into another run would reach someone else's files.
         if not name.strip() or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
             raise ValueError("must be one non-empty directory name (no '/', '\\', '.' or '..')")
+        if any(ord(c) < 32 or ord(c) == 127 for c in name):
+            raise ValueError("must not contain control characters (tabs, newlines, escapes)")
+        if len(name.encode("utf-8")) > 200:  # a directory name is at most 255 bytes; suffixes are added
+            raise ValueError(f"is {len(name.encode('utf-8'))} bytes long; a run name is at most 200")
         return name
 
     @property
@@ -558,6 +604,8 @@ def _format_validation_error(path: str, err: ValidationError) -> str:
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     got = first.get("input")
     shown = "" if first["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"
+    if len(shown) > 100:  # a 100,000-character value is not echoed whole
+        shown = shown[:90] + "...)"
     return f"{path}: {loc}: {msg}{shown}{more}"
 
 
@@ -568,19 +616,47 @@ def recipe_from_dict(data: dict, path: str = "<dict>") -> Recipe:
         raise RecipeError(_format_validation_error(path, err)) from None
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the later one, so a
+    second `rl:` section would silently replace the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`, then overridden: intended
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the base class refuses it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {first})", key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path):
+    try:
+        return yaml.load(path.read_bytes().decode("utf-8"), Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not valid UTF-8 (byte {err.start})") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: nested too deeply to be a recipe") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{path}:{where} invalid YAML: {getattr(err, 'problem', err)}") from None
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> LoadedRecipe:
     path = Path(path)
     overrides = list(overrides or [])
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
-    try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise RecipeError(f"{path}: not valid UTF-8 (byte {err.start})") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"{path}:{where} invalid YAML: {getattr(err, 'problem', err)}") from None
+    data = _read_yaml(path)
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections")
     data = apply_overrides(data, overrides)

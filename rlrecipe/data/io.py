@@ -117,7 +117,8 @@ def read_jsonl(path: str | Path, kind: str) -> list[dict]:
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                # a byte-order mark opening the file is accepted, as it is in a recipe
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError:
                 raise UserError(f"{path}:{lineno}: not valid UTF-8") from None
             if not line.strip():
@@ -126,6 +127,10 @@ def read_jsonl(path: str | Path, kind: str) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}:{lineno}: malformed JSON ({err.msg} at column {err.colno})") from None
+            except RecursionError:
+                raise UserError(f"{path}:{lineno}: JSON nested too deeply") from None
+            except ValueError as err:  # an integer of thousands of digits (Python's conversion limit)
+                raise UserError(f"{path}:{lineno}: a number too long to read ({str(err).split(';')[0]})") from None
             good, reason = check_row(row, kind)
             if reason is not None:
                 raise UserError(f"{path}:{lineno}: {reason}")

@@ -306,3 +306,69 @@ def plan(loaded: LoadedRecipe) -> tuple[ModelDims, str, list[Budget]]:
     stage = stage_of(loaded.recipe)
     budgets = [train_budget(loaded.recipe, d)] if stage != "eval" else []
     return d, stage, budgets + [rollout_budget(loaded.recipe, d, stage)]
+
+
+# -- outside the GPUs: rank 0's host memory and the run's disk --------------------------------------
+def rollout_record_bytes(n: int, max_prompt_tokens: int, max_new_tokens: int) -> tuple[float, float]:
+    """n rollouts at full length: as Trajectory lists in memory, and as the arrays a batch or a
+    checkpoint holds them in (trajectory_arrays.py)."""
+    from rlrecipe.trajectory_arrays import TOKEN_FIELDS
+
+    size = {name: dtype.itemsize for name, dtype in TOKEN_FIELDS.items()}
+    per_response = size["response_ids"] + size["logp_infer"] + size["versions"]
+    held = n * (max_prompt_tokens * LIST_BYTES_PER_PROMPT_TOKEN + max_new_tokens * LIST_BYTES_PER_RESPONSE_TOKEN)
+    arrays = n * (max_prompt_tokens * size["prompt_ids"] + max_new_tokens * per_response)
+    return held, arrays
+
+
+def rank0_host_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
+    """Bytes of host memory rank 0 needs beyond the Python process itself, at worst (every rollout at
+    full length): the rollouts it holds, the arrays a step's batch and a checkpoint's pool are
+    packed into, and the full weights gathered to its CPU for each push or export."""
+    ro, rl = recipe.rollout, recipe.rl
+    b = BYTES[recipe.model.dtype]
+    parts: dict[str, float] = {}
+    if stage_of(recipe) == "rl":
+        n = rl.c3po.pool_capacity if rl.c3po.enabled else rl.prompts_per_step * rl.samples_per_prompt
+        held, arrays = rollout_record_bytes(n, recipe.data.max_prompt_tokens, ro.max_new_tokens)
+        parts["rollouts held (lists)"] = held
+        if rl.c3po.enabled:
+            per_token = arrays / max(1, n * (recipe.data.max_prompt_tokens + ro.max_new_tokens))
+            parts["step batch (arrays)"] = min(arrays, rl.c3po.token_budget * per_token * 1.1)
+            parts["pool saved in a checkpoint (arrays)"] = arrays
+        else:
+            parts["step batch (arrays)"] = arrays
+    if recipe.trainer.engine == "deepspeed" and recipe.trainer.zero_stage >= 3:
+        parts["weights gathered for push and export"] = b * d.params()
+    if recipe.trainer.offload_optimizer:
+        parts["optimizer offloaded"] = 12 * d.params() / max(1, recipe.trainer.nodes)
+    return parts
+
+
+def checkpoint_bytes(recipe: Recipe, d: ModelDims) -> dict[str, float]:
+    """One checkpoint on disk, by part: the trainer's state (DeepSpeed: fp32 master weights and Adam's
+    m and v, every rank's shard; the torch engine: m and v in the model dtype), an HF export of the
+    weights, and C3PO++'s pool."""
+    p, b = d.params(), BYTES[recipe.model.dtype]
+    state = 12 * p if recipe.trainer.engine == "deepspeed" else 2 * b * p
+    parts = {"trainer state": float(state), "weights (HF export)": float(b * p)}
+    rl = recipe.rl
+    if stage_of(recipe) == "rl" and rl.c3po.enabled:
+        parts["C3PO++ pool"] = rollout_record_bytes(rl.c3po.pool_capacity, recipe.data.max_prompt_tokens,
+                                                    recipe.rollout.max_new_tokens)[1]
+    return parts
+
+
+def disk_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
+    """Bytes the run directory reaches at its peak: run.keep_checkpoints checkpoints kept plus one
+    being written, the final export and, with disk weight sync, the export the servers load."""
+    stage = stage_of(recipe)
+    if stage == "eval":
+        return {}
+    b = BYTES[recipe.model.dtype]
+    one = sum(checkpoint_bytes(recipe, d).values())
+    parts = {f"checkpoints ({recipe.run.keep_checkpoints} kept + 1 being written)": (recipe.run.keep_checkpoints + 1) * one,
+             "final export": float(b * d.params())}
+    if stage == "rl" and recipe.rollout.engine == "sglang" and recipe.rollout.sglang.weight_sync == "disk":
+        parts["export for the rollout servers"] = float(b * d.params())
+    return parts

@@ -99,10 +99,22 @@ def check_rollout_servers(loaded: LoadedRecipe, stage: str) -> None:
                           f"{loaded.path} --node N --urls-out FILE` and pass --set \"rollout.urls=$(cat FILE)\"")
 
 
+def check_machine(loaded: LoadedRecipe, stage: str) -> None:
+    """What `rlrecipe doctor` can already see will stop the stage (attention that cannot load, an
+    output directory it cannot write, a disk too small, ...): one line each."""
+    from rlrecipe.doctor import failures, fatal_checks
+
+    lines = failures(fatal_checks(loaded, stage))
+    if lines:
+        raise UserError(f"{loaded.path}: this machine cannot run it (`rlrecipe doctor {loaded.path}` for all checks):\n"
+                        + "\n".join(f"  {line}" for line in lines))
+
+
 def check_stage_inputs(loaded: LoadedRecipe, stage: str) -> None:
-    """Model, data and rollout servers of a training stage (`sft` or `rl`), before its run directory
-    is touched."""
+    """Model, data and rollout servers of a training stage (`sft` or `rl`), and what the machine can
+    already be seen to lack, before its run directory is touched."""
     check_rollout_servers(loaded, stage)
+    check_machine(loaded, stage)
     config = check_model(loaded)
     check_context(loaded, config, stage)
     check_data(loaded, stage)

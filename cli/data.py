@@ -31,7 +31,12 @@ def make(name: Annotated[str, typer.Argument(help="synthetic task: tiny-arith")]
         from rlrecipe.errors import UserError
 
         raise UserError(f"unknown synthetic task {name!r}; available: tiny-arith")
-    stats = write_tiny_arith(out, cfg)
+    try:
+        stats = write_tiny_arith(out, cfg)
+    except OSError as err:
+        from rlrecipe.errors import UserError
+
+        raise UserError(f"--out {out}: cannot write there ({err.strerror or err})") from None
     for key, value in stats.items():
         typer.echo(f"{key}: {value}")
 

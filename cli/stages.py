@@ -83,6 +83,8 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
                                                       help="require `Authorization: Bearer KEY` on all "
                                                            "but /health (as SGLang's --api-key)")] = None) -> None:
     """Serve a model over the SGLang HTTP API subset, on the in-process engine (CPU)."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port}: a TCP port is 0..65535")
     try:
         from rlrecipe.serve.http_server import serve_forever
     except ImportError as err:

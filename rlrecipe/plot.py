@@ -20,7 +20,24 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise UserError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, bad = [], []
+    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+            rows.append(row)
+        else:
+            bad.append(lineno)
+    if bad:  # a run killed mid-write leaves its last line cut short: the complete ones are plotted
+        from rlrecipe.console import console
+
+        console.print(f"{path}: skipped {len(bad)} unreadable line(s) (line {bad[0]}{' ...' if len(bad) > 1 else ''})",
+                      highlight=False, soft_wrap=True)
+    return rows
 
 
 def plot_runs(runs: list[Path], out: Path) -> list[Path]:
@@ -30,7 +47,10 @@ def plot_runs(runs: list[Path], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     data = {str(r): read_metrics(Path(r)) for r in runs}
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {out}: cannot write there ({err.strerror or err})") from None
     written = []
     for key, title in PANELS:
         series = {name: [(m["step"], m[key]) for m in rows if key in m] for name, rows in data.items()}

@@ -29,8 +29,14 @@ def run_eval_command(recipe_path: Path | None, model: str | None, overrides: lis
             loaded = loaded.model_copy(update={"path": started_from})
     else:
         loaded = load_recipe(recipe_path, overrides)
+    from rlrecipe.model_check import check_eval_model
+
+    if model is not None and Path(model).is_dir():  # before the eval records are started
+        check_eval_model(loaded, "--model", model)
     run = Run(loaded, "eval", subdir="eval")
     model_dir = model_to_evaluate(loaded, run, model)
+    if Path(model_dir, "config.json").is_file():
+        check_eval_model(loaded, "model", model_dir)
     summaries = evaluate_model_dir(loaded, model_dir, run.dir)
     for name, s in summaries.items():
         shown = "  ".join(f"pass@{k}={v:.3f}" for k, v in s["pass_at_k"].items())

@@ -65,13 +65,21 @@ def check_model(loaded: LoadedRecipe) -> dict | None:
                           "replaces; choose another run.name")
     if field == "model.path" and not path.exists() and _looks_like_hub_id(str(recipe.model.path)):
         return None
-    return read_model_config(field, path)
+    config = read_model_config(field, path)
+    from rlrecipe.model_check import check_model_dir, templates_need_chat
+
+    check_model_dir(field, path, chat_template=templates_need_chat(recipe, training=True))
+    return config
 
 
 def check_context(loaded: LoadedRecipe, config: dict | None, stage: str) -> None:
     """Generation must fit in the model's context: positions past it are garbage, not an error."""
     recipe = loaded.recipe
     context = (config or {}).get("max_position_embeddings")
+    if isinstance(context, int) and recipe.eval.benchmarks:  # the stage ends by evaluating its model
+        from rlrecipe.model_check import check_eval_context
+
+        check_eval_context(loaded, context)
     if not isinstance(context, int) or stage != "rl":
         return
     if recipe.rollout.max_new_tokens >= context:

@@ -92,7 +92,7 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, urls: Sequence[str], *, eos_token_id: int | None = None, version: int = 0,
                  max_concurrency: int = 512, servers: Sequence[ServerProcess] | None = None,
                  stop_token_ids: Sequence[int] | None = None, cfg: SGLangServer | None = None,
-                 router: ServerProcess | None = None):
+                 router: ServerProcess | None = None, served_dtype: str | None = None):
         if not urls:
             raise UserError("rollout.urls: no SGLang server to talk to")
         self.urls = [u.rstrip("/") for u in urls]
@@ -118,6 +118,11 @@ class SGLangEngine(RolloutEngine):
         self._server_infos: dict[int, dict] = {}
         self._weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
         self._closed = False
+        # the dtype the servers hold weights in (rollout.dtype; None: as sent): the fingerprint after
+        # each push compares in it (weight_check.py); servers without /get_weights_by_name are skipped
+        self.served_dtype = served_dtype
+        self.no_weight_check: set[int] = set()
+        self.weight_check_s = 0.0
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -137,7 +142,7 @@ class SGLangEngine(RolloutEngine):
         router = start_router(urls, ro.sglang, run_dir) if ro.sglang.router else None
         try:
             engine = cls(urls, eos_token_id=eos, version=version, max_concurrency=ro.sglang.max_concurrency,
-                         cfg=ro.sglang, router=router)
+                         cfg=ro.sglang, router=router, served_dtype=ro.dtype)
         except BaseException:
             if router is not None:
                 router.stop()
@@ -165,7 +170,7 @@ class SGLangEngine(RolloutEngine):
             if cfg.router:
                 router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env)
             return cls([s.url for s in servers], eos_token_id=eos_token_id, version=version,
-                       max_concurrency=cfg.max_concurrency, servers=servers, cfg=cfg, router=router)
+                       max_concurrency=cfg.max_concurrency, servers=servers, cfg=cfg, router=router, served_dtype=dtype)
         except BaseException:
             for s in [router, *servers]:
                 if s is not None:
@@ -195,7 +200,8 @@ class SGLangEngine(RolloutEngine):
     def fleet_metrics(self) -> dict[str, float]:
         """Servers in use and the restarts spent so far: a run losing servers shows in its metrics."""
         spent = sum(self.cfg.max_restarts - left for left in self._recovery.restarts_left.values())
-        return {"rollout_servers_live": float(len(self.live)), "rollout_server_restarts": float(spent)}
+        return {"rollout_servers_live": float(len(self.live)), "rollout_server_restarts": float(spent),
+                "weight_check_s": self.weight_check_s}
 
     def read_timeout(self, max_new_tokens: int) -> float:
         """Seconds a /generate for this many new tokens may go without an answer."""
@@ -501,6 +507,18 @@ class SGLangEngine(RolloutEngine):
                         raise
                     self._leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
         self.version = version
+        if Path(model_dir).is_dir():  # the trainer's export (a hub id has no rows to compare here)
+            self.verify_weights(lambda wc: wc.export_slices(model_dir, version), version)
+
+    def verify_weights(self, expected: Callable, version: int) -> None:
+        """The fingerprint after a push: each live server serves the trainer's weights (weight_check.py;
+        imported here: it needs torch, the HTTP client does not)."""
+        import torch
+
+        from rlrecipe.rollout import weight_check
+
+        served = getattr(torch, self.served_dtype) if self.served_dtype else None
+        self.weight_check_s = weight_check.check_servers(self, expected(weight_check), version, served)
 
     def control(self, i: int, path: str, body: dict, read_timeout: float) -> None:
         """POST a control request that answers {success, message}; raise unless it succeeded."""
@@ -528,6 +546,7 @@ class SGLangEngine(RolloutEngine):
         for i in self.live:
             self._weight_version[i] = str(version)
         self.version = version
+        self.verify_weights(lambda wc: wc.state_slices(state_dict, version), version)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:

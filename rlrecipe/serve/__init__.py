@@ -13,7 +13,8 @@ or batch; sampling_params; return_logprob; rid), POST /abort_request, POST
 POST /init_weights_update_group + /update_weights_from_distributed + /destroy_weights_update_group
 (the trainer broadcasts tensors into this process, see rollout/weight_sync.py), GET /health,
 GET /health_generate, GET /model_info (and its old name /get_model_info), GET
-/server_info (context_length). As in SGLang (without --allow-auto-truncate), a request whose
+/server_info (context_length), GET|POST /get_weights_by_name ({name, truncate_size}: the
+parameter's first truncate_size rows as float32 lists; what the trainer checks after each push). As in SGLang (without --allow-auto-truncate), a request whose
 input + max_new_tokens exceeds the context length is refused with HTTP 400.
 
 Also: stop strings (`sampling_params.stop`: the text is cut before the match unless

@@ -93,6 +93,8 @@ def make_handler(sched: Scheduler, api_key: str | None = None):
                 self._send(200, {"weight_version": sched.weight_version})
             elif path == "/flush_cache":
                 self._flush()
+            elif path == "/get_weights_by_name":  # SGLang takes its JSON body on GET as on POST
+                self._weights_by_name()
             else:
                 self._error(404, f"no route GET {path}")
 
@@ -122,6 +124,20 @@ def make_handler(sched: Scheduler, api_key: str | None = None):
                 self.wfile.write(b"0\r\n\r\n")
             except (BrokenPipeError, ConnectionResetError):
                 sched.abort(r.rid)
+
+        def _weights_by_name(self, body: dict | None = None) -> None:
+            """SGLang's /get_weights_by_name: {name, truncate_size} -> the parameter's first truncate_size
+            rows (dim 0) as float32 nested lists; a name the model lacks is a 400 {"error": {"message"}}."""
+            try:
+                body = self._body() if body is None else body
+                rows = sched.weights_by_name(str(body.get("name", "")), int(body.get("truncate_size", 100)))
+            except (BadRequest, ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
+                self._send(400, {"error": {"message": f"bad request: {err}"}})
+                return
+            if rows is None:
+                self._send(400, {"error": {"message": "Get parameter by name failed"}})
+            else:
+                self._send(200, rows)
 
         def _flush(self):
             self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
@@ -163,6 +179,8 @@ def make_handler(sched: Scheduler, api_key: str | None = None):
                     self._reply(sched.destroy_group(body))
                 elif path == "/flush_cache":
                     self._flush()
+                elif path == "/get_weights_by_name":
+                    self._weights_by_name(body)
                 else:
                     self._error(404, f"no route POST {path}")
             except BadRequest as err:

@@ -53,6 +53,7 @@ class Scheduler:
         self.active: list[GenRequest] = []
         self.updates: list[dict] = []
         self.groups: dict[str, object] = {}  # weight update groups joined, by name
+        self.weights_lock = threading.Lock()  # a weight update and a read of the weights (get_weights_by_name)
         self.stopped = False
         # set once a first one-token generation went through (SGLang's warm-up): until then, and
         # once stopped, /health and /health_generate answer 503 as SGLang's do
@@ -126,6 +127,16 @@ class Scheduler:
         return self._run_update({"group": group, "names": names, "dtypes": dtypes, "shapes": shapes,
                                  "weight_version": body.get("weight_version")}, timeout)
 
+    def weights_by_name(self, name: str, truncate_size: int) -> list | None:
+        """The parameter's first `truncate_size` rows as float32 lists (SGLang's /get_weights_by_name);
+        None for a name the model does not have."""
+        with self.weights_lock:
+            tensor = self.engine.model.state_dict().get(name)
+            if tensor is None:
+                log(f"get_weights_by_name: no parameter {name!r}")
+                return None
+            return tensor.detach()[:max(0, truncate_size)].float().tolist()
+
     def init_group(self, body: dict) -> dict:
         """Join the trainer's weight update group (blocks until every member has joined)."""
         try:
@@ -190,6 +201,11 @@ class Scheduler:
                     self.active = []
 
     def _do_update(self, job: dict) -> None:
+        with self.weights_lock:
+            self._load_update(job)
+        job["done"].set()
+
+    def _load_update(self, job: dict) -> None:
         t0 = time.time()
         try:
             if "group" in job:  # the trainer broadcasts the tensors as soon as it has sent the request
@@ -211,7 +227,6 @@ class Scheduler:
             job["result"] = {"success": False, "message": f"Failed to update weights: {type(err).__name__}: {err}",
                              "num_paused_requests": 0}
             log(job["result"]["message"])
-        job["done"].set()
 
     def _decode_chunk(self) -> None:
         keys = sorted({r.key for r in self.active}, key=lambda k: min(r.arrived for r in self.active if r.key == k))

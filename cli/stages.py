@@ -11,8 +11,20 @@ from rlrecipe.errors import UserError
 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="dotted override, e.g. rl.steps=10")]
 ResumeOpt = Annotated[bool, typer.Option(help="continue from the newest complete checkpoint")]
-OverwriteOpt = Annotated[bool, typer.Option(help="start over, deleting this run's checkpoints, metrics and final "
-                                                 "model (or another stage's run of the same name)")]
+OverwriteOpt = Annotated[bool, typer.Option(help="start over, replacing this run's checkpoints, metrics and final "
+                                                 "model (or another stage's run of the same name); they are kept "
+                                                 "until the new run writes its first checkpoint")]
+AdoptOpt = Annotated[bool, typer.Option(help="with --resume: resume from a checkpoint another experiment, seed or "
+                                             "stage wrote, or whose state disagrees with its manifest's step")]
+
+
+def _adopt(adopt: bool) -> None:
+    if adopt:  # an environment variable, so that the ranks torchrun starts see it too
+        import os
+
+        from rlrecipe.runs import ADOPT_ENV
+
+        os.environ[ADOPT_ENV] = "1"
 
 
 def _load(recipe: Path, overrides: list[str] | None):
@@ -39,22 +51,26 @@ def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML fil
         raise typer.Exit(2)
 
 
-def sft(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False) -> None:
+def sft(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False,
+        adopt_checkpoint: AdoptOpt = False) -> None:
     """Supervised fine-tuning (distillation), loss on response tokens only."""
     from rlrecipe.sft import run_sft
     from rlrecipe.train.launch import maybe_relaunch
 
     loaded = _load(recipe, set_)
+    _adopt(adopt_checkpoint)
     maybe_relaunch("sft", loaded, resume, overwrite)  # several DeepSpeed processes: run under torchrun, exit
     run_sft(loaded, resume=resume, overwrite=overwrite)
 
 
-def rl(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False) -> None:
+def rl(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False,
+       adopt_checkpoint: AdoptOpt = False) -> None:
     """Critic-free PPO with IcePop and C3PO++."""
     from rlrecipe.rl import run_rl
     from rlrecipe.train.launch import maybe_relaunch
 
     loaded = _load(recipe, set_)
+    _adopt(adopt_checkpoint)
     maybe_relaunch("rl", loaded, resume, overwrite)  # several DeepSpeed processes: run under torchrun, exit
     run_rl(loaded, resume=resume, overwrite=overwrite)
 

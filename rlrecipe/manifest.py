@@ -18,14 +18,26 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_manifest(directory: Path) -> Path:
-    """List every file under `directory` (but the manifest itself); call once all are written."""
+def write_manifest(directory: Path, identity: dict | None = None) -> Path:
+    """List every file under `directory` (but the manifest itself); call once all are written.
+
+    `identity`: which run wrote it (its experiment sha256, seed, stage and step), checked on resume."""
     directory = Path(directory)
     files = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
     path = directory / MANIFEST
-    path.write_text(json.dumps({"files": files}, indent=1))  # the caller's rename of the directory commits it
+    body = {"files": files, **({"run": identity} if identity is not None else {})}
+    path.write_text(json.dumps(body, indent=1))  # the caller's rename of the directory commits it
     return path
+
+
+def read_identity(directory: Path) -> dict | None:
+    """The `run` record of a checkpoint's manifest; None for one written before checkpoints had it."""
+    try:
+        ident = json.loads((Path(directory) / MANIFEST).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return ident if isinstance(ident, dict) else None
 
 
 def check_manifest(directory: Path) -> str | None:

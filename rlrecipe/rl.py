@@ -26,7 +26,7 @@ from rlrecipe.recipe import LoadedRecipe, Recipe, RLSection, RolloutSection
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
-from rlrecipe.runs import Run, read_metrics
+from rlrecipe.runs import Run, check_resume_step, read_metrics
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
@@ -206,6 +206,11 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
     With several DeepSpeed ranks, rank 0 owns the rollout engine, the pool and the grader and
     hands each graded batch to every rank as arrays (a TrajectoryBatch); all ranks train on it together."""
     stage = start_stage(loaded, "rl", resume, overwrite)
+    with stage.failing_safely():
+        return _train(loaded, stage)
+
+
+def _train(loaded: LoadedRecipe, stage) -> dict:
     recipe, run, tokenizer, cfg = stage.recipe, stage.run, stage.tokenizer, stage.recipe.rl
     lead = is_rank_zero()
     pool = make_pool(recipe, tokenizer) if lead else None
@@ -327,6 +332,7 @@ def resume_rl(run: Run, trainer, pool: RolloutPool | None, watch: EntropyWatch, 
         return 0
     trainer.load(ckpt / "trainer")
     start = json.loads((ckpt / "progress.json").read_text())["step"]
+    check_resume_step(ckpt, start)  # an edited progress.json must not skip or repeat steps
     if pool is not None:
         if (ckpt / POOL_FILE).exists():
             pool.load(ckpt / POOL_FILE)

@@ -19,9 +19,19 @@ import yaml
 from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
-from rlrecipe.manifest import check_manifest, write_manifest
-from rlrecipe.recipe import LoadedRecipe, RecipeError
+from rlrecipe.manifest import check_manifest, read_identity, write_manifest
+from rlrecipe.recipe import LoadedRecipe, RecipeError, _digest
 from rlrecipe.runlock import RunLock
+from rlrecipe.threads import thread_change, thread_record
+
+# `--overwrite` moves the earlier run here and deletes it only once the new run has written its
+# first checkpoint; a start that fails (or is killed) before that gets the earlier run back.
+REPLACED = ".replaced"
+REPLACED_ITEMS = ("checkpoints", "metrics.jsonl", "run_summary.json", "final", "recipe.yaml", "recipe.sha256",
+                  "env.json", "init_model", "validation", "validation_model")
+# Resuming from a checkpoint another experiment (or seed, or stage) wrote, or whose state disagrees
+# with the step its manifest records, is refused unless this is set (`--adopt-checkpoint`).
+ADOPT_ENV = "RLRECIPE_ADOPT_CHECKPOINT"
 
 KEY_PACKAGES = ["torch", "transformers", "tokenizers", "datasets", "math-verify", "deepspeed", "pydantic", "sglang"]
 
@@ -94,7 +104,7 @@ def cpu_record() -> dict[str, Any]:
         import torch
 
         out["aten_capability"] = torch.backends.cpu.get_cpu_capability()
-        out["torch_threads"] = torch.get_num_threads()
+        out.update(thread_record())
     except Exception:  # noqa: BLE001 - environment capture must never fail a run
         pass
     return out
@@ -125,6 +135,9 @@ class Run:
         if resume and overwrite:
             raise UserError("--resume and --overwrite exclude each other: continue the run, or start it over")
         self._set_paths(loaded, stage, subdir)
+        if resume and not (self.dir / "env.json").is_file() and not (self.dir / REPLACED).is_dir():
+            raise UserError(f"{self.dir}: --resume, but no run was ever started here; leave out --resume to start "
+                            "it (or check run.name and run.output_dir)")
         _make_dir(self.dir, "run.output_dir")
         self._lock = RunLock(self.dir)
         note = self._lock.acquire()
@@ -133,7 +146,7 @@ class Run:
         try:
             self._start(resume, overwrite)
         except BaseException:
-            self._lock.release()
+            self.abandon()
             raise
 
     def _set_paths(self, loaded: LoadedRecipe, stage: str, subdir: str | None) -> None:
@@ -147,9 +160,12 @@ class Run:
         self.metrics_path = self.dir / "metrics.jsonl"
         self.resume_from: Path | None = None
         self._wandb = None
+        self._aside: Path | None = None  # the earlier run `--overwrite` moved away, until a first checkpoint
+        self._experiments = {loaded.recipe.experiment_sha256()}  # what a resumed checkpoint may have been written by
 
     def _start(self, resume: bool, overwrite: bool) -> None:
         loaded = self.loaded
+        self._restore_replaced()
         earlier = self._earlier_stage()
         if earlier not in (None, self.stage) and not overwrite:
             raise UserError(f"{self.dir}: holds an earlier {earlier!r} run; --overwrite to replace it, or "
@@ -158,14 +174,19 @@ class Run:
             recorded = self.dir / "recipe.sha256"
             if recorded.exists() and recorded.read_text().split()[0] != loaded.sha256:
                 self._check_same_experiment(loaded)
+                self._experiments.add(self._recorded_experiment())
             self.resume_from = self._pick_checkpoint()
+            self._note_thread_change()
             self.truncate_metrics(_step_of(self.resume_from) if self.resume_from else 0)
         else:
             held = self._earlier_work()
             if held and not overwrite:
                 raise UserError(f"{self.dir}: holds {held} of an earlier run; --resume to continue it, "
                                 "--overwrite to start over, or choose another run.name")
-            self._clear()
+            if overwrite:
+                self._set_aside()
+            else:
+                self._clear()
         self.ckpt_dir.mkdir(exist_ok=True)
         atomic_write_text(self.dir / "recipe.yaml", self.recipe.to_yaml())
         atomic_write_text(self.dir / "recipe.sha256", f"{loaded.sha256}  {loaded.path}\n")
@@ -178,6 +199,15 @@ class Run:
         self._wandb = None
         if self.recipe.run.tracking.wandb:
             self._start_wandb()
+
+    def _note_thread_change(self) -> None:
+        try:
+            recorded = json.loads((self.dir / "env.json").read_text()).get("cpu")
+        except (OSError, ValueError):
+            return
+        change = thread_change(recorded, thread_record())
+        if change:
+            console.print(f"[yellow]{self.dir}: {change}[/]", highlight=False, soft_wrap=True)
 
     def _check_same_experiment(self, loaded: LoadedRecipe) -> None:
         """A resume under another sha256 than the run started with: refused, naming the fields that
@@ -202,6 +232,64 @@ class Run:
             raise RecipeError(f"{refuse} ({shown}); resume with the same recipe or choose another run.name")
         console.print(f"{self.dir}: resuming with {len(added)} field(s) added to the recipe schema since it started, "
                       f"at their defaults: {', '.join(added)}", highlight=False, soft_wrap=True)
+
+    def _recorded_experiment(self) -> str | None:
+        """The experiment sha256 of the recipe.yaml the run was started with (as Recipe.experiment_sha256)."""
+        try:
+            d = yaml.safe_load((self.dir / "recipe.yaml").read_text(encoding="utf-8"))
+            for key in ("seed", "name", "output_dir"):
+                d["run"].pop(key, None)
+        except (OSError, yaml.YAMLError, AttributeError, KeyError, TypeError):
+            return None
+        return _digest(d)
+
+    # -- --overwrite: the earlier run moved aside, deleted once the new one has a checkpoint ---------
+    def _items(self) -> list[str]:
+        return [n for n in REPLACED_ITEMS if n != "final" or self.dir == self.run_dir]
+
+    def _set_aside(self) -> None:
+        aside = self.dir / REPLACED
+        aside.mkdir()
+        for name in self._items():
+            if (self.dir / name).exists():
+                os.replace(self.dir / name, aside / name)
+        self._aside = aside
+        console.print(f"{self.dir}: the earlier run is kept in {aside} until this one writes its first checkpoint",
+                      highlight=False, soft_wrap=True)
+
+    def _restore_replaced(self) -> None:
+        """An `--overwrite` start that ended before its first checkpoint: its earlier run comes back."""
+        shutil.rmtree(self.dir / (REPLACED + ".drop"), ignore_errors=True)  # a deletion a kill interrupted
+        aside = self.dir / REPLACED
+        if not aside.is_dir():
+            return
+        for name in self._items():
+            _remove(self.dir / name)
+            if (aside / name).exists():
+                os.replace(aside / name, self.dir / name)
+        shutil.rmtree(aside)
+        self._aside = None
+        console.print(f"[yellow]{self.dir}: restored the earlier run that an --overwrite start set aside; that start "
+                      "ended before its first checkpoint[/]", highlight=False, soft_wrap=True)
+
+    def _drop_replaced(self) -> None:
+        if self._aside is None:
+            return
+        dropping = self._aside.with_name(REPLACED + ".drop")
+        os.replace(self._aside, dropping)  # atomic: a kill mid-delete cannot leave half an earlier run to restore
+        shutil.rmtree(dropping, ignore_errors=True)
+        self._aside = None
+
+    def abandon(self) -> None:
+        """The stage failed: an earlier run set aside by --overwrite comes back (unless a checkpoint of
+        this one was written), and the directory is let go, with no owner left behind."""
+        if getattr(self, "_lock", None) is None or not self._lock.held:
+            return
+        try:
+            if self._aside is not None:
+                self._restore_replaced()
+        finally:
+            self.release()
 
     # -- what an earlier run left ------------------------------------------------------------
     def _earlier_stage(self) -> str | None:
@@ -248,6 +336,7 @@ class Run:
         for path in ckpts:
             problem = check_manifest(path)
             if problem is None:
+                self._check_identity(path)
                 if path.name != named or path != ckpts[0]:
                     console.print(f"[yellow]resuming from {path.name}, the newest complete checkpoint[/]",
                                   highlight=False, soft_wrap=True)
@@ -256,6 +345,27 @@ class Run:
                           highlight=False, soft_wrap=True)
         raise UserError(f"{self.ckpt_dir}: none of the {len(ckpts)} checkpoints is complete; --overwrite to "
                         "start over")
+
+    def _check_identity(self, path: Path) -> None:
+        """A checkpoint resumes only the run that wrote it: same experiment, seed and stage, and the
+        step its manifest records is the one its name says."""
+        ident = read_identity(path)
+        if ident is None:
+            console.print(f"[yellow]{path}: written before checkpoints recorded their run; resuming without "
+                          "checking that it is this recipe's[/]", highlight=False, soft_wrap=True)
+            return
+        problems = []
+        if ident.get("experiment_sha256") not in self._experiments:
+            problems.append(f"written by another experiment (sha256 {str(ident.get('experiment_sha256'))[:12]}, "
+                            f"this recipe's is {self.recipe.experiment_sha256()[:12]})")
+        if ident.get("seed") != self.recipe.run.seed:
+            problems.append(f"written with run.seed {ident.get('seed')}, this recipe's is {self.recipe.run.seed}")
+        if ident.get("stage") != self.stage:
+            problems.append(f"written by the {ident.get('stage')!r} stage")
+        if ident.get("step") != _step_of(path):
+            problems.append(f"its manifest records step {ident.get('step')}")
+        if problems:
+            refuse_or_warn(f"{path}: {'; '.join(problems)}")
 
     def _start_wandb(self) -> None:
         tr = self.recipe.run.tracking
@@ -296,6 +406,7 @@ class Run:
         atomic_write_text(self.dir / "run_summary.json", json.dumps(summary, indent=2))
         if self._wandb is not None:
             self._wandb.finish()
+        self._drop_replaced()
         self.release()
 
     def release(self) -> None:
@@ -314,11 +425,14 @@ class Run:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         yield tmp
-        write_manifest(tmp)  # last: a checkpoint without one never finished
+        identity = {"experiment_sha256": self.recipe.experiment_sha256(), "seed": self.recipe.run.seed,
+                    "stage": self.stage, "step": step}
+        write_manifest(tmp, identity)  # last: a checkpoint without one never finished
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(self.ckpt_dir / "latest", final.name)
+        self._drop_replaced()  # the new run has a checkpoint: the one it replaces can go
         self._prune()
 
     def _prune(self) -> None:
@@ -332,6 +446,36 @@ class Run:
     @property
     def final_model_dir(self) -> Path:
         return self.run_dir / "final"
+
+
+def adopting() -> bool:
+    """`--adopt-checkpoint` was given (also seen by the ranks torchrun starts: it is an environment variable)."""
+    return os.environ.get(ADOPT_ENV) == "1"
+
+
+def refuse_or_warn(problem: str) -> None:
+    """A checkpoint that is not this run's: refused, or (--adopt-checkpoint) resumed with a warning."""
+    if adopting():
+        console.print(f"[yellow]{problem}; resuming from it anyway (--adopt-checkpoint)[/]", highlight=False,
+                      soft_wrap=True)
+        return
+    raise UserError(f"{problem}; not resuming from it: --adopt-checkpoint to resume from it deliberately, or "
+                    "--overwrite to start over")
+
+
+def check_resume_step(ckpt: Path, step: int) -> None:
+    """The step a loaded checkpoint's state says (progress.json, the trainer's step count) must be the
+    one its manifest records: an edited or mixed-up file would skip or repeat steps."""
+    ident = read_identity(ckpt)
+    if ident is not None and ident.get("step") != step:
+        refuse_or_warn(f"{ckpt}: its state is at step {step}, but its manifest records step {ident.get('step')}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def _step_of(path: Path) -> int | None:

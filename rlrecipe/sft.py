@@ -13,8 +13,8 @@ from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import sft_token_ids
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe
-from rlrecipe.runs import Run
-from rlrecipe.stage import finish_stage, start_stage
+from rlrecipe.runs import Run, check_resume_step, read_metrics
+from rlrecipe.stage import Stage, finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.launch import is_rank_zero
@@ -43,12 +43,22 @@ def batch_for_step(samples: list[TrainSample], step: int, batch_size: int, seed:
     return [samples[j] for j in order[i * batch_size:(i + 1) * batch_size]]
 
 
+# Consecutive steps whose loss or gradient was NaN/inf (the engine skipped their update) before SFT
+# stops, as rl.max_bad_steps does for RL: training on nothing must not end in exit 0.
+MAX_BAD_STEPS = 3
+
+
 def sft_loss(logp: torch.Tensor, f: dict[str, torch.Tensor]):
     return -(logp * f["scale"]).sum(), {"nll_sum": float(-logp.detach().sum())}
 
 
 def run_sft(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> dict:
     stage = start_stage(loaded, "sft", resume, overwrite)
+    with stage.failing_safely():
+        return _train(loaded, stage)
+
+
+def _train(loaded: LoadedRecipe, stage: Stage) -> dict:
     recipe, run, tokenizer = stage.recipe, stage.run, stage.tokenizer
     cfg = recipe.sft
     samples, cut = build_sft_samples(load_rows(recipe.data.train, "sft"), tokenizer, recipe.data.prompt_template,
@@ -59,6 +69,7 @@ def run_sft(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False)
     total = cfg.max_steps or cfg.epochs * per_epoch
     engine = make_train_engine(recipe.trainer, recipe.model, stage.model_dir, total)
     start = resume_sft(engine, run)
+    bad = trailing_bad_steps(run, start)
     console.print(f"SFT: {len(samples)} examples ({cut} cut to max_length), {total} steps of "
                   f"{cfg.batch_size}; model {stage.model_dir}")
     from rich.progress import Progress
@@ -69,6 +80,10 @@ def run_sft(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False)
             t0 = time.time()
             batch = batch_for_step(samples, step, cfg.batch_size, recipe.run.seed)
             stats = sft_step(engine, batch)
+            bad = bad + 1 if stats["skipped"] else 0
+            if bad >= MAX_BAD_STEPS:
+                raise UserError(f"sft step {step + 1}: loss or gradient was NaN/inf in {bad} steps in a row; "
+                                "lower trainer.lr or check the data")
             step_s = time.time() - t0
             # tokens_per_s counts every token the step ran (prompt and response); `tokens` only the response
             metrics = {**stats, "step_s": step_s, "tokens_per_s": sum(len(s.input_ids) for s in batch) / step_s,
@@ -80,7 +95,29 @@ def run_sft(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False)
             if (step + 1) % cfg.save_every == 0 or step + 1 == total:
                 with run.writing_checkpoint(step + 1) as d:
                     engine.save(d)
+    check_finite_weights(engine)
     return finish_stage(stage, engine, token_columns=("tokens",))
+
+
+def trailing_bad_steps(run: Run, upto: int) -> int:
+    """Skipped (NaN/inf) steps in a row at the end of the metrics a resumed run keeps."""
+    n = 0
+    for row in read_metrics(run.metrics_path):
+        if row.get("step", 0) <= upto:
+            n = n + 1 if row.get("skipped") else 0
+    return n
+
+
+def check_finite_weights(engine) -> None:
+    """The weights about to be exported hold no NaN/inf (a step with a finite loss and gradient can
+    still blow them up, e.g. under a huge learning rate)."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        return
+    for name, p in model.named_parameters():
+        if p.numel() and not bool(torch.isfinite(p.detach()).all()):
+            raise UserError(f"sft: the trained weights hold NaN/inf ({name}); not exporting them: lower trainer.lr "
+                            "or check the data")
 
 
 def resume_sft(engine, run: Run) -> int:
@@ -89,6 +126,7 @@ def resume_sft(engine, run: Run) -> int:
     if ckpt is None:
         return 0
     engine.load(ckpt)
+    check_resume_step(ckpt, engine.steps_done)
     run.truncate_metrics(engine.steps_done)
     console.print(f"resumed from {ckpt} at step {engine.steps_done}")
     return engine.steps_done

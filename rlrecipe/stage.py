@@ -8,6 +8,7 @@ recipe's benchmarks (rank 0) and print the scores.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,16 +37,30 @@ class Stage:
     def recipe(self) -> Recipe:
         return self.loaded.recipe
 
+    @contextmanager
+    def failing_safely(self):
+        """Around a stage's work: if it fails, the run directory is let go (no stale lock owner) and an
+        earlier run that --overwrite set aside comes back, unless this run already wrote a checkpoint."""
+        try:
+            yield self
+        except BaseException:
+            self.run.abandon()
+            raise
+
 
 def start_stage(loaded: LoadedRecipe, name: str, resume: bool, overwrite: bool) -> Stage:
     recipe = loaded.recipe
     if not recipe.data.train:
         raise UserError(f"{loaded.path}: data.train: {TRAIN_DATA[name]} is required")
     run = make_run(loaded, name, resume=resume, overwrite=overwrite)  # under torchrun: rank 0 alone writes
-    torch.manual_seed(recipe.run.seed)
-    model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
-        recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))
-    return Stage(loaded, run, Path(model_dir), load_tokenizer(model_dir))
+    try:
+        torch.manual_seed(recipe.run.seed)
+        model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
+            recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))
+        return Stage(loaded, run, Path(model_dir), load_tokenizer(model_dir))
+    except BaseException:
+        run.abandon()
+        raise
 
 
 def finish_stage(stage: Stage, trainer, token_columns: tuple[str, ...]) -> dict:

@@ -56,8 +56,13 @@ def _sha_of(summary: Path) -> str | None:
 
 
 def command(step: list[str]) -> list[str]:
-    """Training steps always resume: from their last checkpoint if there is one, else from scratch."""
-    return [*step, "--resume"] if step[0] in ("rl", "sft") else list(step)
+    """A training step that was started before resumes (from its last checkpoint, if it has one);
+    one never started starts (`--resume` refuses a run that never ran)."""
+    from rlrecipe.recipe import load_recipe
+
+    if step[0] in ("rl", "sft") and (load_recipe(step[1]).recipe.run.dir / "env.json").is_file():
+        return [*step, "--resume"]
+    return list(step)
 
 
 def main() -> None:

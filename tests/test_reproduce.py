@@ -33,9 +33,11 @@ def test_finished_stages_are_skipped_and_training_resumes(tmp_path):
     run = tmp_path / "runs" / "chain"
     rl, ev = ["rl", str(recipe)], ["eval", str(recipe)]
     assert not reproduce.stage_done(rl) and not reproduce.stage_done(ev)
-    assert reproduce.command(rl) == [*rl, "--resume"] and reproduce.command(ev) == ev
+    assert reproduce.command(rl) == rl and reproduce.command(ev) == ev  # never started: started
     # checkpoints but no final model: the stage is resumed, not skipped
     (run / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (run / "env.json").write_text("{}")
+    assert reproduce.command(rl) == [*rl, "--resume"]
     (run / "recipe.sha256").write_text(f"{sha}  {recipe}\n")
     assert not reproduce.stage_done(rl)
     (run / "final").mkdir()

@@ -139,6 +139,14 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.temperature = temperature
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ds_config = build_ds_config(cfg, dtype, self.world, ds_config_overrides)
+        fp16 = self.ds_config.get("fp16", {})
+        if fp16.get("enabled") and self.rank == 0:
+            from rlrecipe.console import console
+
+            console.print(f"fp16: the dynamic loss scale starts at 2^{fp16.get('initial_scale_power')} and is halved "
+                          f"on each overflow (raised after {fp16.get('loss_scale_window')} clean steps): the first "
+                          "steps may be skipped on overflow until it settles (metrics: overflow, loss_scale)",
+                          highlight=False)
         self.zero3 = cfg.zero_stage == 3
         self.partitioned_load = False
         model = self._load_model(model_dir, dtype, training_attention(attn_implementation))

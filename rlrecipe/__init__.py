@@ -1,0 +1,5 @@
+"""rlrecipe: reproducible recipes for RL from verifiable rewards on reasoning LLMs."""
+
+from rlrecipe.threads import default_wait_policy
+
+default_wait_policy()  # before anything imports torch: see rlrecipe/threads.py

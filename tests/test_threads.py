@@ -1,0 +1,69 @@
+"""The OpenMP wait policy set before torch loads, and the thread count a run records and checks on resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
+from rlrecipe.runs import Run
+from rlrecipe.threads import thread_change, thread_record
+
+PROBE = "import os, rlrecipe, torch; print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())"
+
+
+def _probe(env: dict, code: str = PROBE) -> list[str]:
+    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def test_importing_the_package_first_makes_openmp_threads_sleep_while_waiting():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["PASSIVE", "2"]
+
+
+def test_a_policy_the_user_set_is_kept():
+    assert _probe({"OMP_WAIT_POLICY": "active"})[0] == "active"
+
+
+def test_torch_imported_first_is_recorded_as_no_policy():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = "import torch, rlrecipe, json; from rlrecipe.threads import thread_record; print(thread_record()['wait_policy'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None"]
+
+
+def test_thread_change_names_both_counts_only_when_they_differ():
+    assert thread_change({"torch_threads": 2}, {"torch_threads": 2}) is None
+    assert thread_change(None, {"torch_threads": 2}) is None
+    assert thread_change({}, {"torch_threads": 2}) is None
+    msg = thread_change({"torch_threads": 2}, {"torch_threads": 1})
+    assert "started with 2" in msg and "resumes with 1" in msg and "OMP_NUM_THREADS=2" in msg
+
+
+def test_resume_with_another_thread_count_says_so_and_records_the_new_one(tmp_path, capsys):
+    recipe = recipe_from_dict({"run": {"name": "r", "output_dir": str(tmp_path)}, "model": {"tiny": {}}})
+    loaded = LoadedRecipe(recipe=recipe, path="r.yaml")
+    run = Run(loaded, "sft")
+    run.log(1, {"loss": 1.0}, echo=False)
+    run.finish()
+    recorded = json.loads((tmp_path / "r" / "env.json").read_text())["cpu"]
+    assert recorded["torch_threads"] == torch.get_num_threads()
+    assert recorded["wait_policy"] == thread_record()["wait_policy"]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)
+    try:
+        capsys.readouterr()
+        again = Run(loaded, "sft", resume=True)
+        again.finish()
+    finally:
+        torch.set_num_threads(before)
+    out = " ".join(capsys.readouterr().err.split())
+    assert f"started with {before} intra-op thread(s) and resumes with {before + 1}" in out
+    assert json.loads((tmp_path / "r" / "env.json").read_text())["cpu"]["torch_threads"] == before + 1

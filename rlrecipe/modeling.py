@@ -130,6 +130,32 @@ def load_weights_into(model: torch.nn.Module, path: str | Path) -> None:
         raise UserError(f"{path}: the export lacks {len(missing)} tensors of the model, e.g. {missing[:3]}")
 
 
+def read_export_for(model: torch.nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors export, read in full and checked against `model` (names,
+    shapes, none missing but tied ones) without touching it: what a server swaps in only once the
+    whole update has been read. Raises on any problem (the caller reports it)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    own = model.state_dict()
+    staged: dict[str, torch.Tensor] = {}
+    for name in files:
+        for key, tensor in load_file(path / name).items():
+            if key not in own or own[key].shape != tensor.shape:
+                raise ValueError(f"{path / name}: tensor {key} {tuple(tensor.shape)} does not fit the model "
+                                 f"({tuple(own[key].shape) if key in own else 'no such parameter'})")
+            staged[key] = tensor
+    held = {own[k].data_ptr() for k in staged}
+    missing = [k for k in own if k not in staged and own[k].data_ptr() not in held]
+    if missing:
+        raise ValueError(f"{path}: the export lacks {len(missing)} tensors of the model, e.g. {missing[:3]}")
+    return staged
+
+
 def resolve_model_dir(section: ModelSection, init_from: str | None, work_dir: Path, seed: int) -> Path:
     """Where this stage's starting weights are: `init_from`, `model.path` (at `model.revision`), or
     a fresh tiny model. What was resolved is recorded in `work_dir/env.json` when that exists."""

@@ -8,6 +8,7 @@ request, servers it launches get `--api-key`, and `rlrecipe serve` requires it.
 
 from __future__ import annotations
 
+import hmac
 import os
 
 ENV = "SGLANG_API_KEY"
@@ -24,4 +25,10 @@ def auth_headers() -> dict[str, str]:
 
 def is_authorized(path: str, authorization: str | None, key: str | None) -> bool:
     """As SGLang's middleware: no key, or a /health... path, or the right bearer token."""
-    return key is None or path.startswith("/health") or authorization == f"Bearer {key}"
+    if key is None or path.startswith("/health"):
+        return True
+    if authorization is None:
+        return False
+    # constant time: how long the comparison takes says nothing about how much of the key was right
+    return hmac.compare_digest(authorization.encode("utf-8", "surrogateescape"),
+                               f"Bearer {key}".encode("utf-8", "surrogateescape"))

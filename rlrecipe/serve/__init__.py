@@ -24,6 +24,15 @@ sent events, each with the output so far, as SGLang streams by default). Not sup
 400): batch streams, logprob_start_len >= 0 (prompt log-probs), min_new_tokens. `ignore_eos`
 runs to max_new_tokens.
 
+Limits (beyond SGLang's, which sets none): `sampling_params.n` is at most 256 and one request holds
+at most 8,192 samples (prompts x n), else 400; a body over 256 MiB is refused with 413 before it is
+read. Integer sampling parameters must be integers (`max_new_tokens: 1e400` is a 400). Each
+decoding chunk takes at most one engine batch (`max_batch`) of rows, those that have had the
+fewest chunks first, so a request of many samples takes turns with the others. A
+/update_weights_from_disk reads and checks every tensor before copying any: one that fails
+(a truncated shard, a tensor of the wrong shape) answers 400 and leaves the served weights and
+weight_version as they were (SGLang reloads its original weights after a failed load).
+
 Modules: `protocol` (request parsing and validation, response bodies), `scheduler` (batches
 requests onto the in-process engine, applies aborts and weight updates), `http_server` (the
 endpoints, the server, `serve_forever`).

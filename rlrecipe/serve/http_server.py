@@ -15,6 +15,12 @@ from rlrecipe.serve.protocol import BadRequest, GenRequest, build_requests, heal
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
 
 HEALTH_GENERATE_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT: a probe not answered by then is a 503
+# A request body larger than this is refused with 413 before any of it is read.
+MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+class TooLarge(Exception):
+    pass
 
 
 def make_handler(sched: Scheduler, api_key: str | None = None):
@@ -53,6 +59,8 @@ def make_handler(sched: Scheduler, api_key: str | None = None):
                 raise BadRequest("Content-Length must be an integer") from None
             if n < 0:  # read(-1) would wait for the client to close the connection
                 raise BadRequest("Content-Length must not be negative")
+            if n > MAX_BODY_BYTES:
+                raise TooLarge(f"request body of {n} bytes; at most {MAX_BODY_BYTES}")
             raw = self.rfile.read(n) if n else b""
             if not raw:
                 return {}
@@ -185,7 +193,13 @@ def make_handler(sched: Scheduler, api_key: str | None = None):
                     self._error(404, f"no route POST {path}")
             except BadRequest as err:
                 self._error(400, str(err))
-            except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+            except TooLarge as err:
+                self.close_connection = True  # the body stays unread: the connection cannot carry another
+                self._error(413, str(err))
+            except RecursionError:
+                self._error(400, "bad request: JSON nested too deeply")
+            except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                    OverflowError) as err:
                 self._error(400, f"bad request: {err!r}")
 
         def do_PUT(self):  # noqa: N802 - SGLang accepts PUT on /generate

@@ -17,8 +17,26 @@ SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_
                  "n", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "sampling_seed"}
 
 
+# Parallel samples of one prompt (`sampling_params.n`) and samples of one request in all (prompts x n):
+# above these a request is refused with 400 (SGLang sets no limit; here one request must not fill the
+# queue of a CPU server for minutes).
+MAX_N = 256
+MAX_SAMPLES_PER_REQUEST = 8192
+
+
 class BadRequest(Exception):
     pass
+
+
+def _integer(sp: dict, key: str, default: int) -> int:
+    """An integer sampling parameter (an integral float such as 16.0 too); 400 for anything else,
+    1e400 (infinity) and NaN included."""
+    value = sp.get(key, default)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"sampling_params.{key} must be an integer, not {value!r}")
+    return value
 
 
 @dataclass(eq=False)
@@ -36,6 +54,7 @@ class GenRequest:
     no_stop_trim: bool
     stop_strs: tuple[str, ...] = ()
     ignore_eos: bool = False  # throughput tests: run to max_new_tokens (the engine stops at eos; the next chunk goes on)
+    chunks: int = 0  # decoding chunks it has had (the scheduler serves the fewest first)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
@@ -71,19 +90,19 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     if sp.get("min_new_tokens"):
         raise BadRequest("sampling_params.min_new_tokens is not supported by rlrecipe serve")
     n = sp.get("n", 1)
-    if not isinstance(n, int) or n < 1:
-        raise BadRequest("sampling_params.n must be an integer >= 1")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"sampling_params.n must be an integer from 1 to {MAX_N}")
     for k, neutral in (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
                        ("repetition_penalty", 1.0)):
         if sp.get(k, neutral) != neutral:
             raise BadRequest(f"sampling_params.{k} is not supported by rlrecipe serve")
     temperature = float(sp.get("temperature", 1.0))
     top_p = float(sp.get("top_p", 1.0))
-    top_k = int(sp.get("top_k", -1))
+    top_k = _integer(sp, "top_k", -1)
     if not 0 <= temperature < math.inf or not 0 < top_p <= 1 or (top_k < 1 and top_k != -1):  # NaN fails too
         raise BadRequest(f"bad sampling_params: temperature={temperature} top_p={top_p} top_k={top_k} "
                          "(top_k must be -1 (off) or >= 1)")
-    max_new = int(sp.get("max_new_tokens", 128))
+    max_new = _integer(sp, "max_new_tokens", 128)
     if max_new < 0:
         raise BadRequest("sampling_params.max_new_tokens must be >= 0")
     # as SGLang without --allow-auto-truncate: a request that cannot fit is refused, not shortened
@@ -156,6 +175,9 @@ def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool
                                   return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                                   skip_special_tokens=sp["skip_special_tokens"], no_stop_trim=sp["no_stop_trim"],
                                   stop_strs=sp["stop_strs"], ignore_eos=sp["ignore_eos"]))
+        if len(out) > MAX_SAMPLES_PER_REQUEST:
+            raise BadRequest(f"more than {MAX_SAMPLES_PER_REQUEST} samples (prompts x n) in one request; "
+                             "split it")
     return out, batch or len(out) > 1
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from rlrecipe.modeling import read_export_for
 from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
 from rlrecipe.serve.protocol import BadRequest, GenRequest, health_probe
 from rlrecipe.trajectory import SamplingParams, Trajectory
@@ -216,7 +217,10 @@ class Scheduler:
                 path = job["model_path"]
                 if not (Path(path) / "config.json").exists():
                     raise FileNotFoundError(f"no model at {path}")
-                self.engine.update_weights_from_disk(path, self.engine.version + 1)
+                # Read and check every tensor first, copy only then: a file that fails half-way leaves the
+                # served weights as they were (SGLang reloads its original weights after a failed load).
+                staged = read_export_for(self.engine.model, path)
+                self.engine.update_weights_from_state(staged, self.engine.version + 1)
                 self.model_path = source = path
             if job["weight_version"] is not None:
                 self.weight_version = str(job["weight_version"])
@@ -232,7 +236,12 @@ class Scheduler:
         keys = sorted({r.key for r in self.active}, key=lambda k: min(r.arrived for r in self.active if r.key == k))
         key = keys[self._turn % len(keys)]
         self._turn += 1
-        rows = [r for r in self.active if r.key == key]
+        # at most one engine batch per chunk, the rows that have had the fewest chunks first: one request
+        # of many samples takes its turns beside the others rather than holding the engine for all of them
+        rows = sorted((r for r in self.active if r.key == key), key=lambda r: (r.chunks, r.arrived))
+        rows = rows[:max(1, int(getattr(self.engine, "max_batch", len(rows))))]
+        for r in rows:
+            r.chunks += 1
         steps = min(self.chunk, min(r.max_new_tokens - len(r.output_ids) for r in rows))
         temperature, top_p, top_k = key
         params = SamplingParams(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,

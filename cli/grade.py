@@ -37,6 +37,10 @@ def read_grading_rows(file: Path) -> list[tuple[int, dict[str, Any], list[str]]]
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise UserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+        except RecursionError:
+            raise UserError(f"{where}: JSON nested too deeply") from None
+        except ValueError as err:  # an integer of thousands of digits (Python's conversion limit)
+            raise UserError(f"{where}: a number too long to read ({str(err).split(';')[0]})") from None
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
         if not isinstance(row.get("response"), str):

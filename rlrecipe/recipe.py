@@ -575,7 +575,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     # YAML scalars give ints, floats, bools, null and lists their natural types.
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):  # RecursionError: nested too deeply to be a value
         value = raw
     return keys, value
 

@@ -163,6 +163,20 @@ def _deep_json_data(tmp, data, models):
     return ["data", "validate", path, "--kind", "rl"]
 
 
+def _grade_line(line: str):
+    def case(tmp, data, models):
+        path = tmp / "g.jsonl"
+        path.write_text(line + "\n")
+        return ["grade", path]
+    return case
+
+
+def _import_deep_json(tmp, data, models):
+    path = tmp / "raw.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    return ["data", "import", path, "--as", "mine", "--kind", "rl", "--dest", tmp / "d"]
+
+
 def _make_under_file(tmp, data, models):
     (tmp / "afile").write_text("x")
     return ["data", "make", "tiny-arith", "--out", tmp / "afile" / "sub", "--n-sft", 2, "--n-rl", 2, "--n-eval", 2]
@@ -222,12 +236,20 @@ CASES = {
     "duplicate key in a section": (_raw_recipe("run: {name: t, name: u}\nmodel: {tiny: {}}\n"), "duplicate key"),
     "20,000-deep YAML": (_raw_recipe("run: {name: t}\nmodel: {tiny: {}}\nx: " + "[" * 20_000 + "]" * 20_000 + "\n"),
                          "r.yaml"),
+    "200,000-deep JSON as a recipe": (_raw_recipe("run: {name: t}\nmodel: {tiny: {}}\nx: " + "[" * 200_000
+                                                  + "]" * 200_000 + "\n"), "nested too deeply"),
+    "20,000-deep --set value": (_set_case("rl.steps=" + "[" * 20_000), "rl.steps"),
     "gpu_memory_gib .inf in plan": (_plan_case("trainer", {"gpu_memory_gib": float("inf")}), "trainer.gpu_memory_gib"),
     "num_heads 0 in plan": (_plan_case("model", {"tiny": {**TINY_MODEL, "num_heads": 0}}), "model.tiny.num_heads"),
     # data files
     "5,000-digit integer in a data file": (_data_case('{"id": ' + "9" * 5000 + ', "prompt": "p", "answers": ["1"]}'),
                                            "d.jsonl:1"),
     "200,000-deep JSON in a data file": (_deep_json_data, "d.jsonl:1"),
+    "200,000-deep JSON in a file to import": (_import_deep_json, "raw.json: JSON nested too deeply"),
+    "200,000-deep JSON in a file to grade": (_grade_line('{"response": ' + "[" * 200_000 + "]" * 200_000 + "}"),
+                                             "g.jsonl:1: JSON nested too deeply"),
+    "5,000-digit integer in a file to grade": (_grade_line('{"response": "x", "answer": ' + "9" * 5000 + "}"),
+                                               "g.jsonl:1: a number too long"),
     # other commands
     "data make --out under a file": (_make_under_file, "afile"),
     "plot with a cut last line": (_plot_cut_line, None),

@@ -131,6 +131,10 @@ def read_raw(path: str | Path) -> Iterator[tuple[str, object]]:
             raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
         except UnicodeDecodeError:
             raise UserError(f"{path}: not valid UTF-8") from None
+        except RecursionError:
+            raise UserError(f"{path}: JSON nested too deeply") from None
+        except ValueError as err:  # an integer of thousands of digits (Python's conversion limit)
+            raise UserError(f"{path}: a number too long to read ({str(err).split(';')[0]})") from None
         if isinstance(data, dict):
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
@@ -158,6 +162,10 @@ def _read_jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
                 yield f"line {lineno}", json.loads(line)
             except json.JSONDecodeError as err:
                 yield f"line {lineno}", _Bad(f"malformed JSON ({err.msg} at column {err.colno})")
+            except RecursionError:
+                yield f"line {lineno}", _Bad("JSON nested too deeply")
+            except ValueError as err:  # an integer of thousands of digits (Python's conversion limit)
+                yield f"line {lineno}", _Bad(f"a number too long to read ({str(err).split(';')[0]})")
 
 
 # --- text clean-up -------------------------------------------------------------------------------

@@ -112,11 +112,13 @@ def test_too_many_samples_in_one_request_get_400(served):
     assert not sched.pending and not sched.active  # nothing of it was queued
 
 
-def test_a_huge_content_length_gets_413_without_the_body_being_read(served):
+@pytest.mark.parametrize("request_line", [b"POST /generate", b"POST /update_weights_from_disk",
+                                          b"GET /get_weights_by_name"])
+def test_a_huge_content_length_gets_413_without_the_body_being_read(served, request_line):
     port, _ = served
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         # the headers alone: a server that tried to read 10^12 bytes would never answer
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n")
+        s.sendall(request_line + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n")
         resp = http.client.HTTPResponse(s)
         resp.begin()
         body = json.loads(resp.read())

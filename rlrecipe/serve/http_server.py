@@ -139,7 +139,11 @@ def make_handler(sched: Scheduler, api_key: str | None = None):
             try:
                 body = self._body() if body is None else body
                 rows = sched.weights_by_name(str(body.get("name", "")), int(body.get("truncate_size", 100)))
-            except (BadRequest, ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
+            except TooLarge as err:
+                self.close_connection = True
+                self._error(413, str(err))
+                return
+            except (BadRequest, ValueError, TypeError, OverflowError, RecursionError) as err:  # JSONDecodeError is a ValueError
                 self._send(400, {"error": {"message": f"bad request: {err}"}})
                 return
             if rows is None:

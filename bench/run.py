@@ -18,6 +18,7 @@ from rich.table import Table
 
 from bench.c3po_compare import compare
 from bench.grading import grading_bench
+from bench.thread_load import thread_load_bench
 from rlrecipe.algo.packing import allocate_microbatches
 from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import load_model, load_tokenizer
@@ -459,6 +460,7 @@ def main() -> None:
                       lambda: bench_prefill(results["c3po_vs_sync"]["token_budget"])),
                      ("packed_vs_padded", bench_packing),
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
+                     ("sft_step_under_load", thread_load_bench),
                      ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory)]:
         console.print(f"[bold]bench[/] {name} ...")
         results[name] = fn()

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+import rlrecipe  # noqa: F401 - before any test imports torch: OpenMP takes the package's wait policy
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -14,7 +14,6 @@ from rlrecipe.reward import (
     extract_boxed,
     fast_grade,
     math_verify_correct,
-    normalize_answer,
     reward_of,
 )
 
@@ -71,18 +70,28 @@ def test_extract_boxed_huge_inputs_return():
 
 @pytest.mark.parametrize("extracted, answers, expected", [
     ("070", ["70"], True),
-    (" 70 ", ["070"], True),
     ("-0", ["0"], True),
     ("+5", ["5"], True),
     ("71", ["70"], False),
     ("-3", ["3"], False),
     ("4", ["2", "4"], True),
-    (r"\text{70}", ["70"], True),
-    (r"\left(1,2\right)", ["(1, 2)"], True),
+    ("4", [r"\boxed{04}"], True),  # a boxed reference is parsed as it stands, i.e. as 04 boxed
+    ("4", [r"\boxed{4} \boxed{5}"], None),
     (r"\dfrac{1}{2}", [r"\frac{1}{2}"], True),
-    ("7" * 5000, ["7" * 5000], True),  # beyond int()'s digit limit
-    ("7" * 5000, ["7" * 4999 + "6"], False),
+    ("7" * 400, ["0" + "7" * 399], False),
+    ("7" * 400, ["7" * 400], True),
+    ("7" * 5000, ["7" * 5000], None),  # beyond int()'s digit limit math-verify cannot parse it
     ("4", ["2", r"\sqrt{16}"], None),  # a reference that is no plain number: math-verify decides
+    # nothing is cleaned up: each of these changes math-verify's parse
+    (" 70 ", ["070"], None),
+    ("70.", ["70"], None),
+    (r"\text{70}", ["70"], None),
+    ("7\\,0", ["70"], None),
+    ("7 0", ["70"], None),
+    (r"\left(1,2\right)", ["(1, 2)"], None),
+    ("７０", ["70"], None),
+    ("$70$", ["70"], None),
+    ("70", ["70."], None),
 ])
 def test_fast_grade(extracted, answers, expected):
     assert fast_grade(extracted, answers) is expected
@@ -104,7 +113,6 @@ NUMBER_CASES = [
     ("2.50", [r"\frac{5}{2}"], True),
     (r"\frac{10}{2}", ["5"], True),
     (r"\frac{0}{7}", ["0"], True),
-    (r"\frac 3 4", ["0.75"], True),  # spaces dropped: \frac34
     (r"\frac{1}{3}", ["0.5"], False),
     (r"\frac{2}{3}", [r"\frac{3}{4}"], False),
     ("3.5", ["3"], False),
@@ -114,6 +122,9 @@ NUMBER_CASES = [
     (r"\frac{7}{3}", ["2.33"], False),
     ("999999.5", ["999999"], False),
     ("0.00002", ["0"], False),
+    (r"\frac{1}{100000000000000000000}", [r"\frac{1}{100000000000000000001}"], False),  # exact rationals
+    ("12345678901234567890", ["12345678901234567891"], False),
+    ("0.125", ["1/8"], True),
 ]
 
 NOT_FAST = [  # math-verify decides these
@@ -121,7 +132,8 @@ NOT_FAST = [  # math-verify decides these
     ("0.00001", ["0"]),  # 1e-5 apart: too close to call here
     ("12.000001", ["12"]),
     ("1000000.5", ["1000000"]),  # beyond the range where its 15-digit floats are exact enough
-    (r"\frac{1}{100000000000000000000}", [r"\frac{1}{100000000000000000001}"]),  # relatively too close
+    ("0.1234567", [r"\frac{1234567}{10000000}"]),  # equal, but more than 6 places: its rounding decides
+    (r"\frac 3 4", ["0.75"]),  # spaces
     (r"\frac{1}{0}", ["1"]),
     ("1,000", ["1000"]),  # a thousands separator, or a pair
     (r"2\frac{1}{2}", ["2.5"]),  # a mixed number
@@ -155,7 +167,6 @@ def test_fast_path_numbers_agree_with_math_verify():
 LETTER_CASES = [
     ("B", ["B"], True),
     ("b", ["B"], True),  # math-verify: the same symbol in either case
-    (r"\text{C}", ["c"], True),
     ("B", ["C"], False),
     ("B", ["192"], False),  # a letter where a number was asked (AReaL's reward cases have 13)
     ("7", ["D"], False),
@@ -164,7 +175,7 @@ LETTER_CASES = [
     ("A", ["B", "a"], True),
 ]
 LETTERS_NOT_FAST = [("e", ["2.718281828"]), ("E", ["e"]), ("i", ["I"]), ("B", [r"\sqrt{2}"]), ("AB", ["A"]),
-                    ("B", ["(B)"])]
+                    ("B", ["(B)"]), (r"\text{C}", ["c"])]
 
 
 @pytest.mark.parametrize("extracted, answers, expected", LETTER_CASES)
@@ -242,12 +253,6 @@ def test_values_apart_cases(extracted, answer, apart):
 
     assert values_apart(_parse(answer), _parse(extracted)) is apart
     assert math_verify_correct(extracted, [answer]) is math_verify_correct(extracted, [answer], shortcut=False)
-
-
-def test_normalize_answer():
-    assert normalize_answer(r" \textbf{ 12 } ") == "12"
-    assert normalize_answer(r"$\frac{1}{2}$.") == r"\frac{1}{2}"
-    assert normalize_answer(r"\text{a}+\text{b}") == r"\text{a}+\text{b}"  # not one wrapper
 
 
 def test_fast_path_needs_no_pool():
@@ -455,4 +460,4 @@ def test_every_areal_reward_case_gets_arealss_reward(grader):
     assert got == expected
     # and a share of them never reach math-verify
     boxed = [(extract_boxed(x), a) for x, a in zip(responses, answers, strict=True)]
-    assert sum(e is not None and fast_grade(e, a) is not None for e, a in boxed) >= 120
+    assert sum(e is not None and fast_grade(e, a) is not None for e, a in boxed) >= 100

@@ -1,7 +1,7 @@
 r"""Answers without math-verify: the last ``\boxed{...}`` of a response, and the exact fast path.
 
 Everything here runs in the calling process and in time linear in the input, so a response can
-be graded cheaply whenever equality is certain without a computer-algebra system.
+be graded cheaply wherever math-verify's verdict is certain without running it.
 """
 
 from __future__ import annotations
@@ -73,140 +73,118 @@ def answer_list(answers: Any) -> list[str]:
 
 
 # -- fast path ------------------------------------------------------------------------------
+#
+# The fast path answers only where it knows math-verify's answer: both the answer and a reference
+# are, character for character, one of the forms below, whose parse math-verify's configs fix (an
+# integer, an exact rational, a decimal number, a single letter). Nothing is cleaned up first: a
+# trailing "." or a \text{} wrapper changes math-verify's parse, so any other writing goes to it.
 
-_WRAPPER = re.compile(r"^\\(?:text|textbf|textrm|mathrm|mathbf|mbox|boxed)\s*\{(.*)\}$", re.S)
-_DROP = re.compile(r"\\left|\\right|\\[,;:! ]|\$|\s+")
-_INT = re.compile(r"^([+-]?)(\d+)$")
-
-
-def normalize_answer(s: str) -> str:
-    r"""Light, meaning-preserving normalisation used only to decide equality cheaply."""
-    s = s.strip()
-    for _ in range(4):
-        m = _WRAPPER.match(s)
-        if not m or not _balanced(m.group(1)):
-            break
-        s = m.group(1).strip()
-    s = _DROP.sub("", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return s.rstrip(".")
-
-
-def _balanced(s: str) -> bool:
-    depth = 0
-    for m in _BRACE_TOKENS.finditer(s):
-        depth += {"{": 1, "}": -1}.get(m.group(), 0)
-        if depth < 0:
-            return False
-    return depth == 0
-
-
-def _as_int(s: str) -> tuple[str, str] | None:
-    """A plain integer as (sign, digits without leading zeros); no int() so no digit limit."""
-    m = _INT.match(s)
-    if not m:
-        return None
-    digits = m.group(2).lstrip("0") or "0"
-    return ("" if digits == "0" or m.group(1) != "-" else "-", digits)
-
-
-# A plain number after normalisation: a sign, then 12 / 12.5 / .5 / 3/4 / \frac{3}{4} / \frac34.
+_INT = re.compile(r"^([+-]?)([0-9]+)$")
+_MAX_INT_CHARS = 400  # far below Python's 4,300-digit int() limit, past which math-verify fails to parse
+# A plain number: a sign, then 12.5 / .5 / 3/4 / \frac{3}{4} (also \dfrac, \tfrac) / \frac34.
 _NUMBER = re.compile(
     r"^(?P<sign>[+-]?)(?:"
-    r"(?P<whole>\d*)\.(?P<decimals>\d+)"
-    r"|(?P<int>\d+)"
-    r"|(?P<num>\d+)/(?P<den>\d+)"
-    r"|\\frac\{(?P<fnum>\d+)\}\{(?P<fden>\d+)\}"
-    r"|\\frac(?P<dnum>\d)(?P<dden>\d)"
+    r"(?P<whole>[0-9]*)\.(?P<decimals>[0-9]+)"
+    r"|(?P<num>[0-9]+)/(?P<den>[0-9]+)"
+    r"|\\[dt]?frac\{(?P<fnum>[0-9]+)\}\{(?P<fden>[0-9]+)\}"
+    r"|\\[dt]?frac(?P<dnum>[0-9])(?P<dden>[0-9])"
     r")$")
-_MAX_NUMBER_CHARS = 64  # longer numbers are left to the integer rule above or to math-verify
+_MAX_NUMBER_CHARS = 64  # longer ones are left to math-verify
 # math-verify compares a decimal with another number after rounding both to 6 places (so that
-# 0.333333 counts as 1/3), through 15-digit floats: only a gap wider than any rounding can close,
-# between numbers small enough for those floats, is certainly "different" to it.
+# 0.333333 counts as 1/3), through 15-digit floats. Only a gap wider than any rounding can close,
+# between numbers small enough for those floats, is certainly "different" to it; and equal values
+# are certainly "equal" to it where they have at most 6 decimal places (rounding changes neither).
 _DECIMAL_GAP = Fraction(1, 10**5)
 _DECIMAL_RANGE = 10**6
-# Exact fractions it compares by evaluating their difference to 15 digits: a relative gap this
-# wide survives that.
-_RELATIVE_GAP = Fraction(1, 10**9)
-
-
-def _as_number(s: str) -> tuple[Fraction, bool] | None:
-    """A plain number as (its exact value, written with a decimal point); None for anything else."""
-    if len(s) > _MAX_NUMBER_CHARS:
-        return None
-    m = _NUMBER.match(s)
-    if not m:
-        return None
-    g = m.groupdict()
-    if g["decimals"] is not None:
-        value, decimal = Fraction(int((g["whole"] or "0") + g["decimals"]), 10 ** len(g["decimals"])), True
-    elif g["int"] is not None:
-        value, decimal = Fraction(int(g["int"])), False
-    else:
-        num, den = next((g[n], g[d]) for n, d in (("num", "den"), ("fnum", "fden"), ("dnum", "dden"))
-                        if g[n] is not None)
-        if int(den) == 0:
-            return None  # 1/0 is no number; math-verify has its own view of it
-        value, decimal = Fraction(int(num), int(den)), False
-    return (-value if g["sign"] == "-" else value), decimal
-
-
-def _surely_apart(a: tuple[Fraction, bool], b: tuple[Fraction, bool]) -> bool:
-    """Two unequal numbers that math-verify would also call different."""
-    (va, a_decimal), (vb, b_decimal) = a, b
-    gap, size = abs(va - vb), max(abs(va), abs(vb))
-    if a_decimal or b_decimal:
-        return gap > _DECIMAL_GAP and size < _DECIMAL_RANGE
-    return gap > size * _RELATIVE_GAP
-
-
-# A single letter: a choice of a multiple-choice question (B), or a variable. math-verify reads
-# one as a symbol, equal to the same letter in either case (b == B) and to nothing else, but for
-# e (Euler's number: e == 2.718281828) and i (the imaginary unit), which are left to it.
+_DECIMAL_PLACES = 10**6
+# A single letter, a choice (B) or a variable: math-verify reads it as a symbol, equal to the same
+# letter in either case (b == B) and to nothing else; but e (Euler's number to it: e == 2.718281828)
+# and i (the imaginary unit: i != I) are left to it.
 _LETTER = re.compile(r"^[A-DF-HJ-Za-df-hj-z]$")
 
+_Value = tuple[str, Any]  # ("int", (sign, digits)) / ("number", (Fraction, has a decimal point)) / ("letter", str)
 
-def _as_letter(s: str) -> str | None:
-    return s.lower() if _LETTER.match(s) else None
+
+def _unboxed(s: str) -> str:
+    r"""What a worker boxes to parse `s`: ``\boxed{70}`` is parsed as it stands, and ``70`` as
+    ``\boxed{70}``, so a reference written ``\boxed{70}`` is read here as ``70``."""
+    if s.startswith("\\boxed{") and s.endswith("}") and "\\boxed" not in s[7:]:
+        return s[7:-1]
+    return s
+
+
+def _value(s: str) -> _Value | None:
+    """The form `s` is written in (exactly, no spaces) and its value; None for any other form."""
+    s = _unboxed(s)
+    m = _INT.match(s)
+    if m and len(s) <= _MAX_INT_CHARS:
+        digits = m.group(2).lstrip("0") or "0"  # no int(), so no digit limit either
+        return "int", ("-" if m.group(1) == "-" and digits != "0" else "", digits)
+    if len(s) <= _MAX_NUMBER_CHARS:
+        m = _NUMBER.match(s)
+        if m:
+            g = m.groupdict()
+            if g["decimals"] is not None:
+                value = Fraction(int((g["whole"] or "0") + g["decimals"]), 10 ** len(g["decimals"]))
+                decimal = True
+            else:
+                num, den = next((g[n], g[d]) for n, d in (("num", "den"), ("fnum", "fden"), ("dnum", "dden"))
+                                if g[n] is not None)
+                if int(den) == 0:
+                    return None  # 1/0 is no number; math-verify has its own view of it
+                value, decimal = Fraction(int(num), int(den)), False
+            return "number", (-value if g["sign"] == "-" else value, decimal)
+    if _LETTER.match(s):
+        return "letter", s.lower()
+    return None
+
+
+def _as_number(v: _Value) -> tuple[Fraction, bool] | None:
+    if v[0] == "number":
+        return v[1]
+    if v[0] == "int" and len(v[1][1]) <= _MAX_NUMBER_CHARS:
+        return Fraction(int(v[1][0] + v[1][1])), False
+    return None
+
+
+def _same(x: _Value, ref: _Value) -> bool | None:
+    """math-verify's verdict on answer `x` against reference `ref`; None when not certain."""
+    if (x[0] == "letter") != (ref[0] == "letter"):
+        return False  # a letter and a number
+    if x[0] == "letter":
+        return x[1] == ref[1]
+    if x[0] == "int" and ref[0] == "int":
+        return x[1] == ref[1]  # exact integers, of any length up to _MAX_INT_CHARS
+    a, b = _as_number(x), _as_number(ref)
+    if a is None or b is None:
+        return None
+    (va, a_decimal), (vb, b_decimal) = a, b
+    if not (a_decimal or b_decimal):
+        return va == vb  # exact rationals, compared exactly
+    if max(abs(va), abs(vb)) >= _DECIMAL_RANGE:
+        return None
+    if va == vb:
+        return True if (va * _DECIMAL_PLACES).denominator == 1 else None
+    return False if abs(va - vb) > _DECIMAL_GAP else None
 
 
 def fast_grade(extracted: str, answers: list[str]) -> bool | None:
-    r"""True/False when decidable without math-verify; None when math-verify must decide.
+    r"""math-verify's verdict where it is certain without math-verify; None where it must decide.
 
-    Decided here: equal strings after `normalize_answer`; plain integers (``070 == 70``); plain
-    numbers (integers, decimals, ``a/b``, ``\frac{a}{b}``) equal as exact rationals
-    (``0.5 == \frac{2}{4}``); single letters, as math-verify compares them (``b == B``, and
-    never equal to a number). Wrong only when every reference is a number or letter that
-    math-verify, too, would find different; anything else (``x=5``, ``1,000``, ``\sqrt{2}``,
-    ``50\%``, ``e``) is math-verify's to decide.
+    Decided here, and only on these exact forms of both the answer and a reference (a reference
+    may also be boxed: ``\boxed{70}``): integers (``070 == 70``, ``+7 == 7``); exact rationals
+    (``1/2``, ``\frac{1}{2}``, ``\dfrac12``, equal by value: ``\frac{10}{2} == 5``); decimals
+    (``0.5 == \frac{1}{2}``) where math-verify's rounding to 6 places cannot decide otherwise;
+    single letters (``b == B``, never equal to a number; not ``e`` or ``i``). Correct when one
+    reference is certainly equal, wrong when every reference is certainly different; anything
+    else (``70.``, ``\text{70}``, ``1,000``, ``x=5``, ``\sqrt{2}``) is math-verify's to decide.
     """
-    x = normalize_answer(extracted)
-    refs = [normalize_answer(a) for a in answers]
-    if x and x in refs:
-        return True
-    xi = _as_int(x)
-    if xi is not None:
-        ref_ints = [_as_int(r) for r in refs]
-        if any(ri == xi for ri in ref_ints):
-            return True
-        if all(ri is not None for ri in ref_ints):
-            return False
-    xn, xl = _as_number(x), _as_letter(x)
-    if xn is None and xl is None:
+    x = _value(extracted)
+    if x is None:
         return None
-    ref_numbers, ref_letters = [_as_number(r) for r in refs], [_as_letter(r) for r in refs]
-    if xn is not None and any(rn is not None and rn[0] == xn[0] for rn in ref_numbers):
+    verdicts = [None if r is None else _same(x, r) for r in map(_value, answers)]
+    if True in verdicts:
         return True
-    if xl is not None and xl in ref_letters:
-        return True
-
-    def apart(rn: tuple[Fraction, bool] | None, rl: str | None) -> bool:
-        """x and this reference are different to math-verify too: numbers surely apart, a
-        number and a letter, or two different letters."""
-        if rn is not None:
-            return xl is not None or _surely_apart(xn, rn)
-        return rl is not None and (xn is not None or rl != xl)
-
-    if all(apart(rn, rl) for rn, rl in zip(ref_numbers, ref_letters, strict=True)):
+    if verdicts and all(v is False for v in verdicts):
         return False
     return None

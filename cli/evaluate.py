@@ -34,14 +34,17 @@ def run_eval_command(recipe_path: Path | None, model: str | None, overrides: lis
     if model is not None and Path(model).is_dir():  # before the eval records are started
         check_eval_model(loaded, "--model", model)
     run = Run(loaded, "eval", subdir="eval")
-    model_dir = model_to_evaluate(loaded, run, model)
-    if Path(model_dir, "config.json").is_file():
-        check_eval_model(loaded, "model", model_dir)
-    summaries = evaluate_model_dir(loaded, model_dir, run.dir)
-    for name, s in summaries.items():
-        shown = "  ".join(f"pass@{k}={v:.3f}" for k, v in s["pass_at_k"].items())
-        console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}  {shown}")
-        run.log(0, {f"{name}/avg": s["avg"], f"{name}/stderr": s["stderr"]}, echo=False)
+    try:  # the eval records are let go however it ends: the next eval finds no stale owner
+        model_dir = model_to_evaluate(loaded, run, model)
+        if Path(model_dir, "config.json").is_file():
+            check_eval_model(loaded, "model", model_dir)
+        summaries = evaluate_model_dir(loaded, model_dir, run.dir)
+        for name, s in summaries.items():
+            shown = "  ".join(f"pass@{k}={v:.3f}" for k, v in s["pass_at_k"].items())
+            console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}  {shown}")
+            run.log(0, {f"{name}/avg": s["avg"], f"{name}/stderr": s["stderr"]}, echo=False)
+    finally:
+        run.release()
     write_results_md()
     return summaries
 

@@ -71,7 +71,11 @@ def finish_stage(stage: Stage, trainer, token_columns: tuple[str, ...]) -> dict:
         return {}
     from rlrecipe.eval.runner import evaluate_model_dir
 
-    results = evaluate_model_dir(stage.loaded, final, Run(stage.loaded, "eval", subdir="eval").dir)
+    records = Run(stage.loaded, "eval", subdir="eval")
+    try:
+        results = evaluate_model_dir(stage.loaded, final, records.dir)
+    finally:
+        records.release()  # no stale owner for the next `rlrecipe eval` to find
     for name, s in results.items():
         console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}")
     return results

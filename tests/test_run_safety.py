@@ -252,3 +252,18 @@ def test_sft_refuses_to_train_on_or_export_nan(tmp_path, nan_model, steps, said)
     assert isinstance(result.exception, UserError) and said in str(result.exception), result.output
     assert not (tmp_path / "runs" / "r" / "final").exists()
     assert not (tmp_path / "runs" / "r" / ".lock.owner").exists()
+
+
+def test_evaluation_lets_its_records_go(tmp_path, old_run, monkeypatch):
+    """`rlrecipe eval` (twice) leaves no lock owner behind: the second finds no stale lock to take over."""
+    monkeypatch.chdir(tmp_path)  # eval regenerates RESULTS.md where it runs
+    run, data = old_run
+    spec = sft_recipe(tmp_path, data)
+    spec["eval"] = {"benchmarks": [{"name": "tiny", "path": str(data / "eval.jsonl")}], "n_samples": 1,
+                    "max_new_tokens": 8, "pass_k": [1], "max_problems": 2}
+    rec = write(tmp_path / "r.yaml", spec)
+    for _ in range(2):
+        result = CliRunner().invoke(app, ["eval", str(rec)])
+        assert result.exit_code == 0, result.output
+        assert "stale lock" not in result.output and not (run / "eval" / ".lock.owner").exists()
+    assert (run / "eval" / "tiny" / "summary.json").is_file()

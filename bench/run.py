@@ -406,6 +406,31 @@ def bench_logprob_memory() -> dict:
             "plan_logprob_mib_at_4096": logprob_bytes(dims, 4096, chunk, 4) / 2**20}
 
 
+def bench_plan_vs_measured() -> dict:
+    """`rlrecipe plan`'s training peak against a real step's peak RSS, for several configurations
+    (bench/plan_vs_measured.py; one subprocess each); the full rows are in results.json."""
+    from bench.plan_vs_measured import run
+
+    rows = run()
+    out: dict = {"rows": rows}
+    for r in rows:
+        key = f"h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}"
+        out[f"{key}_predicted_mib"] = r["predicted_mib"]
+        out[f"{key}_measured_mib"] = r["measured_mib"]
+        out[f"{key}_predicted_over_measured"] = r["predicted_over_measured"]
+    out["within_10pct"] = sum(abs(r["predicted_over_measured"] - 1) <= 0.10 for r in rows)
+    out["configurations"] = len(rows)
+    return out
+
+
+def bench_weight_fingerprint() -> dict:
+    """Seconds per weight push and per fingerprint check after it, against `rlrecipe serve`
+    (bench/weight_fingerprint.py)."""
+    from bench.weight_fingerprint import run
+
+    return run()
+
+
 def c3po_table(results: dict) -> Table:
     """C3PO++ vs synchronous: measured on this CPU beside the replayed and projected numbers."""
     m, p = results["c3po_vs_sync"], results["c3po_projection"]
@@ -461,7 +486,8 @@ def main() -> None:
                      ("packed_vs_padded", bench_packing),
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
                      ("sft_step_under_load", thread_load_bench),
-                     ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory)]:
+                     ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory),
+                     ("plan_vs_measured", bench_plan_vs_measured), ("weight_fingerprint", bench_weight_fingerprint)]:
         console.print(f"[bold]bench[/] {name} ...")
         results[name] = fn()
     results["c3po_projection"] = bench_projection(results["c3po_vs_sync"], results["c3po_vs_sync_end_to_end"])
@@ -482,6 +508,9 @@ def main() -> None:
             table.add_row(name, k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(table)
     console.print(c3po_table(results))
+    from bench.plan_vs_measured import table as plan_table
+
+    console.print(plan_table(results["plan_vs_measured"]["rows"]))
     console.print(f"written to {OUT}")
 
 

@@ -16,7 +16,7 @@ def plan(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")
          set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override, e.g. trainer.nproc=4")] = None,
          ) -> None:
     """Print each recipe's expected peak memory per GPU (training and rollout); refuse one that cannot fit."""
-    from rlrecipe.plan import GIB
+    from rlrecipe.plan import GIB, disk_parts, rank0_host_parts
     from rlrecipe.plan import plan as make_plan
     from rlrecipe.recipe import load_recipe
 
@@ -38,6 +38,11 @@ def plan(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")
         for b in budgets:
             for note in b.notes:
                 console.print(f"  {b.side}: {note}", highlight=False)
+        host, disk = rank0_host_parts(loaded.recipe, dims), disk_parts(loaded.recipe, dims)
+        for label, parts in (("rank-0 host memory", host), ("run directory on disk", disk)):
+            if parts:
+                detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
+                console.print(f"  {label}: {sum(parts.values()) / GIB:.1f} GiB ({detail})", highlight=False)
         refused += [f"{path}: {b.side} side needs {b.total / GIB:.1f} GiB per GPU, has {b.capacity / GIB:.1f}"
                      + ("" if b.room_for_one_sequence else " (no room for one full-length sequence)")
                      for b in budgets if not b.fits]

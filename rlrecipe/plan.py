@@ -15,6 +15,9 @@ Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
                kernels). The CPU's sdpa math kernel materialises T x T scores per head on top.
   log-probs    the final hidden states (T x hidden) and one chunk's logits in fp32, about four
                [chunk x V] copies at the peak of backward (`train/logprobs.py`).
+  transients   what exists only during a step: the LM head's and embedding's weight-gradient
+               buffers, AdamW's temporaries, and under DeepSpeed the fp32 gradient copy and the
+               reduce / prefetch buckets (see `transients`).
   reserve      CUDA context and allocator fragmentation: 1 GiB + 5%, an assumption.
 
 With C3PO++, a note gives the host memory and checkpoint size of the in-flight pool at its worst
@@ -171,7 +174,39 @@ def logprob_bytes(d: ModelDims, tokens: int, chunk: int, act_bytes: int) -> floa
     return tokens * d.hidden * act_bytes + 4 * min(chunk, tokens) * d.vocab * 4
 
 
-def train_budget(recipe: Recipe, d: ModelDims) -> Budget:
+# DeepSpeed's defaults the engine leaves (train/deepspeed_engine.py sets no bucket sizes): elements
+DS_REDUCE_BUCKET = 500_000_000
+DS_PREFETCH_BUCKET = 50_000_000
+
+
+def transients(tr, d: ModelDims, b: int, n: int, stage: int, deepspeed: bool, device: str) -> dict[str, float]:
+    """What exists only during a step, beside the parts above:
+      LM head / embedding grad   the weight gradient of the LM head (each log-prob chunk's backward
+                                 makes a fresh V x hidden tensor before adding it to .grad) and the
+                                 embedding's dense backward: one V x hidden buffer at a time
+      optimizer step             AdamW's temporaries: torch's foreach path (CUDA) makes one per
+                                 parameter (P elements), its per-tensor path (CPU) one of the largest
+                                 tensor; DeepSpeed steps over its flat fp32 partition (P / N). The
+                                 budget counts what exceeds the backward pass's own transients
+                                 (activations, log-probs, LM head gradient), freed by then
+      fp32 gradient copy         DeepSpeed with a 16-bit model: the fp32 gradients of its partition
+      reduce / prefetch buckets  DeepSpeed's gradient reduce bucket and ZeRO-3's prefetch bucket"""
+    vh = d.vocab * d.hidden
+    out = {"LM head / embedding grad": float(b * vh)}
+    if deepspeed:
+        out["optimizer step"] = 4.0 * d.params() / n
+        if b == 2:
+            out["fp32 gradient copy"] = 4.0 * d.params() / (n if stage >= 1 else 1)
+        out["reduce bucket"] = float(b * min(DS_REDUCE_BUCKET, d.params()))
+        if stage >= 3:
+            out["prefetch bucket"] = float(b * min(DS_PREFETCH_BUCKET, d.params()))
+    else:
+        largest = max(vh, d.intermediate * d.hidden)
+        out["optimizer step"] = float(b * (d.params() if device == "cuda" else largest))
+    return out
+
+
+def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
     tr, m = recipe.trainer, recipe.model
     p, b = d.params(), BYTES[m.dtype]
     act_b = 2 if (tr.bf16_autocast or b == 2) else 4
@@ -201,6 +236,12 @@ def train_budget(recipe: Recipe, d: ModelDims) -> Budget:
         notes.append("no gradient checkpointing: every layer keeps its activations")
     parts = {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
              "log-probs": logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b)}
+    step_temporaries = transients(tr, d, b, n, stage, deepspeed, device)
+    # AdamW runs after backward has freed the activations and log-prob buffers: only what its
+    # temporaries need beyond that backward peak adds to the step's peak
+    backward_peak = parts["activations"] + parts["log-probs"] + step_temporaries["LM head / embedding grad"]
+    step_temporaries["optimizer step"] = max(0.0, step_temporaries["optimizer step"] - backward_peak)
+    parts.update(step_temporaries)
     if stage_of(recipe) == "rl" and recipe.rl.kl_coef > 0:
         # train/reference.py: every rank holds the whole frozen copy, not a ZeRO part of it; its
         # no-grad forward runs between updates, inside the room the activations leave then

@@ -3,9 +3,12 @@
 # first. Each step has its own time limit and a failure does not stop the others. Logs go to one file,
 # results to JSON beside it, in $OUT (default runs/gpu-checks).
 #
-#   1. versions and the GPU;
+#   1. versions and the GPU; `rlrecipe doctor` for the 7B recipes (what this machine lacks for them);
 #   2. the 7B micro-batch's memory (R1-Distill-Qwen-7B's shapes, V = 152,064): full logits vs chunked,
-#      then seconds and memory under sdpa's packed mask vs per-document varlen_sdpa;
+#      then seconds and memory under sdpa's packed mask vs per-document varlen_sdpa, and the chunked
+#      peaks beside `rlrecipe plan`'s terms for them (bench/plan_7b_gpu.py);
+#   2b. the weight-sync fingerprint against `rlrecipe serve` (a server that loads the wrong weights
+#      is named) and its cost per push;
 #   3. DeepSpeed ZeRO-3 in one process on the GPU (nccl), the test that runs without a launcher;
 #   4. the GPU-marked tests (real SGLang; they skip without it and without weights);
 #   5. the whole suite with the GPU visible, so every path that picks CUDA when it can runs on it.
@@ -40,7 +43,13 @@ print(\"transformers\", transformers.__version__)
 for m in (\"deepspeed\", \"sglang\", \"flash_attn\", \"rlrecipe\", \"math_verify\", \"datasets\"):
     print(m, \"present\" if u.find_spec(m) else \"MISSING\")
 '"
+for recipe in recipes/7b_boba.yaml recipes/7b_boba_icepop_c3po.yaml recipes/32b_200.yaml; do
+  step "doctor-$(basename "$recipe" .yaml)" 120 "$PY" -m rlrecipe.cli.app doctor "$recipe"
+done
 step logprob-7b 240 "$PY" -m bench.logprob_memory --model 7b --tokens 4096,16384,30720 --json "$OUT/logprob_7b.json"
+step plan-vs-7b-peak 60 "$PY" -m bench.plan_7b_gpu "$OUT/logprob_7b.json"
+step weight-fingerprint 300 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_weight_check.py && \
+  $PY -m bench.weight_fingerprint --hidden 512 --layers 4"
 for attn in sdpa varlen_sdpa; do
   step "attention-7b-$attn" 240 "$PY" -m bench.logprob_memory --model 7b --tokens 4096,16384,30720 --paths chunked \
     --attn "$attn" --json "$OUT/logprob_7b_$attn.json"

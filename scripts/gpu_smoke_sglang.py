@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
         t2 = time.time()
         engine.update_weights_from_state(state, 2)
         summary["broadcast_update_s"] = round(time.time() - t2, 2)
+        # the fingerprint after each push (rollout/weight_check.py): a mismatch raised already; here,
+        # whether this SGLang answers /get_weights_by_name for the model at all, and what it cost
+        summary["weight_fingerprint_s"] = round(engine.weight_check_s, 3)
+        summary["weight_fingerprint_verified"] = not engine.no_weight_check
         after = engine.generate(fresh(1, "c"), params)
         ref = recompute_logprobs(hf, after, args.temperature, "cuda")
         gaps = torch.cat([(r - torch.tensor(t.logp_infer)).abs() for r, t in zip(ref, after, strict=True)])

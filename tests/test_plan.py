@@ -110,3 +110,31 @@ def test_c3po_pool_host_memory_and_checkpoint_size_by_hand():
     assert f"at most {held:.1f} GiB of host memory" in note and f"at most {saved:.1f} GiB)" in note
     off = rollout_budget(load_recipe(REPO / "recipes/7b_boba.yaml", []).recipe, dims, "rl")
     assert not [n for n in off.notes if n.startswith("C3PO++ pool")]  # synchronous rollout: no pool between steps
+
+
+def test_step_transients_by_hand():
+    from rlrecipe.plan import DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET
+
+    recipe = load_recipe(REPO / "recipes/7b_boba.yaml", []).recipe  # DeepSpeed ZeRO-3, 64 ranks, fp16
+    d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
+    p = d.params()
+    parts = train_budget(recipe, d).parts
+    assert parts["LM head / embedding grad"] == 2 * 1000 * 64
+    backward = parts["activations"] + parts["log-probs"] + parts["LM head / embedding grad"]
+    assert parts["optimizer step"] == max(0.0, 4 * p / 64 - backward) == 0.0  # freed activations cover it
+    assert parts["fp32 gradient copy"] == pytest.approx(4 * p / 64)
+    assert parts["reduce bucket"] == 2 * min(DS_REDUCE_BUCKET, p)
+    assert parts["prefetch bucket"] == 2 * min(DS_PREFETCH_BUCKET, p)
+    torch_fp32 = recipe.model_copy(deep=True)
+    torch_fp32.trainer.engine, torch_fp32.model.dtype = "torch", "float32"
+    on_gpu, on_cpu = train_budget(torch_fp32, d).parts, train_budget(torch_fp32, d, device="cpu").parts
+    assert "fp32 gradient copy" not in on_gpu and "reduce bucket" not in on_gpu
+    backward = on_gpu["activations"] + on_gpu["log-probs"] + on_gpu["LM head / embedding grad"]
+    assert on_gpu["optimizer step"] == max(0.0, 4 * p - backward)  # foreach: one temporary per parameter
+    assert on_cpu["optimizer step"] == max(0.0, 4 * 1000 * 64 - backward)  # per tensor: the largest one
+    big = ModelDims(vocab=152064, hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, tied=False)
+    small_batch = torch_fp32.model_copy(deep=True)
+    small_batch.trainer.max_tokens_per_microbatch = 256
+    parts = train_budget(small_batch, big).parts  # 7B in one process: foreach temporaries of 4 P exceed the rest
+    assert parts["optimizer step"] == pytest.approx(4 * big.params() - parts["activations"] - parts["log-probs"]
+                                                    - parts["LM head / embedding grad"])

@@ -1,0 +1,58 @@
+"""The 7B micro-batch's measured GPU peak (bench.logprob_memory --model 7b --json F) beside the plan's.
+
+  python -m bench.plan_7b_gpu runs/gpu-checks/logprob_7b.json     # `make gpu-checks` runs it
+  python -m bench.plan_7b_gpu bench/gpu/logprob_7b_h100.json       # the H100 figures kept in the repo
+
+logprob_memory measures, above the weights, one forward and backward of a packed micro-batch's
+log-probs in bfloat16 on one GPU (R1-Distill-Qwen-7B's shapes, gradient checkpointing, 4
+documents): the weights' gradients, the activations, the chunked log-probs and whatever a step
+makes on the way. The plan's terms for the same thing (plan.train_budget in one process, no
+ZeRO): gradients, activations, log-probs and the LM head / embedding gradient buffer. The ratio
+is printed as it comes; nothing is fitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+MIB = 2**20
+TERMS = ("gradients", "activations", "log-probs", "LM head / embedding grad")
+
+
+def compare(result: dict) -> list[dict]:
+    from bench.logprob_memory import SHAPES, VOCAB
+
+    result = result.get("full_vs_chunked", result)  # bench/gpu/logprob_7b_h100.json nests the sweep
+    from rlrecipe.plan import ModelDims, train_budget
+    from rlrecipe.recipe import recipe_from_dict
+
+    h, inter, layers, heads, kv = SHAPES[result["shape"]]
+    dims = ModelDims(VOCAB, h, inter, layers, heads, kv, tied=False)
+    rows = []
+    for p in result["points"]:
+        if p["path"] != "chunked" or p.get("oom"):
+            continue
+        recipe = recipe_from_dict({"run": {"name": "b"}, "model": {"tiny": {}, "gradient_checkpointing": True,
+                                                                   "dtype": "bfloat16"},
+                                   "trainer": {"engine": "torch", "max_tokens_per_microbatch": p["tokens"],
+                                               "logprob_chunk_tokens": result["chunk_tokens"]}})
+        parts = train_budget(recipe, dims).parts
+        predicted = sum(parts[t] for t in TERMS) / MIB
+        rows.append({"tokens": p["tokens"], "attn": p.get("attn"), "measured_mib": p["peak_mib"],
+                     "predicted_mib": round(predicted, 1), "predicted_over_measured": round(predicted / p["peak_mib"], 3)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json_files", nargs="+")
+    args = ap.parse_args()
+    for f in args.json_files:
+        with open(f) as fh:
+            for row in compare(json.load(fh)):
+                print(json.dumps({"file": f, **row}))
+
+
+if __name__ == "__main__":
+    main()

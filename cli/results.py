@@ -9,23 +9,47 @@ from typing import Any
 
 from rlrecipe.eval.report import (
     CONSOLE_HEADER,
+    all_results,
     collect_results,
     console_rows,
+    load_study,
     public_record,
     write_results_md,
 )
+from rlrecipe.eval.results_store import STORE, load_records, pending, save_record, save_study
 
 from rlrecipe.console import console as err_console
 from rlrecipe.errors import UserError
 
 
+def record_local(runs_dir: str | Path = "runs", store: str | Path = STORE) -> int:
+    """Keep every local result (and a local mismatch study) in the store, replacing the stored one of
+    the same recipe, model and benchmark; how many results were written."""
+    local = collect_results(runs_dir)
+    for r in local:
+        err_console.print(f"kept {save_record(r, store)}", highlight=False)
+    study = load_study(runs_dir)
+    if study:
+        err_console.print(f"kept {save_study(study, store)}", highlight=False)
+    return len(local)
+
+
 def results_command(as_json: bool = False, write: bool = True, runs_dir: str | Path = "runs",
-                    path: str | Path = "RESULTS.md") -> list[dict[str, Any]]:
-    """Print the recorded results (rich table or JSON list) and regenerate RESULTS.md."""
+                    path: str | Path = "RESULTS.md", record: bool = False,
+                    store: str | Path = STORE) -> list[dict[str, Any]]:
+    """Print the results (rich table or JSON list) and regenerate RESULTS.md; `record` first keeps
+    the local runs' results in the store."""
     from rich.console import Console
     from rich.table import Table
 
-    results = collect_results(runs_dir)
+    if record:
+        record_local(runs_dir, store)
+    else:
+        for r in pending(load_records(store), collect_results(runs_dir)):
+            err_console.print(f"{r['summary_path']}: differs from the kept result of {r['recipe']} on "
+                              f"{r['benchmark']}, which RESULTS.md keeps showing; `rlrecipe results --record` "
+                              "replaces it", highlight=False, soft_wrap=True)
+    results = all_results(runs_dir, store)
     if write:
         try:
             written = write_results_md(path, results)
@@ -37,7 +61,8 @@ def results_command(as_json: bool = False, write: bool = True, runs_dir: str | P
         return results
     out = Console() if sys.stdout.isatty() else Console(width=200)
     if not results:
-        out.print(f"no results recorded yet under {runs_dir}/ (run `rlrecipe eval <recipe>`)", highlight=False)
+        out.print(f"no results kept in {store}/ or under {runs_dir}/ yet (run `rlrecipe eval <recipe>`)",
+                  highlight=False)
         return results
     table = Table(*CONSOLE_HEADER, title="Recorded results (percent)")
     for row in console_rows(results):

@@ -85,11 +85,14 @@ def eval_(recipe: Annotated[Path | None, typer.Argument(help="recipe; default: t
 
 
 def results(json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-            write: Annotated[bool, typer.Option(help="regenerate RESULTS.md")] = True) -> None:
-    """Print recorded evaluation results (and regenerate RESULTS.md)."""
+            write: Annotated[bool, typer.Option(help="regenerate RESULTS.md")] = True,
+            record: Annotated[bool, typer.Option(help="keep this machine's results in results/, replacing "
+                                                      "the kept ones of the same recipe, model and benchmark")] = False
+            ) -> None:
+    """Print evaluation results (and regenerate RESULTS.md from results/ and local runs)."""
     from rlrecipe.cli.results import results_command
 
-    results_command(as_json=json_, write=write)
+    results_command(as_json=json_, write=write, record=record)
 
 
 def serve(model: str, port: Annotated[int, typer.Option()] = 30000,

@@ -18,7 +18,7 @@ fixed here before any run; nothing is tuned to an outcome.
 
 Finished runs are kept, so a killed study reruns only what is missing. The summary goes to
 runs/mismatch-study/study.json, figures (the five corrections overlaid, per level) under
-runs/mismatch-study/figures/, and `rlrecipe results` renders RESULTS.md's "Mismatch study".
+runs/mismatch-study/figures/; the study is kept in results/mismatch-study.json, from which `rlrecipe results` renders RESULTS.md's "Mismatch study".
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rlrecipe.eval.results_store import save_study
 
 CORRECTIONS = ["off", "tis", "icepop", "seqmask", "gspo"]
 DIALS = {"noise": "rollout.stress_logit_noise", "lag": "rollout.weight_update_every", "precision": "rollout.dtype"}
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         write_study(rows, plan)
         plot_level("precision", dtype, 1)
     path = write_study(rows, plan)
-    print(f"study: {path}")
+    print(f"study: {path}; kept as {save_study(json.loads(path.read_text()))}")
     subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)
 
 

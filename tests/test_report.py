@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 from rlrecipe.cli.results import results_command
-from rlrecipe.eval.report import collect_results, published_references, render_results_md, write_results_md
+from rlrecipe.eval.report import (
+    all_results,
+    collect_results,
+    published_references,
+    render_results_md,
+    write_results_md,
+)
 from typer.testing import CliRunner
 
 from rlrecipe.errors import UserError
@@ -145,7 +151,8 @@ def test_results_command_json_and_write(runs, tmp_path, monkeypatch, capsys):
     assert records[0]["pass_at_k"] == {"1": 0.6, "8": 0.75, "32": 0.8}
     assert records[0]["recipe_sha256"] == SHA_A and "per_problem" not in records[0]
     md = (tmp_path / "RESULTS.md").read_text()
-    assert md == render_results_md(collect_results("runs"))
+    assert md == render_results_md(all_results("runs"))
+    assert " *" in md and "not yet kept in `results/`" in md  # local runs, none kept in this store
 
 
 def test_cli_results(runs, tmp_path, monkeypatch):
@@ -164,12 +171,12 @@ def test_cli_results(runs, tmp_path, monkeypatch):
 
 
 def test_write_results_md_empty(tmp_path):
-    out = write_results_md(tmp_path / "RESULTS.md", runs_dir=tmp_path / "runs")
+    out = write_results_md(tmp_path / "RESULTS.md", runs_dir=tmp_path / "runs", store=tmp_path / "results")
     assert "No results are recorded yet" in out.read_text()
 
 
-def test_committed_results_md_is_current_for_an_empty_tree():
-    # RESULTS.md starts empty of results; it must match what the generator writes for none.
-    committed = ROOT / "RESULTS.md"
-    if "No results are recorded yet" in committed.read_text():
-        assert committed.read_text() == render_results_md([])
+def test_committed_results_md_is_what_the_kept_results_give_on_a_fresh_clone(tmp_path, monkeypatch):
+    # a fresh clone has no runs/: RESULTS.md regenerated there must equal the committed file
+    monkeypatch.chdir(ROOT)
+    out = write_results_md(tmp_path / "RESULTS.md", runs_dir=tmp_path / "no-runs")
+    assert out.read_text() == (ROOT / "RESULTS.md").read_text()

@@ -199,6 +199,15 @@ def _serve_port(tmp, data, models):
     return ["serve", models["good"], "--port", 70000]
 
 
+def _checkpoint_weights_as_a_model(tmp, data, models):
+    """run.init_from pointing into a checkpoint: weights and config, but no tokenizer (a realistic mistake)."""
+    inner = tmp / "runs" / "sft" / "checkpoints" / "step_0000002" / "trainer" / "model"
+    shutil.copytree(models["good"], inner)
+    _no_tokenizer(inner)
+    rec = recipe_dict(tmp, data, data={"train": str(data / "rl.jsonl"), "prompt_template": "plain"})
+    return ["rl", write(tmp, rec), "--set", f"run.init_from={inner}"]
+
+
 def _resume_never_ran(tmp, data, models):
     return ["sft", write(tmp, recipe_dict(tmp, data)), "--resume"]
 
@@ -212,6 +221,7 @@ CASES = {
     # models: sft, rl, eval and serve on each kind of broken model directory
     **{f"{cmd} {kind}": (_model_case(kind, cmd), hint) for kind, (_, hint) in BROKEN_MODELS.items()
        for cmd in ("sft", "rl", "eval", "serve")},
+    "rl from a checkpoint's trainer/model": (_checkpoint_weights_as_a_model, "use the run's final/ or run:<name>"),
     # recipe numbers
     "lr .inf": (_recipe_case("trainer", {"lr": float("inf")}), "trainer.lr"),
     "lr nan via --set": (_set_case("trainer.lr=.nan"), "trainer.lr"),

@@ -14,6 +14,9 @@ is n distinct answers (all correct but in the last kind):
                wrong answers, the costly case for `verify`; the worker's `values_apart` settles
                these (constants far apart) without it
 
+Each kind also records the share of its answers the fast path settled (`<kind>_fast_path_frac`):
+all of the first two, none of the math_verify ones.
+
 A fifth measure is real: `boba_cases`, AReaL's 160 model responses to 10 boba rows (16 each,
 tests/data/boba_reward_cases.jsonl), graded against the rows' references twice on one started
 pool: the first pass pays sympy's first use of each kind of expression in each worker, the
@@ -92,11 +95,14 @@ def rates(n: int = 400, workers: int | None = None) -> dict[str, float]:
 
     def timed(g: Grader, name: str, responses: list[str], refs: list[list[str]]) -> None:
         busy0 = workers_cpu_s(g)
+        fast0 = g.stats["fast_path"]
         t0 = time.perf_counter()
         res = g.grade(responses, refs)
         wall = time.perf_counter() - t0
         out[f"{name}_answers_per_s"] = len(responses) / wall
         out[f"{name}_correct_frac"] = sum(r.correct for r in res) / len(responses)
+        # the share settled by the fast path, in this process, where math-verify's verdict is certain
+        out[f"{name}_fast_path_frac"] = (g.stats["fast_path"] - fast0) / len(responses)
         busy = workers_cpu_s(g)
         if name.startswith("math_verify") and busy is not None and busy0 is not None:
             # CPU the workers spent per answer, and the share of the call's wall time they were busy

@@ -185,7 +185,8 @@ def _settings_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
 
     return [[r.get("run", "-"), r["benchmark"], _num(r.get("temperature"), "g"), _num(r.get("top_p"), "g"),
              _num(r.get("max_new_tokens"), "d"), _num(r.get("wall_time_s"), ".0f"),
-             _num(r.get("tokens_generated"), ",d"), *training(r), r.get("summary_path", "-")] for r in results]
+             _num(r.get("tokens_generated"), ",d"), *training(r), r.get("grader") or "-",
+             r.get("summary_path", "-")] for r in results]
 
 
 def seed_groups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -310,10 +311,13 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
                          "keeps it.\n")
         parts.append("### Sampling and cost\n")
         parts.append("Evaluation sampling and cost, then the cost of the training run that made the model\n"
-                     "(GPU-hours of its last session; tokens trained and generated over all its steps).\n")
+                     "(GPU-hours of its last session; tokens trained and generated over all its steps), and\n"
+                     "what graded the answers: math-verify's verdict at the version named (docs/grader.md), or\n"
+                     "\"-\" for a result recorded before graders were named, when a fast path in front of\n"
+                     "math-verify cleaned some answers up first (a trailing dot, \\text{}, spaces in numbers).\n")
         parts.append(_table(["Run", "Benchmark", "temperature", "top_p", "max new tokens", "wall time (s)",
                              "tokens generated", "train GPU-h", "train tokens trained", "train tokens generated",
-                             "summary"], _settings_rows(results)))
+                             "grader", "summary"], _settings_rows(results)))
     groups = seed_groups(results)
     if groups:
         parts.append("## Across seeds\n")

@@ -21,7 +21,7 @@ from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import row_prompt_ids
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe
-from rlrecipe.reward import Grader, grade_trajectories
+from rlrecipe.reward import Grader, grade_trajectories, grader_name
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
 from rlrecipe.runs import git_state
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
@@ -116,6 +116,7 @@ def evaluate_benchmarks(recipe: Recipe, engine: RolloutEngine, tokenizer, grader
             "benchmark": bench.name, "model": model, "recipe": recipe_path, "recipe_sha256": recipe_sha256,
             "experiment_sha256": recipe.experiment_sha256(), "seed": recipe.run.seed,
             "run": recipe.run.name, "commit": git_state()["commit"], "date": datetime.now(UTC).isoformat(),
+            "grader": grader_name(),
             "temperature": ev.temperature, "top_p": ev.top_p, "max_new_tokens": ev.max_new_tokens,
             "wall_time_s": round(time.time() - t0, 3),
             "tokens_generated": sum(r["tokens"] for r in samples),

@@ -92,6 +92,20 @@ def test_render_rows(runs):
     assert "Published reference numbers" not in md  # none given
 
 
+def test_the_grader_of_each_result_is_shown(runs):
+    _summary(runs, "tiny", "tiny_arith", recipe="recipes/tiny.yaml", model="tiny-qwen2", grader="math-verify 0.9.0",
+             date="2025-06-03T00:00:00")
+    md = render_results_md(collect_results(runs))
+    lines = md.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| Run |"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    table = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[start:end]]
+    cols, body = table[0], table[2:]
+    rows = {(r["Run"], r["Benchmark"]): r["grader"] for r in (dict(zip(cols, row, strict=True)) for row in body)}
+    # one result names its grader; the others were recorded before results named one
+    assert rows == {("boba", "aime24"): "-", ("boba", "aime25"): "-", ("tiny", "tiny_arith"): "math-verify 0.9.0"}
+
+
 def test_published_numbers_come_from_the_shipped_recipes(monkeypatch):
     monkeypatch.chdir(REPO)
     published = published_references()

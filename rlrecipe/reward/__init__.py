@@ -29,6 +29,17 @@ from rlrecipe.reward.grader import (
 )
 from rlrecipe.reward.worker import math_verify_correct
 
+
+def grader_name() -> str:
+    """What produces a verdict, as results record it: math-verify and its version (docs/grader.md)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"math-verify {version('math-verify')}"
+    except PackageNotFoundError:
+        return "math-verify"
+
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Grader",
@@ -37,6 +48,7 @@ __all__ = [
     "extract_boxed",
     "fast_grade",
     "grade_trajectories",
+    "grader_name",
     "math_verify_correct",
     "reward_of",
 ]

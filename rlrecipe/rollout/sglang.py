@@ -32,6 +32,7 @@ act on the same in-flight requests.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -121,6 +122,10 @@ class SGLangEngine(RolloutEngine):
         # the dtype the servers hold weights in (rollout.dtype; None: as sent): the fingerprint after
         # each push compares in it (weight_check.py); servers without /get_weights_by_name are skipped
         self.served_dtype = served_dtype
+        # tokens one server's KV cache holds and the longest prompt, from the plan (from_recipe);
+        # None: unknown, and the read timeout allows one turn (see read_timeout)
+        self.kv_tokens: int | None = None
+        self.prompt_tokens = 0
         self.no_weight_check: set[int] = set()
         self.weight_check_s = 0.0
 
@@ -152,7 +157,27 @@ class SGLangEngine(RolloutEngine):
         except BaseException:
             engine.close()
             raise
+        engine.size_queue_allowance(recipe, model_dir)
         return engine
+
+    def size_queue_allowance(self, recipe: Recipe, model_dir: str | Path) -> None:
+        """Size the read timeout's queueing allowance from the KV cache `rlrecipe plan` gives each
+        server (rlrecipe/plan.py) and say what it comes to for the recipe's longest request."""
+        config = Path(model_dir) / "config.json"
+        if not config.is_file():
+            return
+        from rlrecipe.plan import ModelDims, sglang_memory
+
+        _, _, kv, kv_token = sglang_memory(recipe, ModelDims.from_config(json.loads(config.read_text())))
+        self.kv_tokens, self.prompt_tokens = int(kv // kv_token), recipe.data.max_prompt_tokens
+        longest = max(recipe.rollout.max_new_tokens, recipe.eval.max_new_tokens)
+        turns = self.queue_turns(longest)
+        if turns > 1:
+            console.print(f"SGLang: each server's KV cache holds {self.kv_tokens // (self.prompt_tokens + longest)} "
+                          f"sequences of {self.prompt_tokens + longest} tokens (rlrecipe plan) and up to "
+                          f"{self.max_concurrency} requests are open on it: a request of {longest} new tokens may wait "
+                          f"{turns} turns, so it may go {self.read_timeout(longest):.0f} s without an answer before "
+                          "its server counts as hung", highlight=False, soft_wrap=True)
 
     @classmethod
     def launch(cls, model_dir: str | Path, *, cfg: SGLangServer | None = None, dtype: str = "bfloat16",
@@ -204,8 +229,20 @@ class SGLangEngine(RolloutEngine):
                 "weight_check_s": self.weight_check_s}
 
     def read_timeout(self, max_new_tokens: int) -> float:
-        """Seconds a /generate for this many new tokens may go without an answer."""
-        return self.cfg.request_timeout_s + self.cfg.request_timeout_per_token_s * max_new_tokens
+        """Seconds a /generate for this many new tokens may go without an answer. The clock runs from
+        when the request is sent, so it counts queueing too: where the plan says a server's KV cache
+        holds fewer full-length sequences than the engine keeps open on it (kv_tokens, set from the
+        recipe), the per-token allowance is given once per turn a request may have to wait."""
+        return (self.cfg.request_timeout_s
+                + self.cfg.request_timeout_per_token_s * max_new_tokens * self.queue_turns(max_new_tokens))
+
+    def queue_turns(self, max_new_tokens: int) -> int:
+        """Turns of full-length sequences the requests open on one server take through its KV cache
+        (1 when it holds them all, or when the plan's KV cache size is not known)."""
+        if not self.kv_tokens:
+            return 1
+        fit = max(1, self.kv_tokens // (self.prompt_tokens + max_new_tokens))
+        return max(1, math.ceil(self.max_concurrency / fit))
 
     def _leave_out(self, i: int, error: UserError) -> None:
         """Server i died or hung: raise `error`, or with retry_on_other_servers, stop using it."""
@@ -326,7 +363,8 @@ class SGLangEngine(RolloutEngine):
                 return None
             if err.timed_out:
                 what = (f"did not answer /generate within {req.post.read_timeout_s:.0f} s (hung? the limit is "
-                        "rollout.sglang.request_timeout_s + request_timeout_per_token_s x max_new_tokens)")
+                        "rollout.sglang.request_timeout_s + request_timeout_per_token_s x max_new_tokens, "
+                        "times the turns a request may queue for the KV cache)")
             else:
                 what = "failed during /generate"
             if self.router is not None:  # nothing to retry on here: the router spreads and retries itself
@@ -518,7 +556,9 @@ class SGLangEngine(RolloutEngine):
         from rlrecipe.rollout import weight_check
 
         served = getattr(torch, self.served_dtype) if self.served_dtype else None
-        self.weight_check_s = weight_check.check_servers(self, expected(weight_check), version, served)
+        t0 = time.perf_counter()
+        weight_check.check_servers(self, expected(weight_check), version, served)
+        self.weight_check_s = time.perf_counter() - t0  # the trainer's rows read, every server asked
 
     def control(self, i: int, path: str, body: dict, read_timeout: float) -> None:
         """POST a control request that answers {success, message}; raise unless it succeeded."""

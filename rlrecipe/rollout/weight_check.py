@@ -111,15 +111,12 @@ def compare(expected: torch.Tensor, answer, served: torch.dtype | None) -> str |
     return None
 
 
-def check_servers(engine, expected: dict[str, torch.Tensor], version: int, served: torch.dtype | None) -> float:
+def check_servers(engine, expected: dict[str, torch.Tensor], version: int, served: torch.dtype | None) -> None:
     """Ask each of the engine's live servers for the `expected` rows; raise WeightMismatch naming the
-    server and the parameter where they differ. Returns the seconds it took. A server that does not
-    answer /get_weights_by_name (an SGLang model without it) is said once and not asked again."""
-    import time
-
+    server and the parameter where they differ. A server that does not answer /get_weights_by_name
+    (an SGLang model without it) is said once and not asked again."""
     from rlrecipe.console import console
 
-    t0 = time.perf_counter()
     rows = max((t.shape[0] for t in expected.values() if t.dim()), default=TRUNCATE_ROWS)
     for i in list(engine.live):
         if i in engine.no_weight_check:
@@ -136,4 +133,3 @@ def check_servers(engine, expected: dict[str, torch.Tensor], version: int, serve
             if problem is not None:
                 raise WeightMismatch(f"SGLang server {engine.urls[i]}: after the update to weight version {version}, "
                                      f"parameter {name} (first {rows} rows) is not the trainer's: {problem}")
-    return time.perf_counter() - t0

@@ -95,7 +95,6 @@ def _train(loaded: LoadedRecipe, stage: Stage) -> dict:
             if (step + 1) % cfg.save_every == 0 or step + 1 == total:
                 with run.writing_checkpoint(step + 1) as d:
                     engine.save(d)
-    check_finite_weights(engine)
     return finish_stage(stage, engine, token_columns=("tokens",))
 
 
@@ -107,17 +106,6 @@ def trailing_bad_steps(run: Run, upto: int) -> int:
             n = n + 1 if row.get("skipped") else 0
     return n
 
-
-def check_finite_weights(engine) -> None:
-    """The weights about to be exported hold no NaN/inf (a step with a finite loss and gradient can
-    still blow them up, e.g. under a huge learning rate)."""
-    model = getattr(engine, "model", None)
-    if model is None:
-        return
-    for name, p in model.named_parameters():
-        if p.numel() and not bool(torch.isfinite(p.detach()).all()):
-            raise UserError(f"sft: the trained weights hold NaN/inf ({name}); not exporting them: lower trainer.lr "
-                            "or check the data")
 
 
 def resume_sft(engine, run: Run) -> int:

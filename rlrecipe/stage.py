@@ -63,8 +63,22 @@ def start_stage(loaded: LoadedRecipe, name: str, resume: bool, overwrite: bool) 
         raise
 
 
+def check_finite_weights(trainer, stage: str) -> None:
+    """The weights about to be exported hold no NaN/inf: a step whose loss and gradient were finite can
+    still blow them up (a huge learning rate), and the next stage would start from them. (ZeRO-3's
+    partitioned parameters are empty here and left to the bad-step guards.)"""
+    model = getattr(trainer, "model", None)
+    if model is None:
+        return
+    for name, p in model.named_parameters():
+        if p.numel() and not bool(torch.isfinite(p.detach()).all()):
+            raise UserError(f"{stage}: the trained weights hold NaN/inf ({name}); not exporting them: lower "
+                            "trainer.lr or check the data")
+
+
 def finish_stage(stage: Stage, trainer, token_columns: tuple[str, ...]) -> dict:
     """The final model, the run's cost summary, then its evaluation (which records that cost)."""
+    check_finite_weights(trainer, stage.run.stage)
     final = trainer.export_hf(stage.run.final_model_dir, stage.tokenizer)
     stage.run.finish(token_columns=token_columns)
     if not (stage.recipe.eval.benchmarks and is_rank_zero()):

@@ -46,7 +46,7 @@ def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML fil
             typer.echo(f"error: {err}", err=True)
             failed += 1
             continue
-        typer.echo(f"ok  {loaded.sha256[:12]}  {path}")
+        typer.echo(f"ok  {loaded.sha256}  {path}")
     if failed:
         raise typer.Exit(2)
 

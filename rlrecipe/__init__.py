@@ -1,5 +1,7 @@
 """rlrecipe: reproducible recipes for RL from verifiable rewards on reasoning LLMs."""
 
+from rlrecipe.library_notices import quiet_known_notices
 from rlrecipe.threads import default_wait_policy
 
 default_wait_policy()  # before anything imports torch: see rlrecipe/threads.py
+quiet_known_notices()

@@ -312,7 +312,7 @@ def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
         kv = wanted * seq * kv_token
         pool = weights + kv
     fit = int(kv // (seq * kv_token)) if kv_token else 0
-    notes.append(f"{fit} sequences of {seq} tokens fit at once beside the {wanted} asked of each engine"
+    notes.append(f"{_count(fit, 'sequence')} of {seq} tokens fit at once beside the {wanted} asked of each engine"
                  + ("" if fit >= wanted else " (SGLang queues or retracts the rest: slower, not out of memory)"))
     if stage == "rl" and rl.c3po.enabled:
         notes.append(c3po_pool_note(rl.c3po.pool_capacity, recipe.data.max_prompt_tokens, ro.max_new_tokens))
@@ -413,3 +413,7 @@ def disk_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
     if stage == "rl" and recipe.rollout.engine == "sglang" and recipe.rollout.sglang.weight_sync == "disk":
         parts["export for the rollout servers"] = float(b * d.params())
     return parts
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -15,7 +15,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -168,6 +168,11 @@ class IcePop(Section):
     alpha: float = Field(0.5, gt=0)
     beta: float = Field(5.0, gt=0)
     tis_cap: float = Field(2.0, gt=0)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _off_as_written(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
     def _band(self) -> IcePop:
@@ -583,6 +588,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for item in overrides:
         keys, value = _parse_override(item)
+        if _takes_text(keys) and not isinstance(value, str):
+            # a text field takes the text as written: YAML would read `off` as false, `2024` as a number
+            value = item.split("=", 1)[1].strip()
         node = data
         for k in keys[:-1]:
             nxt = node.get(k)
@@ -595,12 +603,52 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def _section_at(loc) -> type[BaseModel] | None:
+    """The schema section that holds the key at the end of `loc` (list indices skipped), or None."""
+    model: Any = Recipe
+    for part in list(loc)[:-1]:
+        if isinstance(part, int) or str(part).isdigit():
+            continue  # an item of a list: its model is the list's item type, found below
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        candidates = [field.annotation, *get_args(field.annotation)]
+        candidates += [a for c in candidates for a in get_args(c)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def _takes_text(keys: list[str]) -> bool:
+    """Whether the field at `keys` holds text only (a str, or a choice of strings)."""
+    section = _section_at(keys)
+    field = getattr(section, "model_fields", {}).get(keys[-1]) if section else None
+    if field is None:
+        return False
+    kinds = [a for a in (field.annotation, *get_args(field.annotation)) if a is not type(None)]
+    flat = [k for a in kinds for k in (get_args(a) if get_origin(a) is Literal else (a,))]
+    return bool(flat) and all(k is str or isinstance(k, str) for k in flat if k is not type(None))
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """'; did you mean X?' for an unknown key close to a field of the section it was given in."""
+    import difflib
+
+    section = _section_at(loc)
+    fields = list(getattr(section, "model_fields", {})) if section else []
+    close = difflib.get_close_matches(str(loc[-1]), fields, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _format_validation_error(path: str, err: ValidationError) -> str:
-    first = err.errors()[0]
+    errors = err.errors()
+    # a misspelt key also leaves its field "missing": the unknown key, with a guess, says more
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = "unknown key" + _did_you_mean(first["loc"])
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     got = first.get("input")
     shown = "" if first["type"] in ("extra_forbidden", "missing") or isinstance(got, dict) else f" (got {got!r})"

@@ -246,7 +246,7 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                 metrics.update(watch.update(metrics["entropy"], step + 1))
                 if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                     metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
-                run.log(step + 1, metrics)
+                run.log(step + 1, metrics, total=cfg.steps)
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                     save_rl_checkpoint(run, step + 1, trainer, pool)
     finally:

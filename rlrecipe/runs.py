@@ -196,6 +196,7 @@ class Run:
         atomic_write_text(self.dir / "env.json", json.dumps(meta, indent=2))
         self._num_gpus = len(meta["gpus"])
         self._started = time.time()
+        self._first_logged: tuple[int, float] | None = None  # (step before, time) when this session began
         self._wandb = None
         if self.recipe.run.tracking.wandb:
             self._start_wandb()
@@ -384,15 +385,26 @@ class Run:
             kept = [ln for ln, row in _metric_lines(self.metrics_path) if row.get("step", 0) <= after_step]
             atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
 
-    def log(self, step: int, metrics: dict[str, Any], echo: bool = True) -> None:
+    def log(self, step: int, metrics: dict[str, Any], echo: bool = True, total: int | None = None) -> None:
+        """Append one metrics row; with `echo`, print it, and with `total` the steps left and an ETA."""
         row = {"step": step, "stage": self.stage, **metrics}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+        if self._first_logged is None:
+            self._first_logged = (step - 1, self._started)
         if echo:
             shown = "  ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if not isinstance(v, (list, dict)))
-            console.print(f"[bold]{self.stage}[/] step {step}: {shown}", highlight=False)
+            where = f"step {step}" if total is None else f"step {step}/{total} ({self._eta(step, total)})"
+            console.print(f"[bold]{self.stage}[/] {where}: {shown}", highlight=False)
+
+    def _eta(self, step: int, total: int) -> str:
+        """Time left at this session's pace (steps since it started or resumed)."""
+        first, t0 = self._first_logged
+        per_step = (time.time() - t0) / max(step - first, 1)
+        left = per_step * (total - step)
+        return f"{per_step:.1f} s/step, eta {_duration(left)}"
 
     def finish(self, token_columns: tuple[str, ...] = ()) -> None:
         """Write run_summary.json: the cost of the run (GPU-hours, tokens) for RESULTS.md and notes."""
@@ -520,6 +532,12 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def read_metrics(path: Path) -> list[dict]:
     return [row for _, row in _metric_lines(path)] if path.exists() else []
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
 
 
 def _fmt(v: Any) -> str:

@@ -90,7 +90,7 @@ def _train(loaded: LoadedRecipe, stage: Stage) -> dict:
                        "epoch": step / per_epoch}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
                 metrics.update(_validate(loaded, engine, tokenizer, run, step + 1))
-            run.log(step + 1, metrics, echo=(step + 1) % 10 == 0 or step + 1 == total)
+            run.log(step + 1, metrics, echo=(step + 1) % 10 == 0 or step + 1 == total, total=total)
             bar.advance(task)
             if (step + 1) % cfg.save_every == 0 or step + 1 == total:
                 with run.writing_checkpoint(step + 1) as d:

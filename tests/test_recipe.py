@@ -39,7 +39,7 @@ def test_unknown_key_names_path_and_field(tmp_path):
     p = write(tmp_path, BASE + "rl:\n  icepop:\n    alpah: 0.3\n")
     with pytest.raises(RecipeError) as err:
         load_recipe(p)
-    assert str(err.value) == f"{p}: rl.icepop.alpah: unknown key"
+    assert str(err.value) == f"{p}: rl.icepop.alpah: unknown key; did you mean 'alpha'?"
 
 
 def test_wrong_type_names_field_and_value(tmp_path):

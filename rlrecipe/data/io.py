@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from rlrecipe.atomic_io import atomic_open
+from rlrecipe.data.registry import is_registered
 from rlrecipe.errors import UserError
 
 REQUIRED = {"rl": ("id", "prompt", "answers"), "sft": ("id", "prompt", "response"), "eval": ("id", "problem", "answer")}
@@ -104,13 +105,27 @@ def check_row(row, kind: str) -> tuple[dict | None, str | None]:
     return out, None
 
 
+def how_to_make(path: Path) -> str:
+    """The command that writes a missing canonical file, when its folder names a known dataset."""
+    name = path.parent.name
+    if name == "tiny-arith":
+        return f"; make it with `rlrecipe data make tiny-arith --out {path.parent}`"
+    try:
+        known = is_registered(name)
+    except UserError:  # no readable registry: no hint, the missing file is still the error
+        known = False
+    if known:
+        return f"; fetch it with `rlrecipe data download {name}`"
+    return ""
+
+
 def read_jsonl(path: str | Path, kind: str) -> list[dict]:
     """All rows of a canonical JSONL file; the first bad line raises a UserError naming path:line."""
     if kind not in REQUIRED:
         raise UserError(f"unknown dataset kind {kind!r}; expected one of {', '.join(REQUIRED)}")
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path}: file not found")
+        raise UserError(f"{path}: file not found{how_to_make(path)}")
     if path.is_dir():
         raise UserError(f"{path}: is a directory, expected a JSONL file")
     rows = []

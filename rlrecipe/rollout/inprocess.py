@@ -25,6 +25,7 @@ and 41% of what its decoding steps attended was padding (5% for synchronous batc
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -246,11 +247,23 @@ class _Batch:
                       torch.cat([self.last_pos, other.last_pos])[order]), order.tolist()
 
 
+def cache_keyword(model) -> str:
+    """The forward argument that takes the KV cache: `cache` in newer transformers, which warn that
+    `past_key_values` is deprecated; `past_key_values` in those before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 class InProcessEngine(RolloutEngine):
     def __init__(self, model_dir: str | Path, eos_token_id: int, pad_token_id: int, dtype: str = "float32",
                  max_batch: int = 512, refill_fraction: float = 0.25, version: int = 0):
         self.dtype = dtype
         self.model = load_model(model_dir, dtype, register_attention()).eval()
+        self._cache_kw = cache_keyword(self.model)
         self.eos = eos_token_id
         self.pad = pad_token_id
         self.max_batch = max_batch
@@ -315,9 +328,9 @@ class InProcessEngine(RolloutEngine):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         self.counters.prefill_tokens += ids.numel()
         # only the last position's logits are needed: [rows, V], not [rows, width, V]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=GrowingCache(),
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{self._cache_kw: GrowingCache()},
                          use_cache=True, logits_to_keep=1)
-        return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos[:, -1])
+        return _Batch(out.logits[:, -1, :].float(), returned_cache(out), mask, pos[:, -1])
 
     def _prefill_packed(self, rows: list[Trajectory]) -> _Batch:
         """One row holding each distinct sequence once (sorted by length), attended per sequence; then
@@ -333,7 +346,7 @@ class InProcessEngine(RolloutEngine):
         pos = (torch.arange(total) - starts.repeat_interleave(lens))[None]
         self.counters.prefill_tokens += total
         layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=GrowingCache(), use_cache=True,
+        out = self.model(input_ids=ids, position_ids=pos, **{self._cache_kw: GrowingCache()}, use_cache=True,
                          attention_mask={lt: None for lt in layer_types},  # no mask: documents come from cu_seq_lens
                          cu_seq_lens_q=torch.cat([starts[:1], ends]).to(torch.int32), max_length_q=int(lens.max()),
                          logits_to_keep=ends - 1)
@@ -346,7 +359,7 @@ class InProcessEngine(RolloutEngine):
         lead = width - row_lens[:, None]
         src = torch.where(col >= lead, starts[which][:, None] + col - lead, 0)
         flat = src.reshape(-1)
-        cache = out.past_key_values
+        cache = returned_cache(out)
         for layer in cache.layers:
             for name in ("keys", "values"):
                 x = getattr(layer, name)[0]  # [H, total, D]
@@ -364,7 +377,7 @@ class InProcessEngine(RolloutEngine):
         bands = decode_bands(lengths.tolist()) if bool((lengths[1:] <= lengths[:-1]).all()) else \
             [(0, mask.shape[0], mask.shape[1])]
         out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None],
-                         past_key_values=b.cache, use_cache=True, logits_to_keep=1, decode_bands=bands)
+                         **{self._cache_kw: b.cache}, use_cache=True, logits_to_keep=1, decode_bands=bands)
         c = self.counters
         c.forward_passes += 1
         c.decode_steps += 1
@@ -372,7 +385,7 @@ class InProcessEngine(RolloutEngine):
         self._step_cells = band_cells(bands)
         c.decode_cells += self._step_cells
         c.decode_s += time.perf_counter() - t0
-        return _Batch(out.logits[:, -1, :].float(), out.past_key_values, mask, pos)
+        return _Batch(out.logits[:, -1, :].float(), returned_cache(out), mask, pos)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
                 rows: list[Trajectory] | None = None, noise: torch.Generator | None = None):

@@ -27,6 +27,11 @@ from rlrecipe.train.logprobs import response_logprobs
 from rlrecipe.train.loss_scale import DynamicLossScaler
 from rlrecipe.train.varlen_attention import training_attention
 
+# torch warns when the scheduler steps after an optimizer step that did not run; a NaN/inf step is
+# skipped on purpose and still advances the schedule. Filtered once here: a catch_warnings block at
+# every step would reset Python's once-only registry and repeat every other warning each step.
+warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+
 
 def capture_rng() -> dict:
     """RNG states in types `torch.load(weights_only=True)` accepts: tuples of ints, tensors, floats."""
@@ -156,9 +161,7 @@ class TorchTrainEngine:
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # a skipped step still advances the schedule, on purpose
-            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-            self.scheduler.step()
+        self.scheduler.step()  # a skipped step still advances the schedule, on purpose (see the filter above)
         self.steps_done += 1
         out = {"loss": total_loss, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
                "skipped": 0.0 if finite else 1.0, **stats}

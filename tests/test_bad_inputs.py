@@ -267,6 +267,8 @@ CASES = {
     "--resume of a run that never ran": (_resume_never_ran, "--resume"),
     "eval.max_new_tokens beyond the context": (_eval_context, "eval.max_new_tokens"),
     # must be accepted
+    "--set run.name=2024": (_set_case("run.name=2024"), None),
+    "--set run.name=off": (_set_case("run.name=off"), None),
     "BOM in a data file": (_data_case('{"id": 1, "prompt": "p", "answers": ["1"]}', prefix=b"\xef\xbb\xbf"), None),
     "BOM in a recipe": (_raw_recipe(b"\xef\xbb\xbfrun: {name: t}\nmodel: {tiny: {}}\n"), None),
 }

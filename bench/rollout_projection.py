@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from bench.c3po_compare import coefficient_of_variation, run_steps
+from rlrecipe.c3po_budget import TokenBudget, admit
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.base import Refill, RolloutEngine
 from rlrecipe.rollout.inprocess import EngineCounters, band_cells, decode_bands
@@ -313,16 +314,10 @@ class SimEngine(RolloutEngine):
                  token_budget: int | None = None, seed: int | None = None,
                  refill: Refill | None = None) -> list[Trajectory]:
         # the same control flow as InProcessEngine.generate, with work counted instead of done
-        queue = [t for t in trajs if not t.done and t.status != Status.ABORTED]
-        queue.reverse()
-        for t in queue:
-            t.status = Status.RUNNING
-            if len(t.response_ids) >= params.max_new_tokens:
-                t.status = Status.TRUNCATED
-        queue = [t for t in queue if t.status == Status.RUNNING]
+        queue = admit(trajs, params)[::-1]
         server = self.layout == "server"
         refill_at = 1 if server else max(1, int(self.refill_fraction * self.max_batch))
-        finished_tokens = 0
+        budget = TokenBudget(token_budget)
         rows: list[Trajectory] = []
         cache: list[int] = []  # each row's cache length
         while queue or rows:
@@ -358,10 +353,8 @@ class SimEngine(RolloutEngine):
                     t.status = Status.FINISHED
                 elif len(t.response_ids) >= params.max_new_tokens:
                     t.status = Status.TRUNCATED
-                if t.done:
-                    finished_tokens += len(t.response_ids)
-                    ended += 1
-            if token_budget is not None and finished_tokens >= token_budget:
+                ended += budget.count(t)
+            if budget.reached:
                 break
             if refill is not None and ended:
                 queue[:0] = refill(ended)[::-1]  # fresh, behind those queued already (pop() takes the last)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from rlrecipe.c3po_budget import TokenBudget, admit
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
 from rlrecipe.rollout.kv_cache import GrowingCache
@@ -416,14 +417,8 @@ class InProcessEngine(RolloutEngine):
         gen = torch.Generator().manual_seed(0 if seed is None else seed)
         # its own stream, so turning the stress test on leaves the sampling stream as it was
         noise = torch.Generator().manual_seed((0 if seed is None else seed) ^ _NOISE_SALT)
-        queue = [t for t in trajs if not t.done and t.status != Status.ABORTED]
-        queue.reverse()  # pop() from the end keeps the caller's order
-        for t in queue:
-            t.status = Status.RUNNING
-            if len(t.response_ids) >= params.max_new_tokens:
-                t.status = Status.TRUNCATED
-        queue = [t for t in queue if t.status == Status.RUNNING]
-        finished_tokens = 0
+        queue = admit(trajs, params)[::-1]  # pop() from the end keeps the caller's order
+        budget = TokenBudget(token_budget)
         rows: list[Trajectory] = []
         batch: _Batch | None = None
         c, clock = self.counters, time.perf_counter
@@ -465,12 +460,10 @@ class InProcessEngine(RolloutEngine):
                     t.status = Status.FINISHED
                 elif len(t.response_ids) >= params.max_new_tokens:
                     t.status = Status.TRUNCATED
-                if t.done:
-                    finished_tokens += len(t.response_ids)
-                    ended += 1
+                ended += budget.count(t)
             sampled = clock() - t0
             c.sample_s += sampled
-            if token_budget is not None and finished_tokens >= token_budget:
+            if budget.reached:
                 break
             if refill is not None and ended:
                 queue[:0] = refill(ended)[::-1]  # fresh, behind those queued already (pop() takes the last)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import requests
 
+from rlrecipe.c3po_budget import TokenBudget, admit
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import Recipe, SGLangServer
@@ -420,12 +421,7 @@ class SGLangEngine(RolloutEngine):
         if self._closed:
             raise RuntimeError("SGLangEngine is closed")
         self._check_alive()
-        todo = [t for t in trajs if not t.done and t.status != Status.ABORTED]
-        for t in todo:
-            t.status = Status.RUNNING
-            if len(t.response_ids) >= params.max_new_tokens:
-                t.status = Status.TRUNCATED
-        todo = [t for t in todo if t.status == Status.RUNNING]
+        todo = admit(trajs, params)
         if not todo:
             return trajs
         version = self.version
@@ -434,7 +430,7 @@ class SGLangEngine(RolloutEngine):
         reqs = self._requests(todo, params, groups, contexts)
         futures: dict[Future, _Request] = {self._submit(r): r for r in reqs}
         pending = set(futures)
-        finished_tokens = 0
+        budget = TokenBudget(token_budget)
         stopping = False
         last_abort, abort_rounds = 0.0, 0
         try:
@@ -446,9 +442,7 @@ class SGLangEngine(RolloutEngine):
                     out = self._answer(req, fut)
                     if out is not None:
                         self._apply(req.traj, out, params, version, req.endpoint)
-                        if req.traj.done:
-                            finished_tokens += len(req.traj.response_ids)
-                            ended += 1
+                        ended += budget.count(req.traj)
                     elif req.lost and not stopping:
                         # its server was left out: the same request, from the start, on another
                         req.endpoint = self.live[hash(req.rid) % len(self.live)]
@@ -457,7 +451,7 @@ class SGLangEngine(RolloutEngine):
                         new = self._submit(req)
                         futures[new] = req
                         pending.add(new)
-                if not stopping and token_budget is not None and finished_tokens >= token_budget:
+                if not stopping and budget.reached:
                     stopping = True
                     # not sent yet: withdrawn, the trajectory stays as it is
                     pending = {f for f in pending if not self._http.withdraw(futures[f].post)}

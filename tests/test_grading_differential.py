@@ -41,11 +41,26 @@ def test_the_corpus_holds_every_form_it_claims():
     assert "\\left( 3, \\frac{\\pi}{2} \\right)" in refs and "\\boxed{9\\sqrt{2}}" in refs
 
 
+def settled_by_values_apart(pairs) -> int:
+    """How many of the pairs that reach a worker its `values_apart` settles without `verify`."""
+    from rlrecipe.reward.worker import _parse, _parse_gold, values_apart
+
+    settled = 0
+    for response, refs in pairs:
+        x = extract_boxed(response)
+        if x is None or fast_grade(x, list(refs)) is not None:
+            continue
+        pred = _parse(x)
+        settled += bool(pred) and any(values_apart(_parse_gold(a), pred) for a in refs if _parse_gold(a))
+    return settled
+
+
 def test_the_grader_gives_math_verifys_verdict_on_a_sample():
     pairs = sample(300)
     wrong, stats = disagreements(pairs)
     assert not wrong
-    assert stats["fast_path"] >= 40 and stats["math_verify"] >= 150  # both paths were compared
+    # every path was compared: the fast path, the workers' `verify` and their `values_apart`
+    assert stats["fast_path"] >= 40 and stats["math_verify"] >= 150 and settled_by_values_apart(pairs) >= 5
     assert 75 <= stats["correct"] <= 225  # correct and wrong answers both
 
 

@@ -60,7 +60,8 @@ reproduce-aime: $(STAMP)
 gpu-smoke: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu tests
 
-# Every GPU check in one go (7B micro-batch memory and speed, DeepSpeed on the GPU, the suite with
+# Every GPU check in one go (`rlrecipe doctor` for the GPU recipes, 7B micro-batch memory and speed and
+# its peak against `rlrecipe plan`, the weight-sync fingerprint, DeepSpeed on the GPU, the suite with
 # CUDA visible); logs and JSON in runs/gpu-checks. bench/gpu/ holds what an H100 gave.
 gpu-checks: $(STAMP)
 	PY=$(BIN)/python bash scripts/gpu_checks.sh

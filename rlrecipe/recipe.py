@@ -214,7 +214,8 @@ class Cov(Section):
     clip_low: float = 1.0
     clip_high: float = 5.0
     # KL-Cov: the top kl_fraction x N tokens by cov get + kl_coef * |logp - logp_old| (the authors'
-    # code: k = 0.2%, beta = 1).
+    # k = 0.2%, beta = 1), ranked among the tokens in the loss that no clip holds, with the PPO clip
+    # kept: a variant of the authors' code, which drops the clip (algo/cov.py says why).
     kl_fraction: float = Field(2e-3, gt=0, le=1)
     kl_coef: float = Field(1.0, ge=0)
 
@@ -719,7 +720,9 @@ def _looks_like_file(value: str) -> bool:
 
 def _check_files(recipe: Recipe, path: Path) -> None:
     """Local files a recipe names must exist, unless an earlier stage of the chain makes them."""
-    from rlrecipe.data.registry import is_registered  # local import: data imports recipe
+    # data sits below recipe and never imports it (tests/test_import_layers.py); imported here only
+    # because this check alone needs the registry
+    from rlrecipe.data.registry import is_registered
 
     candidates: list[tuple[str, str | None]] = [("data.train", recipe.data.train)]
     candidates += [(f"eval.benchmarks.{i}.path", b.path) for i, b in enumerate(recipe.eval.benchmarks)]

@@ -11,10 +11,20 @@ function sees (as in the authors' code, where the policy-loss function computes 
 micro-batch with the current, detached log-probs): a global-batch version would need a pass over
 the whole minibatch before the update.
 
-Clip-Cov (Eq. 12): draw floor(r N) tokens at random among those with cov in [omega_low, omega_high]
-and detach their gradient. KL-Cov (Eq. 13): the top floor(k N) tokens by cov get a KL penalty
-between pi_old and pi_theta, estimated per token as |logp - logp_old| (the authors' code). Both take
-at least one token, as the authors' code does.
+Clip-Cov (Eq. 12): draw floor(r N) tokens at random among the candidates with cov in
+[omega_low, omega_high] and detach their gradient. KL-Cov (Eq. 13): the top floor(k N) candidates
+by cov get a penalty between pi_old and pi_theta, estimated per token as |logp - logp_old| (the
+authors' estimate). Both take at least one token, as the authors' code does.
+
+The candidates are chosen by the caller (`ppo._cov_remedy`): the tokens still in the loss (weight
+!= 0) that neither the PPO clip nor the dual clip holds. For Clip-Cov that is the authors' code.
+KL-Cov here is a variant of theirs: their code drops the PPO clip when KL-Cov is on (the plain
+-A r on every token) and ranks every valid token; here the clipped PPO loss stays and only the
+candidates are ranked (cov and N still count every token of the micro-batch). Why: every
+stability option is one change to the same loss, so a KL-Cov recipe differs from its base in
+KL-Cov alone, not also in losing the clip; a token of weight 0 would get its penalty times 0, so
+ranking it would waste one of the few places; and a clipped token is already held back, so the
+places go to tokens nothing else restrains, as Clip-Cov's do. docs/design.md states the loss.
 """
 
 from __future__ import annotations

@@ -179,8 +179,10 @@ def _sequence_stats(log_s: torch.Tensor, was_clipped: torch.Tensor, seq: torch.T
 
 def _cov_remedy(tok_loss: torch.Tensor, logp: torch.Tensor, f: dict[str, torch.Tensor], candidates: torch.Tensor,
                 rem: Remedies, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip-Cov detaches the chosen tokens' terms; KL-Cov adds its penalty to them. Candidates are
-    the tokens still in the loss and not already held by the PPO clip (as the authors' code)."""
+    """Clip-Cov detaches the chosen tokens' terms; KL-Cov adds its penalty to them (then weighted like
+    the rest of the term). Candidates are the tokens still in the loss and held by neither clip: the
+    authors' code for Clip-Cov; for KL-Cov, whose authors drop the clip and rank every token, a
+    variant (algo/cov.py says why)."""
     cov = token_covariance(logp, f["adv"])
     if rem.cov_mode == "clip_cov":
         chosen = clip_cov_tokens(cov, candidates, rem.cov_fraction, rem.clip_cov_low, rem.clip_cov_high, generator)

@@ -216,7 +216,7 @@ def bench_projection(c3po: dict, end_to_end: dict | None) -> dict:
 
 
 
-# The shipped C3PO++ recipe, projected at reasoning lengths (README.md, "C3PO++ at the 7B recipe's size")
+# The shipped C3PO++ recipe, projected at reasoning lengths (docs/performance.md, "C3PO++ at the 7B recipe's size")
 RECIPE_PROJECTED = "recipes/7b_boba_icepop_c3po.yaml"
 ASSUMED_LENGTHS = (10_000, 0.4, 0.45)  # log-normal median, prompt and sample sigma: an assumption
 

@@ -4,8 +4,8 @@ The SGLang engine keeps thousands of `/generate` requests open at the 7B recipe'
 prompts x 16 samples over 64 servers). One thread and one connection pool serve them all; a
 semaphore per server bounds what is open on each, and every request has its own read timeout, so
 a server that stops answering fails its requests instead of holding them forever. (aiohttp, not
-httpx: httpx's connection pool slows down quadratically with the connections open, 12 s of
-overhead for 512 requests on one server here.)
+httpx: httpx's connection pool slows down quadratically with the connections open; figures in
+docs/performance.md.)
 
 Requests are handed in from any thread with `submit`, which returns a `concurrent.futures.Future`.
 A request still waiting for its server's semaphore can be withdrawn (`withdraw`); once sent it

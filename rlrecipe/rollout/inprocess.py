@@ -18,9 +18,9 @@ left-padded cache layout that decoding uses.
 Decoding attends by bands of lengths. Rows are kept longest first (newcomers are prefilled in
 that order and merged into it; every row grows by one token a step, so the order holds), and a
 step's attention runs once per band of rows whose longest is at most PAD_RATIO x its shortest,
-over only the cache columns that longest row fills. Without the bands every row attends over the
-width of the longest row in flight: C3PO++ decodes resumed long rollouts beside fresh short ones,
-and 41% of what its decoding steps attended was padding (5% for synchronous batches).
+over only the cache columns that longest row fills. Without the bands every row would attend over
+the width of the longest row in flight, and C3PO++ decodes resumed long rollouts beside fresh
+short ones, so much of that would be padding (docs/performance.md has the measurements).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The in-process engine's KV cache: transformers' DynamicCache with room to grow.
 
 DynamicCache appends each decoding step's keys and values with `torch.cat`, which copies the
-whole cache, every layer, every step. At the sizes C3PO++ decodes on CPU (a thousand rows of
-about a hundred positions) that copy was 61% of a decoding step, more than the attention itself.
+whole cache, every layer, every step; at the sizes C3PO++ decodes on CPU that copy cost more
+than the attention itself (docs/performance.md has the measurements).
 Here each layer keeps its keys and values in a buffer with spare columns: a step writes one
 column, and the buffer is copied only when it fills (a quarter of its length is added each time)
 or when the engine has replaced the tensors itself (joining, compacting, re-laying a packed

@@ -276,7 +276,7 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
     if cfg.nodes > 1:
         raise UserError(f"rollout.sglang.nodes is {cfg.nodes}: the run launches no servers then; start each "
                         f"node's share with `rlrecipe rollout-servers RECIPE --node N` (N = 0..{cfg.nodes - 1}) "
-                        "and attach them with rollout.urls (README: Rollout at scale)")
+                        "and attach them with rollout.urls (docs/gpu.md: Rollout at scale)")
     template = launch_cmd if launch_cmd is not None else (cfg.launch_cmd or None)
     if template is None:  # a launch_cmd may not use GPUs at all
         require_sglang()
@@ -347,7 +347,7 @@ def check_gpus(cfg: SGLangServer, visible: int, trainer_gpus: int = 0) -> None:
                         f"its servers) has {visible}; lower rollout.sglang.num_servers, tp_size or dp_size"
                         f"{', or trainer.nproc' if trainer_gpus else ''}, or spread the servers over "
                         "rollout.sglang.nodes nodes (`rlrecipe rollout-servers`) and attach them with "
-                        "rollout.urls (README: Rollout at scale)")
+                        "rollout.urls (docs/gpu.md: Rollout at scale)")
 
 
 # -- the router ------------------------------------------------------------------------------------

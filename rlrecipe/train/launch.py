@@ -1,35 +1,12 @@
 """Process launch and rank helpers for multi-process training (the DeepSpeed engine).
 
-One command on one node
------------------------
-`rlrecipe sft RECIPE` with `trainer.engine: deepspeed` and `trainer.nproc * trainer.nodes > 1`
-re-executes itself under torchrun (`python -m torch.distributed.run`) with `trainer.nproc`
-processes on this node, then exits with torchrun's status. The children carry
-`RLRECIPE_LAUNCHED=1` so they do not launch again; a command that is already running under
-torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) is never relaunched either, so
-`torchrun --nproc_per_node 8 -m rlrecipe.cli.app sft RECIPE` by hand also works.
-With `trainer.nodes: 1` the rendezvous is torchrun's `--standalone` (a free local port), so
-`trainer.master_addr/master_port` are not used and two runs on one machine do not collide.
-With `trainer.nproc * trainer.nodes == 1` nothing is launched: the engine starts a
-one-process group itself (gloo on CPU, nccl on GPU).
-
-Several nodes
--------------
-Run the same command on every node with the node's rank in the environment::
-
-    RLRECIPE_NODE_RANK=<0..nodes-1> rlrecipe sft recipes/32b_200.yaml
-
-(`NODE_RANK` and SLURM's `SLURM_NODEID` are read too, in that order.) Node 0 hosts the
-rendezvous at `trainer.master_addr:trainer.master_port`, so master_addr must be node 0's
-address as the other nodes see it and the port must be free there. `run.output_dir` must be on
-a filesystem all nodes share: DeepSpeed writes each rank's optimizer shard into the checkpoint
-directory and every rank reads its own back on resume. Resume with the same nproc * nodes.
-
-Rank 0 alone writes run records (recipe, env.json, metrics.jsonl, W&B, checkpoint markers)
-and prints; the other ranks compute and join collective checkpoint saves
-(`rlrecipe.rank_run.make_run` returns a `Run` that does this). In RL, rank 0 also owns the
-rollout engine, the prompt pool and the grader, and broadcasts each graded batch to every rank as
-flat arrays (`broadcast_batch_from_rank_zero`), not as pickled Python lists.
+One command starts a run however many processes it needs: a stage whose recipe asks for more than
+one (`trainer.nproc` x `trainer.nodes`) runs itself again under torchrun on this node and exits with
+its status, and a command already under torchrun, or one of its children, is never relaunched.
+Rank 0 alone writes the run's records and prints, and in RL it owns the rollout engine, the pool
+and the grader, broadcasting each graded batch to the other ranks as flat arrays rather than
+pickled lists. docs/gpu.md ("Training over several processes and nodes") says how to run it on
+one node and on several.
 """
 
 from __future__ import annotations

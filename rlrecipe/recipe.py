@@ -55,6 +55,11 @@ def _too_big(value: Any) -> bool:
     return False
 
 
+# A field added to the schema after recipes were published enters the sha256 only when set to
+# something other than its default: the recipes that never set it keep their sha256.
+HASHED_WHEN_SET = {"hashed_when_set": True}
+
+
 class Section(BaseModel):
     # allow_inf_nan=False: `lr: .inf` or `reward_correct: .nan` in any float field is refused here,
     # not found as NaN weights after a run that exited 0
@@ -281,6 +286,11 @@ class RLSection(Section):
     # exceeds this contributes no gradient. null = off.
     early_stop_imp_ratio: float | None = Field(None, gt=1)
     c3po: C3PO = C3PO()
+    # Asynchronous RL: rollout for later steps runs while this step trains. The batch trained at step
+    # s is collected under the weights of step s - async_lag (the first async_lag steps' under the
+    # starting weights), so which weights produced each token follows from the schedule, not from
+    # timing. 0 = synchronous. AReaL calls the bound max_head_offpolicyness.
+    async_lag: int = Field(0, ge=0, le=64, json_schema_extra=HASHED_WHEN_SET)
     eval_every: int = Field(0, ge=0)
     save_every: int = Field(10, ge=1)
     max_bad_steps: int = Field(3, ge=1, description="consecutive NaN/inf steps before stopping")
@@ -509,6 +519,17 @@ def _digest(data: dict) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def _drop_unset_additions(section: BaseModel, dumped: dict) -> dict:
+    """`dumped` without the fields marked HASHED_WHEN_SET that hold their default, in every section."""
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        if field.json_schema_extra == HASHED_WHEN_SET and value == field.default:
+            dumped.pop(name, None)
+        elif isinstance(value, BaseModel) and isinstance(dumped.get(name), dict):
+            _drop_unset_additions(value, dumped[name])
+    return dumped
+
+
 class Recipe(Section):
     run: RunSection
     model: ModelSection = ModelSection()
@@ -530,6 +551,17 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _async_schedule(self) -> Recipe:
+        lag = self.rl.async_lag
+        if lag and self.rollout.weight_update_every > 1:
+            raise ValueError("rl.async_lag and rollout.weight_update_every > 1 both delay the rollout's weights; "
+                             "set one of them")
+        if lag > 1 and self.rollout.engine == "sglang" and self.rollout.sglang.weight_sync == "distributed":
+            raise ValueError("rl.async_lag > 1 with rollout.sglang.weight_sync: distributed would broadcast weights "
+                             "into servers that are generating; use weight_sync: disk or async_lag: 1")
+        return self
+
+    @model_validator(mode="after")
     def _noise_needs_inprocess(self) -> Recipe:
         if self.rollout.stress_logit_noise > 0 and self.rollout.engine != "inprocess":
             raise ValueError("rollout.stress_logit_noise is a stress test of the in-process engine; "
@@ -543,13 +575,18 @@ class Recipe(Section):
                              "or run.init_from (another run's output)")
         return self
 
+    def hashed(self) -> dict:
+        """What the sha256 covers: every field, defaults included, but a field added with
+        HASHED_WHEN_SET only once set (so recipes written before it keep their sha256)."""
+        return _drop_unset_additions(self, self.model_dump(mode="json"))
+
     def sha256(self) -> str:
-        return _digest(self.model_dump(mode="json"))
+        return _digest(self.hashed())
 
     def experiment_sha256(self) -> str:
         """The sha256 without run.seed, run.name and run.output_dir: runs that differ only there
         are one experiment under several seeds (RESULTS.md shows their spread)."""
-        d = self.model_dump(mode="json")
+        d = self.hashed()
         for key in ("seed", "name", "output_dir"):
             d["run"].pop(key, None)
         return _digest(d)

@@ -10,7 +10,6 @@ import json
 import time
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -25,12 +24,14 @@ from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe, RLSection, RolloutSection
 from rlrecipe.reward import Grader, grade_trajectories
 from rlrecipe.rollout.factory import make_rollout_engine
-from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
+from rlrecipe.rollout.weight_transport import weight_transport
+from rlrecipe.rollout_ahead import Collected, load_pending, save_pending
+from rlrecipe.rollout_schedule import StepRollout, WeightsOut
 from rlrecipe.runs import Run, check_resume_step, read_metrics
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
-from rlrecipe.train.launch import broadcast_batch_from_rank_zero, broadcast_from_rank_zero, is_rank_zero
+from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
 from rlrecipe.train.reference import make_reference
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 from rlrecipe.trajectory_arrays import TrajectoryBatch, as_batch
@@ -193,6 +194,7 @@ def rollout_metrics(batch: TrajectoryBatch | list[Trajectory], entropy: list[tor
         "tokens_trained": sum(lengths),
         "staleness_max": int(staleness.max()),
         "staleness_mean": int(staleness.sum()) / staleness.numel(),
+        "staleness_tokens": torch.bincount(staleness.clamp(min=0)).tolist(),  # tokens by versions behind
     }
 
 
@@ -219,37 +221,40 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
     reference = make_reference(recipe, stage.model_dir)  # None unless rl.kl_coef > 0
     watch = EntropyWatch.from_config(cfg.entropy_watch, quiet=not lead)
     guard = BadStepGuard(cfg.max_bad_steps)
-    start = resume_rl(run, trainer, pool, watch, guard)
+    start, pending = resume_rl(run, trainer, pool, watch, guard)
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir,
                                  beside_training=True) if lead else None
-    transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang)
-    if start:
-        push_weights(trainer, engine, run, tokenizer, start, transport)
+    weights_out = WeightsOut(trainer, engine, run, tokenizer, weight_transport(recipe.rollout.engine,
+                                                                              recipe.rollout.sglang))
     params = sampling_params(recipe.rollout)
     t_start = time.time()
+    rollout = None
     try:
         with Grader() as grader:
+            collect = partial(collect_graded, pool, engine, params, tokenizer, grader, cfg)
+            rollout = StepRollout(recipe, collect, weights_out, start, pending)
             for step in range(start, cfg.steps):
                 timer = StepTimer()
-                with timer("rollout_s"):
-                    batch, roll = broadcast_batch_from_rank_zero(partial(
-                        collect_graded, pool, engine, params, tokenizer, grader, cfg, seed=recipe.run.seed * 100003 + step))
+                with timer("rollout_s"):  # synchronous: collected now; asynchronous: collected ahead
+                    batch, roll = rollout.batch_for(step)
                 with timer("train_s"):
                     samples, logp_old, entropy = recompute_old_logprobs(trainer, batch, reference)
                     weights = attach_ppo_fields(samples, batch, logp_old, cfg)
                     update = ppo_update(trainer, samples, cfg)
                     guard.check(update, step + 1)
-                    if (step + 1) % recipe.rollout.weight_update_every == 0:
-                        push_weights(trainer, engine, run, tokenizer, step + 1, transport)
+                    rollout.trained(step + 1)  # synchronous: push the weights (when due)
                 metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **pool_metrics(roll),
-                           **timer.seconds, "gen_tokens_per_s": roll.generated_tokens / max(timer.seconds["rollout_s"], 1e-9)}
+                           **timer.seconds, **rollout.timing(timer.seconds["rollout_s"], roll.generated_tokens)}
                 metrics.update(watch.update(metrics["entropy"], step + 1))
                 if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                    rollout.hold_current_weights(step + 1)
                     metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
                 run.log(step + 1, metrics, total=cfg.steps)
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                    save_rl_checkpoint(run, step + 1, trainer, pool)
+                    save_rl_checkpoint(run, step + 1, trainer, pool, rollout.collected_ahead())
     finally:
+        if rollout is not None:
+            rollout.close()
         if engine is not None:
             engine.close()
     console.print(f"RL done: {cfg.steps - start} steps in {time.time() - t_start:.1f}s")
@@ -315,33 +320,39 @@ class BadStepGuard:
                             "lower trainer.lr or check the data")
 
 
-def save_rl_checkpoint(run: Run, step: int, trainer, pool: RolloutPool | None) -> None:
-    """trainer/ (every rank's part), the pool's arrays and progress.json (rank 0)."""
+def save_rl_checkpoint(run: Run, step: int, trainer, pool: RolloutPool | None, ahead: list[Collected]) -> None:
+    """trainer/ (every rank's part), the pool's arrays, the batches collected ahead and progress.json
+    (rank 0)."""
     with run.writing_checkpoint(step) as d:
         trainer.save(d / "trainer")
         if pool is not None:
             pool.save(d / POOL_FILE)
+            save_pending(d, ahead)
             atomic_write_text(d / "progress.json", json.dumps({"step": step}))
 
 
-def resume_rl(run: Run, trainer, pool: RolloutPool | None, watch: EntropyWatch, guard: BadStepGuard) -> int:
-    """The step to start from: 0, or the chosen checkpoint's (trainer, pool, metrics and the streak
-    counts restored)."""
+def resume_rl(run: Run, trainer, pool: RolloutPool | None, watch: EntropyWatch, guard: BadStepGuard
+              ) -> tuple[int, list[Collected]]:
+    """The step to start from: 0, or the chosen checkpoint's (trainer, pool, the batches collected
+    ahead of it, metrics and the streak counts restored)."""
     ckpt = broadcast_from_rank_zero(run.latest_checkpoint)
     if ckpt is None:
-        return 0
+        return 0, []
     trainer.load(ckpt / "trainer")
     start = json.loads((ckpt / "progress.json").read_text())["step"]
     check_resume_step(ckpt, start)  # an edited progress.json must not skip or repeat steps
+    pending: list[Collected] = []
     if pool is not None:
         if (ckpt / POOL_FILE).exists():
             pool.load(ckpt / POOL_FILE)
         else:  # checkpoints written before the pool was stored as arrays
             pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
+        lag, steps = run.recipe.rl.async_lag, run.recipe.rl.steps
+        pending = load_pending(ckpt, range(start, min(start + lag, steps)))
         run.truncate_metrics(start)
         console.print(f"resumed from {ckpt} at step {start}")
     resume_streaks(run, watch, guard)
-    return start
+    return start, pending
 
 
 def resume_streaks(run: Run, watch: EntropyWatch, guard: BadStepGuard) -> None:
@@ -350,22 +361,6 @@ def resume_streaks(run: Run, watch: EntropyWatch, guard: BadStepGuard) -> None:
     rows = broadcast_from_rank_zero(lambda: read_metrics(run.metrics_path))
     watch.resume(r["entropy"] for r in rows)
     guard.resume(rows)
-
-
-def push_weights(trainer, engine, run: Run, tokenizer, version: int, transport: WeightTransport) -> None:
-    """In memory (in-process engine) or by broadcast (SGLang, weight_sync distributed): the
-    trainer's tensors; on disk: an HF export the servers load.
-
-    Gathering a sharded trainer's weights is collective: every rank calls this; rank 0 (the one
-    holding the engine) pushes."""
-    if transport is WeightTransport.DISK:
-        export = trainer.export_hf(Path(run.dir) / "weights_for_rollout", tokenizer)
-        if engine is not None:
-            engine.update_weights_from_disk(export, version)
-        return
-    state = trainer.rollout_state()
-    if engine is not None:
-        engine.update_weights_from_state(state, version)
 
 
 def validate(loaded: LoadedRecipe, engine, tokenizer, grader: Grader, run: Run, step: int) -> dict[str, float]:

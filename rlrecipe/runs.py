@@ -20,7 +20,7 @@ from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.manifest import check_manifest, read_identity, write_manifest
-from rlrecipe.recipe import LoadedRecipe, RecipeError, _digest
+from rlrecipe.recipe import LoadedRecipe, RecipeError, _digest, recipe_from_dict
 from rlrecipe.runlock import RunLock
 from rlrecipe.threads import thread_change, thread_record
 
@@ -238,9 +238,16 @@ class Run:
         """The experiment sha256 of the recipe.yaml the run was started with (as Recipe.experiment_sha256)."""
         try:
             d = yaml.safe_load((self.dir / "recipe.yaml").read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            return None
+        try:  # through the schema, so that fields hashed only when set are left out as they are now
+            return recipe_from_dict(d).experiment_sha256()
+        except (RecipeError, TypeError, ValueError):
+            pass
+        try:
             for key in ("seed", "name", "output_dir"):
                 d["run"].pop(key, None)
-        except (OSError, yaml.YAMLError, AttributeError, KeyError, TypeError):
+        except (AttributeError, KeyError, TypeError):
             return None
         return _digest(d)
 

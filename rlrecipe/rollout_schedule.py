@@ -1,0 +1,153 @@
+"""Where each step's batch comes from and when the rollout engine gets new weights.
+
+Synchronous (`rl.async_lag: 0`): the batch is collected at the start of its step, and the trained
+weights are pushed after every `rollout.weight_update_every`-th step. Asynchronous (`async_lag` = L):
+batches are collected on a worker thread L steps ahead (rollout_ahead.py), each under the weights
+its schedule names. Either way every rank calls the same methods: gathering a sharded trainer's
+weights is collective, while only rank 0 holds the engine, the pool and the worker.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from rlrecipe.recipe import Recipe
+from rlrecipe.rollout.weight_transport import WeightTransport
+from rlrecipe.rollout_ahead import Collected, RolloutAhead, weights_version
+from rlrecipe.train.launch import broadcast_batch_from_rank_zero, is_rank_zero
+
+ROLLOUT_EXPORTS = "weights_for_rollout"
+
+
+def step_seed(run_seed: int, step: int) -> int:
+    """The sampling seed of a step's rollout: a function of the run's seed and the step alone."""
+    return run_seed * 100003 + step
+
+
+class WeightsOut:
+    """The trainer's weights on their way to the rollout engine, by the run's transport."""
+
+    def __init__(self, trainer, engine, run, tokenizer, transport: WeightTransport):
+        self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, engine, run, tokenizer, transport
+
+    def push(self, version: int) -> None:
+        """Into the engine now (collective; rank 0 pushes): in memory, by broadcast, or by an HF
+        export the servers load."""
+        if self.transport is WeightTransport.DISK:
+            export = self.trainer.export_hf(Path(self.run.dir) / ROLLOUT_EXPORTS, self.tokenizer)
+            if self.engine is not None:
+                self.engine.update_weights_from_disk(export, version)
+            return
+        state = self.trainer.rollout_state()
+        if self.engine is not None:
+            self.engine.update_weights_from_state(state, version)
+
+    def freeze(self, version: int):
+        """A copy of the weights now, for the worker to install later (collective): cloned tensors
+        in memory, or an export of its own on disk. None on ranks without the engine."""
+        if self.transport is WeightTransport.DISK:
+            export = self.trainer.export_hf(Path(self.run.dir) / ROLLOUT_EXPORTS / f"v{version:07d}", self.tokenizer)
+            return export if self.engine is not None else None
+        if self.transport is not WeightTransport.IN_MEMORY:
+            raise ValueError(f"weights cannot be held for later over {self.transport.name.lower()}")
+        state = self.trainer.rollout_state()
+        return {k: v.detach().clone() for k, v in state.items()} if self.engine is not None else None
+
+    def install(self, frozen, version: int) -> None:
+        """On the worker: what `freeze` kept, into the engine; older exports are deleted."""
+        if isinstance(frozen, Path):
+            self.engine.update_weights_from_disk(frozen, version)
+            for old in frozen.parent.glob("v*"):
+                if old.name < frozen.name:
+                    shutil.rmtree(old, ignore_errors=True)
+        else:
+            self.engine.update_weights_from_state(frozen, version)
+
+
+class StepRollout:
+    """Each step's graded batch, and the engine's weights kept to the schedule."""
+
+    def __init__(self, recipe: Recipe, collect: Callable, weights: WeightsOut, start: int,
+                 pending: list[Collected]):
+        self.lag, self.every, self.steps = recipe.rl.async_lag, recipe.rollout.weight_update_every, recipe.rl.steps
+        self.seed, self.weights, self.start = recipe.run.seed, weights, start
+        self._collect = collect
+        self._last: Collected | None = None
+        self._wait_s = 0.0
+        self.ahead = None
+        if not self.lag:
+            if start:  # a resumed run: the engine starts from the stage's first weights
+                weights.push(start)
+            return
+        if is_rank_zero():
+            self.ahead = RolloutAhead(self.lag, self._collect_step, weights.install, lambda: weights.engine.version)
+            self.ahead.restore(pending)
+            for step in range(start, min(start + self.lag, self.steps)):
+                if not self.ahead.scheduled(step):  # a fresh run: under the starting weights
+                    self.ahead.schedule(step)
+
+    def _collect_step(self, step: int):
+        return self._collect(seed=step_seed(self.seed, step))
+
+    def batch_for(self, step: int):
+        """The graded batch that trains at `step` (every rank), and its rollout statistics."""
+        if not self.lag:
+            return broadcast_batch_from_rank_zero(lambda: self._collect_step(step))
+
+        def taken():
+            self._last, self._wait_s = self.ahead.take(step)
+            return self._last.batch, (self._last.roll, self._last.version, self._last.seconds, self._wait_s)
+
+        batch, (roll, version, seconds, wait_s) = broadcast_batch_from_rank_zero(taken)
+        self._timing = {"rollout_version": float(version), "rollout_lag": float(step - version),
+                        "rollout_collect_s": seconds, "rollout_wait_s": wait_s}
+        self._schedule_next(step)
+        return batch, roll
+
+    def _schedule_next(self, step: int) -> None:
+        """The batch of step + L, under the weights of `step` (the trainer's now)."""
+        later = step + self.lag
+        if later >= self.steps:
+            return
+        version = weights_version(later, self.lag)  # = step
+        fresh = version > 0  # the engine holds the starting weights only at step 0 of a fresh run
+        if self.lag == 1:  # the worker is idle: push as a synchronous run would
+            if fresh:
+                self.weights.push(version)
+            if self.ahead is not None:
+                self.ahead.schedule(later)
+            return
+        frozen = self.weights.freeze(version) if fresh else None
+        if self.ahead is not None:
+            self.ahead.schedule(later, frozen, version if fresh else None)
+
+    def trained(self, version: int) -> None:
+        """After the update that made `version`: a synchronous run pushes it when due."""
+        if not self.lag and version % self.every == 0:
+            self.weights.push(version)
+
+    def timing(self, rollout_s: float, generated_tokens: int) -> dict[str, float]:
+        """The step's rollout timing: synchronous, rollout_s is the collection; asynchronous, it is
+        the wait for a batch collected while earlier steps trained, and the overlap is the rest."""
+        if not self.lag:
+            return {"gen_tokens_per_s": generated_tokens / max(rollout_s, 1e-9)}
+        t = self._timing
+        return {"gen_tokens_per_s": generated_tokens / max(t["rollout_collect_s"], 1e-9), **t,
+                "overlap_s": max(0.0, t["rollout_collect_s"] - t["rollout_wait_s"])}
+
+    def hold_current_weights(self, version: int) -> None:
+        """Before validation: the worker idle and the engine holding the trainer's weights."""
+        if self.ahead is not None:
+            self.ahead.drain()
+        if self.lag:
+            self.weights.push(version)
+
+    def collected_ahead(self) -> list[Collected]:
+        """For a checkpoint: the batches collected and not yet trained, once the worker is idle."""
+        return self.ahead.drain() if self.ahead is not None else []
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()

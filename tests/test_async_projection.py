@@ -1,0 +1,93 @@
+"""The asynchronous schedule's step times (hand-derived) and the four-schedule projection on the
+shipped 7B recipe."""
+
+import json
+
+import pytest
+
+from bench.async_projection import (
+    AREAL_LENGTHS,
+    areal_groups,
+    async_projection,
+    pipeline,
+    schedule_row,
+    steady_step_s,
+)
+from bench.rollout_projection import CostModel
+
+
+def test_async_step_is_the_larger_side_and_sync_the_sum():
+    # rollout 3 s, train + push 2 s: synchronous steps end at 5, 10, 15; with eta = 1 the
+    # rollouts of step 1 run while step 0 trains: rollouts end 3, 6, 9, training 5, 8, 11
+    assert pipeline([3, 3, 3], [2, 2, 2], eta=0) == [5, 10, 15]
+    assert pipeline([3, 3, 3], [2, 2, 2], eta=1) == [5, 8, 11]
+    assert steady_step_s([3], [2], eta=0) == pytest.approx(5)
+    assert steady_step_s([3], [2], eta=1) == pytest.approx(3)
+    assert steady_step_s([2], [3], eta=1) == pytest.approx(3)  # training-bound: the trainer never waits
+
+
+def test_a_larger_staleness_bound_absorbs_uneven_rollout_steps():
+    # rollouts alternate 1 s and 5 s, training 3 s. eta = 1: rollout of step k waits for the
+    # weights of step k-2's training; ends of training 4, 9, 12, 17, 20, 25: 8 s per two steps.
+    # eta = 2: the short step lets the rollout side run ahead: 4, 9, 12, 15, 18, 21: 3 s a step.
+    assert pipeline([1, 5] * 3, [3] * 6, eta=1) == [4, 9, 12, 17, 20, 25]
+    assert pipeline([1, 5] * 3, [3] * 6, eta=2) == [4, 9, 12, 15, 18, 21]
+    assert [steady_step_s([1, 5], [3, 3], eta) for eta in (0, 1, 2)] == pytest.approx([6, 4, 3])
+
+
+def test_rollouts_never_start_before_the_weights_eta_versions_back():
+    rollout, train = [1, 5, 2, 7, 1, 1], [3, 1, 4, 1, 5, 2]
+    for eta in (1, 2, 3):
+        ends = pipeline(rollout, train, eta)
+        rollout_end, t = [], 0.0
+        for k, r in enumerate(rollout):  # rebuild the rollout ends from the training ends
+            t = max(rollout_end[-1] if rollout_end else 0.0, ends[k - eta - 1] if k > eta else 0.0) + r
+            rollout_end.append(t)
+            assert t - r >= (ends[k - eta - 1] if k > eta else 0.0)
+            assert ends[k] >= t + train[k]
+
+
+def test_schedule_row_by_hand():
+    cost = CostModel(0, 0, 0, 0, 0, train_step_s=5.0, train_token_s=0.1)
+    steps = [{"seconds": 30.0, "tokens": 100}]
+    # 2 engines x 100 tokens = 200 trained; train 0.1 x 200 / 2 GPUs + 5 = 15 s
+    sync = schedule_row("sync", steps, gpus=4, rollout_gpus=2, train_gpus=2, eta=0, colocated=False, cost=cost,
+                        load_s=1.0)
+    assert (sync["rollout_s"], sync["train_push_s"], sync["step_s"]) == pytest.approx((30, 15, 45))
+    assert sync["s_per_1m_trained_tokens"] == pytest.approx(45 / 200 * 1e6)
+    assert sync["rollout_busy"] == pytest.approx(30 / 45) and sync["train_busy"] == pytest.approx(15 / 45)
+    # async pays the 1 s weight load on the rollout side: max(31, 15)
+    fast = schedule_row("async", steps, gpus=4, rollout_gpus=2, train_gpus=2, eta=1, colocated=False, cost=cost,
+                        load_s=1.0)
+    assert fast["step_s"] == pytest.approx(31) and fast["train_busy"] == pytest.approx(15 / 31)
+
+
+def test_areal_lengths_are_the_logged_ones():
+    groups, label = areal_groups()
+    data = json.loads(AREAL_LENGTHS.read_text())
+    assert [len(g) for g in groups] == [32] * 6 + [2] * 30
+    flat = [x for g in groups for x in g]
+    assert len(flat) == 252 and max(flat) == 12000 and sum(x == 12000 for x in flat) == 32
+    assert "b76b969b9aa0187ae1ef3080a6b45a3a3fdecb74" in data["source"] and "REAL" in label
+
+
+def test_projection_runs_on_the_shipped_7b_recipe():
+    # every response 200 tokens, so every step alike; the budget set to one batch's tokens keeps
+    # the C3PO++ steps as small as the synchronous ones
+    groups = [[200] * 16] * 8
+    out = async_projection("recipes/7b_boba_icepop_c3po.yaml", groups, steps=1, splits=(64, 96), etas=(1,),
+                           overrides=["rl.c3po.token_budget=1638400"])
+    rows = {r["schedule"]: r for r in out["rows"]}
+    assert list(rows) == ["sync, colocated", "sync, split as shipped", "C3PO++, colocated",
+                          "C3PO++, split as shipped", "async, eta=1", "async + C3PO++, eta=1"]
+    assert all(r["gpus"] == 128 for r in rows.values())
+    shipped = rows["sync, split as shipped"]
+    assert (shipped["rollout_gpus"], shipped["train_gpus"]) == (64, 64)
+    assert shipped["trained_tokens_per_step"] == 512 * 16 * 200
+    assert shipped["step_s"] == pytest.approx(shipped["rollout_s"] + shipped["train_push_s"])
+    for name in ("async, eta=1", "async + C3PO++, eta=1"):
+        r = rows[name]
+        assert r["rollout_gpus"] in (64, 96) and r["rollout_gpus"] + r["train_gpus"] == 128
+        assert r["step_s"] == pytest.approx(max(r["rollout_s"], r["train_push_s"]))
+    assert rows["sync, colocated"]["speedup_vs_sync_colocated"] == 1.0
+    assert rows["async, eta=1"]["speedup_vs_sync_split"] > 1.0

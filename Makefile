@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-fast demo mismatch-study bench bench-sglang reproduce-aime gpu-smoke gpu-checks lint clean
+.PHONY: install install-gpu test test-fast demo mismatch-study async-study bench bench-sglang reproduce-aime gpu-smoke gpu-checks lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,11 @@ demo: $(STAMP)
 # missing. About an hour on 2 cores. Writes runs/mismatch-study/ and RESULTS.md's section.
 mismatch-study: $(STAMP)
 	$(BIN)/python -m scripts.mismatch_study
+
+# Synchronous vs rl.async_lag 1 and 4, IcePop on and off, 3 seeds, from the demo's SFT model (run
+# `make demo` first); about 25 minutes on 2 cores. Writes runs/async-study/ and RESULTS.md's section.
+async-study: $(STAMP)
+	$(BIN)/python -m scripts.async_study
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

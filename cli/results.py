@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from rlrecipe.eval.report import (
+    ASYNC_STUDY_FILE,
     CONSOLE_HEADER,
+    STUDY_FILE,
     all_results,
     collect_results,
     console_rows,
@@ -16,7 +18,15 @@ from rlrecipe.eval.report import (
     public_record,
     write_results_md,
 )
-from rlrecipe.eval.results_store import STORE, load_records, pending, save_record, save_study
+from rlrecipe.eval.results_store import (
+    ASYNC_STUDY,
+    STORE,
+    STUDY,
+    load_records,
+    pending,
+    save_record,
+    save_study,
+)
 
 from rlrecipe.console import console as err_console
 from rlrecipe.errors import UserError
@@ -28,9 +38,10 @@ def record_local(runs_dir: str | Path = "runs", store: str | Path = STORE) -> in
     local = collect_results(runs_dir)
     for r in local:
         err_console.print(f"kept {save_record(r, store)}", highlight=False)
-    study = load_study(runs_dir)
-    if study:
-        err_console.print(f"kept {save_study(study, store)}", highlight=False)
+    for study_file, kept in ((STUDY_FILE, STUDY), (ASYNC_STUDY_FILE, ASYNC_STUDY)):
+        study = load_study(runs_dir, study_file)
+        if study:
+            err_console.print(f"kept {save_study(study, store, kept)}", highlight=False)
     return len(local)
 
 

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rlrecipe.eval.results_store import STORE, load_records, load_stored_study, merge
+from rlrecipe.eval.results_store import ASYNC_STUDY, STORE, load_records, load_stored_study, merge
 
 from rlrecipe.errors import UserError
 
@@ -242,7 +242,7 @@ def published_table(published: list[dict[str, Any]]) -> str:
 
 
 STUDY_FILE = Path("mismatch-study") / "study.json"  # under the runs folder, written by scripts/mismatch_study.py
-STUDY_RECIPES = "recipes/mismatch_"  # their evaluations are reported in the study's own table
+STUDY_RECIPES = "recipes/mismatch_"  # their evaluations are reported in the studies' own tables
 
 
 def _mean_sd(mean: Any, sd: Any, fmt: str) -> str:
@@ -283,9 +283,34 @@ def study_section(study: dict[str, Any]) -> str:
     return "## Mismatch study\n\n" + intro + "\n" + _table(header, rows)
 
 
-def load_study(runs_dir: str | Path = "runs") -> dict[str, Any] | None:
-    """The local run's study.json, or None."""
-    path = Path(runs_dir) / STUDY_FILE
+ASYNC_STUDY_FILE = Path("async-study") / "study.json"  # written by scripts/async_study.py
+
+
+def async_section(study: dict[str, Any]) -> str:
+    """RESULTS.md's "Asynchronous RL": one line per (lag, correction), over seeds."""
+    rows = []
+    for t in sorted(study.get("table", []), key=lambda t: (t["level"], t["correction"] != "off")):
+        evals = None if t["eval_avg_mean"] is None else 100 * t["eval_avg_mean"]
+        eval_sd = None if t["eval_avg_sd"] is None else 100 * t["eval_avg_sd"]
+        rows.append(["synchronous" if not t["level"] else f"async L={t['level']:g}", t["correction"],
+                     " ".join(str(x) for x in t["seeds"]), _mean_sd(t["reward_final_mean"], t["reward_final_sd"], ".2f"),
+                     _mean_sd(evals, eval_sd, ".1f"), _num(t["grad_norm_max"], ".2f"), _num(t["masked_frac_mean"], ".4f"),
+                     _num(t["mismatch_kl_mean"], ".4f"), f"{t['collapsed']} of {len(t['seeds'])}", t["recipe"],
+                     " ".join(sha[:12] for sha in t["recipe_sha256"]),
+                     " ".join(c[:7] for c in t.get("commits", [])) or "-"])
+    intro = ("The mismatch study's *off* and *icepop* arms (recipes/mismatch_off.yaml, recipes/mismatch_icepop.yaml) "
+             "trained from the tiny SFT model synchronously and with `rl.async_lag` L: the batch of step s is "
+             "collected under the weights of step s - L. Final reward: mean training reward of the last steps "
+             "(± sd across seeds); held-out: avg@n on tiny-arith eval, percent. "
+             f"Collapse: {study.get('collapse_rule', '-')}. `make async-study` reruns it.\n")
+    header = ["schedule", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
+              "mismatch KL", "collapsed", "recipe", "sha256 (with the lag set)", "commit"]
+    return "## Asynchronous RL\n\n" + intro + "\n" + _table(header, rows)
+
+
+def load_study(runs_dir: str | Path = "runs", name: Path = STUDY_FILE) -> dict[str, Any] | None:
+    """A local study.json, or None."""
+    path = Path(runs_dir) / name
     if not path.exists():
         return None
     try:
@@ -295,7 +320,7 @@ def load_study(runs_dir: str | Path = "runs") -> dict[str, Any] | None:
 
 
 def render_results_md(results: list[dict[str, Any]], published: list[dict[str, Any]] | None = None,
-                      study: dict[str, Any] | None = None) -> str:
+                      study: dict[str, Any] | None = None, async_study: dict[str, Any] | None = None) -> str:
     results = [r for r in results if not str(r.get("recipe", "")).startswith(STUDY_RECIPES)]
     parts = [HEADER, "## Recorded results\n"]
     if not results:
@@ -332,6 +357,8 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
         parts.append(published_table(published))
     if study:
         parts.append(study_section(study))
+    if async_study:
+        parts.append(async_section(async_study))
     return "\n".join(parts)
 
 
@@ -343,8 +370,9 @@ def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, An
     path = Path(path)
     published = published_references() if Path("recipes").is_dir() else []
     study = load_stored_study(store) or load_study(runs_dir)
+    async_study = load_stored_study(store, ASYNC_STUDY) or load_study(runs_dir, ASYNC_STUDY_FILE)
     atomic_write_text(path, render_results_md(all_results(runs_dir, store) if results is None else results, published,
-                                              study))
+                                              study, async_study))
     return path
 
 

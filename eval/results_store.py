@@ -20,6 +20,7 @@ from rlrecipe.errors import UserError
 STORE = Path("results")
 RECORDS = "records"
 STUDY = "mismatch-study.json"
+ASYNC_STUDY = "async-study.json"
 DROP = {"per_problem"}  # per-problem detail stays in the run directory
 
 
@@ -61,8 +62,8 @@ def save_record(r: dict[str, Any], store: str | Path = STORE) -> Path:
     return path
 
 
-def load_stored_study(store: str | Path = STORE) -> dict[str, Any] | None:
-    path = Path(store) / STUDY
+def load_stored_study(store: str | Path = STORE, name: str = STUDY) -> dict[str, Any] | None:
+    path = Path(store) / name
     if not path.exists():
         return None
     try:
@@ -71,10 +72,10 @@ def load_stored_study(store: str | Path = STORE) -> dict[str, Any] | None:
         raise UserError(f"{path}: not a readable study record ({err})") from None
 
 
-def save_study(study: dict[str, Any], store: str | Path = STORE) -> Path:
-    """The study's table and plan (what RESULTS.md renders), without the per-run detail."""
+def save_study(study: dict[str, Any], store: str | Path = STORE, name: str = STUDY) -> Path:
+    """A study's table and plan (what RESULTS.md renders), without the per-run detail."""
     kept = {k: study[k] for k in ("plan", "table", "collapse_rule", "provenance") if k in study}
-    path = Path(store) / STUDY
+    path = Path(store) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(kept, indent=2, sort_keys=True) + "\n")
     return path

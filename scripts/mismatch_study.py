@@ -35,7 +35,8 @@ from pathlib import Path
 from rlrecipe.eval.results_store import save_study
 
 CORRECTIONS = ["off", "tis", "icepop", "seqmask", "gspo"]
-DIALS = {"noise": "rollout.stress_logit_noise", "lag": "rollout.weight_update_every", "precision": "rollout.dtype"}
+DIALS = {"noise": "rollout.stress_logit_noise", "lag": "rollout.weight_update_every", "precision": "rollout.dtype",
+         "async": "rl.async_lag"}  # async: scripts/async_study.py
 NOISE_LEVELS = [0.0, 1.0, 2.0, 4.0, 8.0]
 LAG_LEVELS = [5, 10]
 PRECISIONS = ["float16", "float32"]  # the rollout's; bfloat16 is every other run's (noise 0 is its row)
@@ -70,7 +71,7 @@ def run_one(correction: str, dial: str, level: float, seed: int) -> dict:
     run_dir = Path("runs") / name
     status = "done"
     if not _finished(run_dir):
-        value = int(level) if dial == "lag" else level  # precision: a dtype name
+        value = int(level) if dial in ("lag", "async") else level  # precision: a dtype name
         args = ["rl", recipe_of(correction), "--set", f"{DIALS[dial]}={value}", "--set", f"run.seed={seed}",
                 "--set", f"run.name={name}"]
         resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())

@@ -103,3 +103,24 @@ def test_the_kept_records_are_small_and_name_what_they_hold():
         record = json.loads(path.read_text())
         assert path.stat().st_size < 4096 and "per_problem" not in record
         assert path.name.startswith(Path(record["recipe"]).stem + "__")
+
+
+def test_the_async_study_is_kept_and_rendered_in_its_own_section(tmp_path):
+    runs, store = tmp_path / "runs", tmp_path / "results"
+    table = [{**STUDY["table"][0], "dial": "async", "level": lvl, "correction": corr, "collapsed": lvl // 4}
+             for lvl in (4, 0, 1) for corr in ("icepop", "off")]
+    local = runs / "async-study" / "study.json"
+    local.parent.mkdir(parents=True)
+    local.write_text(json.dumps({**STUDY, "table": table}))
+    results_command(write=False, runs_dir=runs, record=True, store=store, as_json=True)
+    assert load_stored_study(store, "async-study.json")["table"] == table
+    import shutil
+
+    shutil.rmtree(runs)
+    md = write_results_md(tmp_path / "R.md", runs_dir=runs, store=store).read_text()
+    section = md.split("## Asynchronous RL", 1)[1]
+    lines = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [line.split("|")[1:3] for line in lines] == [
+        [" synchronous ", " off "], [" synchronous ", " icepop "], [" async L=1 ", " off "], [" async L=1 ", " icepop "],
+        [" async L=4 ", " off "], [" async L=4 ", " icepop "]]
+    assert lines[-1].split("|")[9].strip() == "1 of 2"

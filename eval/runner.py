@@ -68,7 +68,8 @@ def _sample_benchmark(engine: RolloutEngine, tokenizer, grader: Grader, recipe: 
 def _journal_key(recipe: Recipe, model: str, rows: list[dict], params: SamplingParams, seed: int) -> str:
     """What decides a sample's content; samples.jsonl is only resumed under the same key."""
     ro = recipe.rollout
-    return digest({"model": model_fingerprint(model), "engine": ro.engine, "dtype": ro.dtype,
+    # the grader too: samples.jsonl holds verdicts, which another grader may give differently
+    return digest({"model": model_fingerprint(model), "engine": ro.engine, "dtype": ro.dtype, "grader": grader_name(),
                    "template": recipe.data.prompt_template, "params": asdict(params), "seed": seed,
                    "problems": digest([[str(r["id"]), r["problem"], str(r["answer"])] for r in rows])})
 

@@ -178,3 +178,16 @@ def test_killed_eval_resumes_to_the_uninterrupted_numbers(tmp_path, tiny_model_d
     assert {k: resumed[k] for k in SAME} == {k: uninterrupted[k] for k in SAME}
     after = samples.read_text().splitlines()
     assert after[:len(kept)] == kept and len(after) == 32  # what it had stays; nothing twice
+
+
+def test_samples_graded_by_another_grader_are_not_resumed(monkeypatch):
+    from rlrecipe.eval import runner
+    from rlrecipe.recipe import recipe_from_dict
+    from rlrecipe.trajectory import SamplingParams
+
+    recipe = recipe_from_dict({"run": {"name": "r"}, "model": {"tiny": {}}})
+    rows = [{"id": 1, "problem": "1+1", "answer": "2"}]
+    key = runner._journal_key(recipe, "m", rows, SamplingParams(), 1)
+    assert runner._journal_key(recipe, "m", rows, SamplingParams(), 1) == key
+    monkeypatch.setattr(runner, "grader_name", lambda: "math-verify 9.9.9")
+    assert runner._journal_key(recipe, "m", rows, SamplingParams(), 1) != key

@@ -25,6 +25,7 @@ from rlrecipe.data.templates import row_prompt_ids
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import RLSection
 from rlrecipe.rollout.base import RolloutEngine
+from rlrecipe.seeds import GENERATE_ROUND, PROMPT_EPOCH, mix_seed
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 from rlrecipe.trajectory_store import load_trajectories, save_trajectories
 
@@ -52,7 +53,7 @@ class PromptStream:
         if self._order is None or self._order[0] != epoch:
             order = list(range(len(self.rows)))
             if self.shuffle:
-                random.Random(self.seed * 7919 + epoch).shuffle(order)
+                random.Random(mix_seed(self.seed, epoch, PROMPT_EPOCH)).shuffle(order)
             self._order = (epoch, order)
         return self._order[1]
 
@@ -142,7 +143,7 @@ class RolloutPool:
                 self.in_flight += self.stream.next_group(n)
             refill = self._refill_as_finished(n) if c3.refill == "continuous" else None
             engine.generate(self.in_flight, params, token_budget=c3.token_budget - self._tokens(finished),
-                            seed=seed * 1009 + round_, refill=refill)
+                            seed=mix_seed(seed, round_, GENERATE_ROUND), refill=refill)
             round_ += 1
             finished += [t for t in self.in_flight if t.done]
             self.in_flight = [t for t in self.in_flight if not t.done]

@@ -16,6 +16,7 @@ from pathlib import Path
 from rlrecipe.recipe import Recipe
 from rlrecipe.rollout.weight_transport import WeightTransport
 from rlrecipe.rollout_ahead import Collected, RolloutAhead, weights_version
+from rlrecipe.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.train.launch import broadcast_batch_from_rank_zero, is_rank_zero
 
 ROLLOUT_EXPORTS = "weights_for_rollout"
@@ -23,7 +24,7 @@ ROLLOUT_EXPORTS = "weights_for_rollout"
 
 def step_seed(run_seed: int, step: int) -> int:
     """The sampling seed of a step's rollout: a function of the run's seed and the step alone."""
-    return run_seed * 100003 + step
+    return mix_seed(run_seed, step, ROLLOUT_STEP)
 
 
 class WeightsOut:

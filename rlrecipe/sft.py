@@ -14,6 +14,7 @@ from rlrecipe.data.templates import sft_token_ids
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe
 from rlrecipe.runs import Run, check_resume_step, read_metrics
+from rlrecipe.seeds import SFT_EPOCH, mix_seed
 from rlrecipe.stage import Stage, finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
@@ -39,7 +40,7 @@ def batch_for_step(samples: list[TrainSample], step: int, batch_size: int, seed:
     per_epoch = math.ceil(len(samples) / batch_size)
     epoch, i = divmod(step, per_epoch)
     order = list(range(len(samples)))
-    random.Random(seed * 100003 + epoch).shuffle(order)
+    random.Random(mix_seed(seed, epoch, SFT_EPOCH)).shuffle(order)
     return [samples[j] for j in order[i * batch_size:(i + 1) * batch_size]]
 
 

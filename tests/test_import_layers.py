@@ -28,7 +28,7 @@ def test_data_and_reward_do_not_import_runs():
     assert "rlrecipe.runs" not in loaded and "rlrecipe.recipe" not in loaded
 
 
-@pytest.mark.parametrize("leaf", ["rlrecipe.atomic_io", "rlrecipe.console"])
+@pytest.mark.parametrize("leaf", ["rlrecipe.atomic_io", "rlrecipe.console", "rlrecipe.seeds"])
 def test_leaf_modules_import_nothing_from_the_project(leaf):
     package = _project_modules_after(["rlrecipe"])  # what the package's own __init__ sets up, always loaded
     assert package <= {"rlrecipe", "rlrecipe.threads", "rlrecipe.library_notices"}

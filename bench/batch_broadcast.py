@@ -92,7 +92,7 @@ def compare(n: int) -> dict:
 def _gloo_rank(rank: int, n: int, store: str, results) -> None:
     import torch.distributed as dist
 
-    from rlrecipe.train.launch import broadcast_batch_from_rank_zero
+    from rlrecipe.dist import broadcast_batch_from_rank_zero
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     trajs = graded(n) if rank == 0 else None

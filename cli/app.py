@@ -13,8 +13,9 @@ from rlrecipe.cli import servers as servers_cmd
 from rlrecipe.cli import stages
 
 from rlrecipe.console import console
+from rlrecipe.dist import is_launched_rank
 from rlrecipe.errors import UserError
-from rlrecipe.train.launch import end_process, is_launched_rank
+from rlrecipe.train.launch import end_process
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Reproducible RL-from-verifiable-rewards recipes: data -> sft -> rl -> eval.")

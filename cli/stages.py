@@ -33,6 +33,22 @@ def _load(recipe: Path, overrides: list[str] | None):
     return load_recipe(recipe, overrides or [])
 
 
+def relaunch_args(stage: str, loaded, resume: bool, overwrite: bool = False) -> list[str]:
+    """This stage command as each rank runs it under torchrun (`--adopt-checkpoint` travels in the
+    environment)."""
+    args = ["-m", "rlrecipe.cli.app", stage, str(loaded.path)]
+    for item in loaded.overrides:
+        args += ["--set", item]
+    return args + (["--resume"] if resume else []) + (["--overwrite"] if overwrite else [])
+
+
+def _relaunch(stage: str, loaded, resume: bool, overwrite: bool) -> None:
+    """Several DeepSpeed processes: run this command under torchrun and exit; else return."""
+    from rlrecipe.train.launch import maybe_relaunch
+
+    maybe_relaunch(loaded, relaunch_args(stage, loaded, resume, overwrite))
+
+
 def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")],
              set_: SetOpt = None) -> None:
     """Load and type-check recipes; print each one's sha256."""
@@ -55,11 +71,10 @@ def sft(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite:
         adopt_checkpoint: AdoptOpt = False) -> None:
     """Supervised fine-tuning (distillation), loss on response tokens only."""
     from rlrecipe.sft import run_sft
-    from rlrecipe.train.launch import maybe_relaunch
 
     loaded = _load(recipe, set_)
     _adopt(adopt_checkpoint)
-    maybe_relaunch("sft", loaded, resume, overwrite)  # several DeepSpeed processes: run under torchrun, exit
+    _relaunch("sft", loaded, resume, overwrite)
     run_sft(loaded, resume=resume, overwrite=overwrite)
 
 
@@ -67,11 +82,10 @@ def rl(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: 
        adopt_checkpoint: AdoptOpt = False) -> None:
     """Critic-free PPO with IcePop and C3PO++."""
     from rlrecipe.rl import run_rl
-    from rlrecipe.train.launch import maybe_relaunch
 
     loaded = _load(recipe, set_)
     _adopt(adopt_checkpoint)
-    maybe_relaunch("rl", loaded, resume, overwrite)  # several DeepSpeed processes: run under torchrun, exit
+    _relaunch("rl", loaded, resume, overwrite)
     run_rl(loaded, resume=resume, overwrite=overwrite)
 
 

@@ -158,22 +158,18 @@ def read_export_for(model: torch.nn.Module, path: str | Path) -> dict[str, torch
 
 def resolve_model_dir(section: ModelSection, init_from: str | None, work_dir: Path, seed: int) -> Path:
     """Where this stage's starting weights are: `init_from`, `model.path` (at `model.revision`), or
-    a fresh tiny model. What was resolved is recorded in `work_dir/env.json` when that exists."""
+    a fresh tiny model built in `work_dir/init_model`."""
     if init_from:
         path = Path(init_from)
         if not (path / "config.json").exists():
             from rlrecipe.recipe import RecipeError
 
             raise RecipeError(f"run.init_from: no model at {path} (run the stage that makes it first)")
-    elif section.path:
-        path = hub_snapshot(section.path, section.revision)
-    else:
-        assert section.tiny is not None
-        path = create_tiny(section.tiny, work_dir / "init_model", seed)
-    from rlrecipe.runs import record_model
-
-    record_model(work_dir, model_record(path, None if init_from else section.revision))
-    return path
+        return path
+    if section.path:
+        return hub_snapshot(section.path, section.revision)
+    assert section.tiny is not None
+    return create_tiny(section.tiny, work_dir / "init_model", seed)
 
 
 # Files from_pretrained reads for a causal LM and its tokenizer (skips e.g. figures, .bin duplicates).

@@ -11,6 +11,9 @@ from pathlib import Path
 
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, RecipeError
+from rlrecipe.runs import resolve_init
+
+TRAIN_DATA = {"sft": "an SFT dataset", "rl": "an RL prompt set"}
 
 
 def _looks_like_hub_id(value: str) -> bool:
@@ -19,13 +22,9 @@ def _looks_like_hub_id(value: str) -> bool:
     return len(parts) == 2 and all(parts) and not value.startswith((".", "~"))
 
 
-def _model_source(loaded: LoadedRecipe) -> tuple[str, Path] | None:
-    from rlrecipe.runs import resolve_init
-
-    run = loaded.recipe.run
-    init = resolve_init(run.init_from, run.output_dir)
-    if init:
-        return "run.init_from", Path(init)
+def _model_source(loaded: LoadedRecipe, init_from: str | None) -> tuple[str, Path] | None:
+    if init_from:
+        return "run.init_from", Path(init_from)
     if loaded.recipe.model.path:
         return "model.path", Path(loaded.recipe.model.path)
     return None
@@ -52,10 +51,11 @@ def read_model_config(field: str, path: Path) -> dict:
         raise RecipeError(f"{config}: transformers cannot read it: {err}") from None
 
 
-def check_model(loaded: LoadedRecipe) -> dict | None:
-    """The starting model's config: what it says of itself (None for a hub id, checked when loaded)."""
+def check_model(loaded: LoadedRecipe, init_from: str | None) -> dict | None:
+    """The starting model's config: what it says of itself (None for a hub id, checked when loaded).
+    `init_from` is `run.init_from` resolved."""
     recipe = loaded.recipe
-    source = _model_source(loaded)
+    source = _model_source(loaded, init_from)
     if source is None:  # built from model.tiny
         return recipe.model.tiny.model_dump() if recipe.model.tiny else None
     field, path = source
@@ -87,12 +87,15 @@ def check_context(loaded: LoadedRecipe, config: dict | None, stage: str) -> None
                           f"for a prompt in the model's context of {context} tokens")
 
 
+def require_train_data(loaded: LoadedRecipe, stage: str) -> None:
+    if not loaded.recipe.data.train:
+        raise UserError(f"{loaded.path}: data.train: {TRAIN_DATA[stage]} is required")
+
+
 def check_data(loaded: LoadedRecipe, stage: str) -> None:
     from rlrecipe.data.io import load_rows
 
     train = loaded.recipe.data.train
-    if not train:
-        raise UserError(f"{loaded.path}: data.train: the {stage} stage needs a dataset")
     rows = load_rows(train, stage)  # names the file and line of the first bad row
     if not rows:
         raise UserError(f"{train}: no rows; the {stage} stage needs at least one")
@@ -118,11 +121,18 @@ def check_machine(loaded: LoadedRecipe, stage: str) -> None:
                         + "\n".join(f"  {line}" for line in lines))
 
 
-def check_stage_inputs(loaded: LoadedRecipe, stage: str) -> None:
+def check_stage_inputs(loaded: LoadedRecipe, stage: str) -> str | None:
     """Model, data and rollout servers of a training stage (`sft` or `rl`), and what the machine can
-    already be seen to lack, before its run directory is touched."""
+    already be seen to lack, before its run directory is touched.
+
+    Returns `run.init_from` resolved (another run's export as a path), the model the stage starts
+    from when it names one: resolved once, here, for the stage to load."""
+    require_train_data(loaded, stage)
+    run = loaded.recipe.run
+    init_from = resolve_init(run.init_from, run.output_dir)
     check_rollout_servers(loaded, stage)
     check_machine(loaded, stage)
-    config = check_model(loaded)
+    config = check_model(loaded, init_from)
     check_context(loaded, config, stage)
     check_data(loaded, stage)
+    return init_from

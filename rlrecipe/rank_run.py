@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+from rlrecipe.dist import barrier, broadcast_from_rank_zero, is_rank_zero, world_size
 from rlrecipe.recipe import LoadedRecipe
 from rlrecipe.runs import Run
-from rlrecipe.train.launch import barrier, broadcast_from_rank_zero, is_rank_zero, world_size
 
 
 class RankAwareRun(Run):
@@ -63,14 +63,7 @@ class RankAwareRun(Run):
 
 def make_run(loaded: LoadedRecipe, stage: str, resume: bool = False, subdir: str | None = None,
              overwrite: bool = False) -> Run:
-    """A `Run` for this process: the plain one in a single process; rank-aware under torchrun.
-
-    A training stage's model and data are checked first, so a stage that cannot start fails
-    before its run directory is touched."""
-    from rlrecipe.preflight import check_stage_inputs
-
-    if stage in ("sft", "rl"):
-        broadcast_from_rank_zero(lambda: check_stage_inputs(loaded, stage))
+    """A `Run` for this process: the plain one in a single process; rank-aware under torchrun."""
     if world_size() == 1:
         return Run(loaded, stage, resume=resume, subdir=subdir, overwrite=overwrite)
     return RankAwareRun(loaded, stage, resume=resume, subdir=subdir, overwrite=overwrite)

@@ -1,7 +1,8 @@
 """What every training stage (SFT, RL) does around its loop.
 
-start: check the recipe has training data, open the run directory (rank-aware), seed, resolve
-the model every rank trains (rank 0 resolves, the others receive the path), load its tokenizer.
+start: check the stage's inputs (recipe, model, data, machine), then open the run directory
+(rank-aware), seed, then resolve the model every rank trains once (rank 0 resolves it and records
+it in the run, the others receive the path), and load its tokenizer.
 finish: export the final HF model, write the run summary, then evaluate the final model on the
 recipe's benchmarks (rank 0) and print the scores.
 """
@@ -16,14 +17,13 @@ from typing import Any
 import torch
 
 from rlrecipe.console import console
+from rlrecipe.dist import broadcast_from_rank_zero, is_rank_zero
 from rlrecipe.errors import UserError
-from rlrecipe.modeling import load_tokenizer, resolve_model_dir
+from rlrecipe.modeling import load_tokenizer, model_record, resolve_model_dir
+from rlrecipe.preflight import check_stage_inputs
 from rlrecipe.rank_run import make_run
 from rlrecipe.recipe import LoadedRecipe, Recipe
-from rlrecipe.runs import Run, resolve_init
-from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
-
-TRAIN_DATA = {"sft": "an SFT dataset", "rl": "an RL prompt set"}
+from rlrecipe.runs import Run, record_model
 
 
 @dataclass
@@ -49,18 +49,26 @@ class Stage:
 
 
 def start_stage(loaded: LoadedRecipe, name: str, resume: bool, overwrite: bool) -> Stage:
-    recipe = loaded.recipe
-    if not recipe.data.train:
-        raise UserError(f"{loaded.path}: data.train: {TRAIN_DATA[name]} is required")
+    """Check the inputs, then make the run, then resolve the model: a stage that cannot start fails
+    before its run directory is touched."""
+    init_from = broadcast_from_rank_zero(lambda: check_stage_inputs(loaded, name))
     run = make_run(loaded, name, resume=resume, overwrite=overwrite)  # under torchrun: rank 0 alone writes
     try:
-        torch.manual_seed(recipe.run.seed)
-        model_dir = broadcast_from_rank_zero(lambda: resolve_model_dir(
-            recipe.model, resolve_init(recipe.run.init_from, recipe.run.output_dir), run.dir, recipe.run.seed))
+        torch.manual_seed(loaded.recipe.run.seed)
+        model_dir = broadcast_from_rank_zero(lambda: starting_model(run, init_from))
         return Stage(loaded, run, Path(model_dir), load_tokenizer(model_dir))
     except BaseException:
         run.abandon()
         raise
+
+
+def starting_model(run: Run, init_from: str | None) -> Path:
+    """The model the run starts from (`init_from`: `run.init_from` resolved), recorded in its env.json
+    with the snapshot commit and chat template it carries."""
+    recipe = run.recipe
+    path = resolve_model_dir(recipe.model, init_from, run.dir, recipe.run.seed)
+    record_model(run.dir, model_record(path, None if init_from else recipe.model.revision))
+    return path
 
 
 def check_finite_weights(trainer, stage: str) -> None:

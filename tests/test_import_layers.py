@@ -33,3 +33,14 @@ def test_leaf_modules_import_nothing_from_the_project(leaf):
     package = _project_modules_after(["rlrecipe"])  # what the package's own __init__ sets up, always loaded
     assert package <= {"rlrecipe", "rlrecipe.threads", "rlrecipe.library_notices"}
     assert _project_modules_after([leaf]) == package | {leaf}
+
+
+@pytest.mark.parametrize("module", ["rlrecipe.train.launch", "rlrecipe.dist"])
+def test_launch_and_ranks_do_not_reach_back_up_to_the_cli(module):
+    """The CLI starts the processes and asks the ranks; neither imports the CLI, nor names its module
+    (the command a relaunch runs is the CLI's own, handed down)."""
+    loaded = _project_modules_after([module])
+    assert module in loaded  # the probe worked
+    assert not any(m == "rlrecipe.cli" or m.startswith("rlrecipe.cli.") for m in loaded)
+    source = (ROOT / (module.replace("rlrecipe.", "rlrecipe/", 1).replace(".", "/") + ".py")).read_text()
+    assert "rlrecipe.cli" not in source

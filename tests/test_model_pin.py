@@ -11,6 +11,7 @@ import pytest
 from rlrecipe.modeling import create_tiny, resolve_model_dir
 from rlrecipe.recipe import LoadedRecipe, RecipeError, TinyModel, recipe_from_dict
 from rlrecipe.runs import Run
+from rlrecipe.stage import starting_model
 
 from .helpers import DATA, build_r1_tokenizer
 
@@ -40,7 +41,7 @@ def make_run(tmp_path, model: dict, name: str = "r") -> Run:
 
 def test_revision_resolves_to_the_snapshot_and_is_recorded(tmp_path, hub_cache):
     run = make_run(tmp_path, {"path": "org/r1", "revision": COMMIT})
-    got = resolve_model_dir(run.recipe.model, None, run.dir, 1)
+    got = starting_model(run, None)
     assert got.resolve() == hub_cache.resolve()
     env = json.loads((run.dir / "env.json").read_text())
     template = (DATA / "r1_chat_template.jinja").read_text()
@@ -52,7 +53,7 @@ def test_revision_resolves_to_the_snapshot_and_is_recorded(tmp_path, hub_cache):
 
 def test_unpinned_hub_id_records_the_commit_it_got(tmp_path, hub_cache):
     run = make_run(tmp_path, {"path": "org/r1"})
-    resolve_model_dir(run.recipe.model, None, run.dir, 1)
+    starting_model(run, None)
     env = json.loads((run.dir / "env.json").read_text())
     assert env["model"]["revision_requested"] is None and env["model"]["revision_resolved"] == COMMIT
 
@@ -74,7 +75,7 @@ def test_a_local_directory_must_be_the_pinned_snapshot(tmp_path, hub_cache):
 def test_tiny_model_record_has_no_revision(tmp_path):
     run = make_run(tmp_path, {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2,
                                        "intermediate_size": 64}})
-    resolve_model_dir(run.recipe.model, None, run.dir, 1)
+    starting_model(run, None)
     model = json.loads((run.dir / "env.json").read_text())["model"]
     assert model["revision_resolved"] is None and model["generation_prompt_suffix"] == "<|assistant|>"
 

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from rlrecipe.errors import UserError
 from rlrecipe.manifest import check_manifest
-from rlrecipe.rank_run import make_run
 from rlrecipe.recipe import LoadedRecipe, RecipeError, recipe_from_dict
 from rlrecipe.runlock import RunDirBusy
 from rlrecipe.runs import Run, read_metrics
+from rlrecipe.stage import start_stage
 
 from .helpers import write_recipe, write_tiny_data
 
@@ -142,7 +142,7 @@ def test_a_missing_model_fails_before_overwrite_deletes_anything(tmp_path, earli
     data, ckpt = earlier_sft_run
     bad = loaded(tmp_path, model={"path": str(tmp_path / "nowhere")}, data={"train": str(data / "sft.jsonl")})
     with pytest.raises(RecipeError, match="model.path: no model directory at .*nowhere"):
-        make_run(bad, "sft", overwrite=True)
+        start_stage(bad, "sft", resume=False, overwrite=True)
     assert ckpt.is_dir()
 
 
@@ -153,18 +153,19 @@ def test_a_broken_config_json_fails_before_overwrite_deletes_anything(tmp_path, 
     (model / "config.json").write_text('{"model_type": "qwen2", ')
     bad = loaded(tmp_path, model={"path": str(model)}, data={"train": str(data / "sft.jsonl")})
     with pytest.raises(RecipeError, match="config.json: not valid JSON"):
-        make_run(bad, "sft", overwrite=True)
+        start_stage(bad, "sft", resume=False, overwrite=True)
     assert ckpt.is_dir()
 
 
 def test_missing_or_empty_data_fails_before_overwrite_deletes_anything(tmp_path, earlier_sft_run):
     data, ckpt = earlier_sft_run
     with pytest.raises(UserError, match="nothing.jsonl: file not found"):
-        make_run(loaded(tmp_path, data={"train": str(tmp_path / "nothing.jsonl")}), "sft", overwrite=True)
+        start_stage(loaded(tmp_path, data={"train": str(tmp_path / "nothing.jsonl")}), "sft", resume=False,
+                    overwrite=True)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(UserError, match="empty.jsonl: no rows; the rl stage needs at least one"):
-        make_run(loaded(tmp_path, data={"train": str(tmp_path / "empty.jsonl")}, rollout={"max_new_tokens": 40}), "rl",
-                 overwrite=True)
+        start_stage(loaded(tmp_path, data={"train": str(tmp_path / "empty.jsonl")}, rollout={"max_new_tokens": 40}),
+                    "rl", resume=False, overwrite=True)
     assert ckpt.is_dir()
 
 
@@ -173,7 +174,7 @@ def test_a_model_inside_the_run_being_replaced_is_refused(tmp_path, earlier_sft_
     own = loaded(tmp_path, run={"name": "r", "output_dir": str(tmp_path / "runs"), "init_from": "run:r"},
                  data={"train": str(data / "rl.jsonl")})
     with pytest.raises(RecipeError, match="run.init_from: .* lies inside this run's own directory"):
-        make_run(own, "rl", overwrite=True)
+        start_stage(own, "rl", resume=False, overwrite=True)
     assert ckpt.is_dir()
 
 
@@ -182,7 +183,7 @@ def test_generation_longer_than_the_context_is_refused(tmp_path):
     rec = loaded(tmp_path, model={"tiny": {"max_position_embeddings": 64}}, rollout={"max_new_tokens": 64},
                  data={"train": str(data / "rl.jsonl")})
     with pytest.raises(RecipeError, match="rollout.max_new_tokens: 64 leaves no room .* context of 64 tokens"):
-        make_run(rec, "rl")
+        start_stage(rec, "rl", resume=False, overwrite=False)
 
 
 # -- resuming from damaged state --------------------------------------------------------------------

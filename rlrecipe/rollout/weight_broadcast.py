@@ -1,16 +1,17 @@
 """The trainer's side of `weight_sync: distributed` for an SGLang engine: its update group and pushes.
 
 The group's protocol and collectives are in `weight_sync.py`; this module drives them over the
-engine's servers: it makes the group on the first push (this process rank 0, then each live
-server's tensor-parallel ranks), sends the weights in buckets, and leaves the group when a push
-fails (a broadcast nobody received would desynchronise every later one), when a server was left
-out or taken back (the group counts the old set: it is made again before the next push, so a
-server started again joins it), and on close.
+engine's live servers, seen as `LiveServers` (what it needs of the engine and no more): it makes
+the group on the first push (this process rank 0, then each live server's tensor-parallel ranks),
+sends the weights in buckets, and leaves the group when a push fails (a broadcast nobody received
+would desynchronise every later one), when a server was left out or taken back (the group counts
+the old set: it is made again before the next push, so a server started again joins it), and on
+close.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
@@ -26,18 +27,32 @@ from rlrecipe.rollout.weight_sync import (
 )
 
 if TYPE_CHECKING:
-    from rlrecipe.rollout.sglang import SGLangEngine
+    from rlrecipe.recipe import SGLangServer
+
+
+class LiveServers(Protocol):
+    """The servers a broadcast reaches: their settings, URLs, which are still in use, and requests to one."""
+
+    cfg: SGLangServer
+    urls: list[str]
+    live: list[int]
+
+    def server_info(self, i: int) -> dict: ...
+
+    def post(self, i: int, path: str, body: dict, timeout: float | tuple | None = 30.0) -> Any: ...
+
+    def control(self, i: int, path: str, body: dict, read_timeout: float) -> None: ...
 
 
 class WeightBroadcast:
-    def __init__(self, engine: SGLangEngine):
-        self.engine = engine
+    def __init__(self, servers: LiveServers):
+        self.servers = servers
         self.group = None  # made on the first push
         self._stale = False
 
     def push(self, state_dict: dict, version: int) -> None:
         """Broadcast the weights into every live server, tagged with `version`; nothing touches disk."""
-        cfg = self.engine.cfg
+        cfg = self.servers.cfg
         if self._stale:
             self.close()
             self._stale = False
@@ -61,10 +76,10 @@ class WeightBroadcast:
         """Leave the weight update group on both sides (servers that are gone left it already)."""
         if self.group is None:
             return
-        eng = self.engine
-        for i in eng.live:
+        srv = self.servers
+        for i in srv.live:
             try:
-                eng.post(i, "/destroy_weights_update_group", {"group_name": DEFAULT_GROUP}, timeout=10)
+                srv.post(i, "/destroy_weights_update_group", {"group_name": DEFAULT_GROUP}, timeout=10)
             except UserError:
                 pass
         dist.destroy_process_group(self.group)
@@ -72,29 +87,29 @@ class WeightBroadcast:
 
     def _init_group(self) -> None:
         """Make the weight update group: this process is rank 0, then each server's tp ranks."""
-        eng = self.engine
-        cfg = eng.cfg
+        srv = self.servers
+        cfg = srv.cfg
         sizes = []
-        for i in eng.live:
-            info = eng.server_info(i)
+        for i in srv.live:
+            info = srv.server_info(i)
             if int(info.get("dp_size", 1) or 1) != 1:
                 raise UserError(f"rollout.sglang.weight_sync: distributed needs dp_size 1 per server "
-                                f"({eng.urls[i]} has {info['dp_size']}); run more servers instead")
+                                f"({srv.urls[i]} has {info['dp_size']}); run more servers instead")
             sizes.append(int(info.get("tp_size", cfg.tp_size) or cfg.tp_size))
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         bodies = [{"master_address": cfg.weight_sync_address, "master_port": cfg.weight_sync_port,
                    "rank_offset": offsets[k], "world_size": world, "group_name": DEFAULT_GROUP,
-                   "backend": cfg.weight_sync_backend} for k in range(len(eng.live))]
+                   "backend": cfg.weight_sync_backend} for k in range(len(srv.live))]
         group = []
-        run_beside([lambda i=i, k=k: eng.control(i, "/init_weights_update_group", bodies[k], 900.0)
-                    for k, i in enumerate(eng.live)],
+        run_beside([lambda i=i, k=k: srv.control(i, "/init_weights_update_group", bodies[k], 900.0)
+                    for k, i in enumerate(srv.live)],
                    lambda: group.append(init_custom_group(cfg.weight_sync_backend, cfg.weight_sync_address,
                                                           cfg.weight_sync_port, 0, world, DEFAULT_GROUP)))
         self.group = group[0]
 
     def _broadcast_chunks(self, chunks: list, version: int, device: str) -> None:
-        eng = self.engine
+        srv = self.servers
         for k, chunk in enumerate(chunks):
             last = k == len(chunks) - 1
             tensors = [t.detach().to(device).contiguous() for _, t in chunk]
@@ -102,6 +117,6 @@ class WeightBroadcast:
                     "shapes": [list(t.shape) for t in tensors], "group_name": DEFAULT_GROUP, "flush_cache": last}
             if last:
                 body["weight_version"] = str(version)
-            run_beside([lambda i=i, body=body: eng.control(i, "/update_weights_from_distributed", body, 3600.0)
-                        for i in eng.live],
+            run_beside([lambda i=i, body=body: srv.control(i, "/update_weights_from_distributed", body, 3600.0)
+                        for i in srv.live],
                        lambda tensors=tensors: broadcast(self.group, tensors))

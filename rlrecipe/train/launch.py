@@ -1,12 +1,10 @@
-"""Process launch and rank helpers for multi-process training (the DeepSpeed engine).
+"""Starting the processes of a multi-process training stage (the DeepSpeed engine).
 
 One command starts a run however many processes it needs: a stage whose recipe asks for more than
-one (`trainer.nproc` x `trainer.nodes`) runs itself again under torchrun on this node and exits with
-its status, and a command already under torchrun, or one of its children, is never relaunched.
-Rank 0 alone writes the run's records and prints, and in RL it owns the rollout engine, the pool
-and the grader, broadcasting each graded batch to the other ranks as flat arrays rather than
-pickled lists. docs/gpu.md ("Training over several processes and nodes") says how to run it on
-one node and on several.
+one (`trainer.nproc` x `trainer.nodes`) runs its command again under torchrun on this node and exits
+with its status, and a command already under torchrun, or one of its children, is never relaunched.
+Inside a launched process the process group is started here; ranks and broadcasts are `dist.py`'s.
+docs/gpu.md ("Training over several processes and nodes") says how to run it on one node and on several.
 """
 
 from __future__ import annotations
@@ -16,61 +14,19 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import NoReturn
 
+from rlrecipe.dist import LAUNCHED_ENV, is_rank_zero, under_launcher
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, RecipeError, TrainerSection
 
-if TYPE_CHECKING:
-    from rlrecipe.trajectory_arrays import TrajectoryBatch
-
-LAUNCHED_ENV = "RLRECIPE_LAUNCHED"
 NODE_RANK_ENVS = ("RLRECIPE_NODE_RANK", "NODE_RANK", "SLURM_NODEID")
 # Collectives wait this long for a slow rank (e.g. rank 0 evaluating while the others wait).
 TIMEOUT = timedelta(minutes=float(os.environ.get("RLRECIPE_DIST_TIMEOUT_MIN", "120")))
 
-T = TypeVar("T")
 
-
-# -- rank queries: 0 of 1 until a process group is started ----------------------------------------
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def rank() -> int:
-    d = _dist()
-    return d.get_rank() if d else 0
-
-
-def world_size() -> int:
-    d = _dist()
-    return d.get_world_size() if d else 1
-
-
-def is_rank_zero() -> bool:
-    return rank() == 0
-
-
-def barrier() -> None:
-    d = _dist()
-    if d and d.get_world_size() > 1:
-        d.barrier()
-
-
-def under_launcher() -> bool:
-    """True inside a process started by torchrun (ours or the user's)."""
-    return bool(os.environ.get(LAUNCHED_ENV)) or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def is_launched_rank() -> bool:
-    """This process is one rank of several that torchrun started."""
-    return under_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
+# -- process end ---------------------------------------------------------------------------------
 def end_process(code: int | str | None) -> NoReturn:
     """End this process with `code` once Python's exit handlers have run (the process group
     destroyed, W&B finished, logs flushed), skipping the interpreter's teardown.
@@ -134,95 +90,6 @@ def quiet_other_ranks() -> None:
         hf_logging.disable_progress_bar()
 
 
-def broadcast_from_rank_zero(fn: Callable[[], T]) -> T:
-    """Run `fn` on rank 0 only and hand its result to every rank (e.g. files only rank 0 may write).
-
-    An exception on rank 0 is raised there; the other ranks exit quietly with status 1.
-    """
-    d = _dist()
-    if d is None or d.get_world_size() == 1:
-        return fn()
-    box: list = [None]
-    if d.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except BaseException:
-            d.broadcast_object_list([("error", None)], src=0)
-            raise
-    d.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status != "ok":
-        raise SystemExit(1)
-    return value
-
-
-# Under nccl, tensors travel through a buffer on the GPU this many bytes at a time, so a multi-GiB
-# batch never needs its whole size free on the device (the model and optimizer are already there).
-DEVICE_CHUNK_BYTES = 64 * 2**20
-
-
-def broadcast_arrays_from_rank_zero(fn: Callable[[], tuple[dict, T]]) -> tuple[dict, T]:
-    """As `broadcast_from_rank_zero`, for a result `(tensors, small)`: a dict of named CPU tensors,
-    sent with `torch.distributed.broadcast` as raw bytes, and a small picklable value sent with
-    their names, shapes and dtypes through `broadcast_object_list`. Every rank gets CPU tensors
-    (rank 0 its own). The error behaviour is `broadcast_from_rank_zero`'s: fn runs inside it."""
-    import torch
-
-    d = _dist()
-    if d is None or d.get_world_size() == 1:
-        return fn()
-    lead = d.get_rank() == 0
-    held: dict = {}
-
-    def describe():
-        tensors, small = fn()
-        held.update(tensors)
-        return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, small
-
-    layout, small = broadcast_from_rank_zero(describe)
-    tensors = held if lead else {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
-    staging = None
-    if d.get_backend() == "nccl":  # nccl moves CUDA tensors only; gloo broadcasts the CPU tensors in place
-        largest = max((t.numel() * t.element_size() for t in tensors.values()), default=0)
-        staging = torch.empty(max(1, min(DEVICE_CHUNK_BYTES, largest)), dtype=torch.uint8,
-                              device=torch.device("cuda", torch.cuda.current_device()))
-    for name in layout:  # dict order: the same on every rank
-        t = tensors[name]
-        if t.numel():
-            _broadcast_bytes(t.contiguous().view(-1).view(torch.uint8), staging, lead)
-    return tensors, small
-
-
-def _broadcast_bytes(data, staging, lead: bool) -> None:
-    """Rank 0's `data` (a flat uint8 CPU tensor) into every rank's `data`, directly or through the
-    device buffer `staging`."""
-    d = _dist()
-    if staging is None:
-        d.broadcast(data, src=0)
-        return
-    for start in range(0, data.numel(), staging.numel()):
-        n = min(staging.numel(), data.numel() - start)
-        chunk = staging[:n]
-        if lead:
-            chunk.copy_(data[start:start + n])
-        d.broadcast(chunk, src=0)
-        if not lead:
-            data[start:start + n].copy_(chunk)
-
-
-def broadcast_batch_from_rank_zero(fn: Callable[[], tuple[TrajectoryBatch, T]]) -> tuple[TrajectoryBatch, T]:
-    """Rank 0's `(batch, small)` from `fn` on every rank: the batch's arrays by tensor broadcast, its
-    uids and group ids and `small` pickled. No rank unpickles per-token Python lists."""
-    from rlrecipe.trajectory_arrays import TrajectoryBatch
-
-    def parts():
-        batch, small = fn()
-        return batch.arrays, (batch.uids, batch.group_ids, small)
-
-    arrays, (uids, group_ids, small) = broadcast_arrays_from_rank_zero(parts)
-    return TrajectoryBatch(arrays, uids, group_ids), small
-
-
 # -- relaunch under torchrun ---------------------------------------------------------------------
 def node_rank(nodes: int) -> int:
     for key in NODE_RANK_ENVS:
@@ -236,25 +103,20 @@ def node_rank(nodes: int) -> int:
     return 0
 
 
-def torchrun_command(tr: TrainerSection, cli_args: list[str]) -> list[str]:
+def torchrun_command(tr: TrainerSection, command: list[str]) -> list[str]:
+    """torchrun starting `python COMMAND` (e.g. `-m some.module ARGS`) as `tr`'s ranks on this node."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tr.nproc}"]
     if tr.nodes == 1:
         cmd += ["--standalone", "--nnodes=1"]
     else:
         cmd += [f"--nnodes={tr.nodes}", f"--node_rank={node_rank(tr.nodes)}",
                 f"--master_addr={tr.master_addr}", f"--master_port={tr.master_port}"]
-    return cmd + ["-m", "rlrecipe.cli.app", *cli_args]
+    return cmd + command
 
 
-def cli_args_for(stage: str, loaded: LoadedRecipe, resume: bool, overwrite: bool = False) -> list[str]:
-    args = [stage, str(loaded.path)]
-    for item in loaded.overrides:
-        args += ["--set", item]
-    return args + (["--resume"] if resume else []) + (["--overwrite"] if overwrite else [])
-
-
-def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> None:
-    """Start torchrun and exit when this recipe wants several DeepSpeed processes; else return.
+def maybe_relaunch(loaded: LoadedRecipe, command: list[str]) -> None:
+    """Run `python COMMAND` under torchrun and exit with its status when this recipe wants several
+    DeepSpeed processes; else return. `command` is the caller's own, as each rank must run it.
 
     Inside a launched process: start the process group and silence ranks other than 0.
     """
@@ -270,8 +132,19 @@ def maybe_relaunch(stage: str, loaded: LoadedRecipe, resume: bool = False, overw
         return
     if tr.engine != "deepspeed" or world == 1:
         return
-    cmd = torchrun_command(tr, cli_args_for(stage, loaded, resume, overwrite))
+    cmd = torchrun_command(tr, command)
     env = {**os.environ, LAUNCHED_ENV: "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tr.nproc)))
     rc = subprocess.call(cmd, env=env)
     raise SystemExit(rc)
+
+
+# importers not yet moved to rlrecipe.dist
+from rlrecipe.dist import (  # noqa: E402,F401
+    _broadcast_bytes,
+    barrier,
+    broadcast_batch_from_rank_zero,
+    broadcast_from_rank_zero,
+    is_launched_rank,
+    world_size,
+)

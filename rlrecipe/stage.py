@@ -67,7 +67,8 @@ def starting_model(run: Run, init_from: str | None) -> Path:
     with the snapshot commit and chat template it carries."""
     recipe = run.recipe
     path = resolve_model_dir(recipe.model, init_from, run.dir, recipe.run.seed)
-    record_model(run.dir, model_record(path, None if init_from else recipe.model.revision))
+    record = model_record(path, None if init_from else recipe.model.revision)
+    record_model(run.dir, record)
     return path
 
 

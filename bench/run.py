@@ -19,6 +19,7 @@ from rich.table import Table
 from bench.c3po_compare import compare
 from bench.grading import grading_bench
 from bench.thread_load import thread_load_bench
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches
 from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import load_model, load_tokenizer
@@ -249,7 +250,7 @@ def _sft_samples(n: int = 256):
     samples, _ = build_sft_samples(load_rows(str(DATA / "sft.jsonl"), "sft")[:n], tok, "plain", 512)
     total = sum(s.num_response for s in samples)
     for s in samples:
-        s.fields = {"scale": torch.full((s.num_response,), 1.0 / total)}
+        s.columns = TokenColumns(scale=torch.full((s.num_response,), 1.0 / total))
     return samples
 
 

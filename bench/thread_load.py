@@ -21,6 +21,7 @@ from statistics import median
 
 import torch
 
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import create_tiny, load_tokenizer
 from rlrecipe.recipe import TinyModel, TrainerSection, load_recipe
@@ -52,7 +53,7 @@ def sft_step_times(seconds: float) -> list[float]:
             batch = batch_for_step(samples, step, recipe.sft.batch_size, recipe.run.seed)
             total = sum(s.num_response for s in batch)
             for s in batch:
-                s.fields = {"scale": torch.full((s.num_response,), 1.0 / total)}
+                s.columns = TokenColumns(scale=torch.full((s.num_response,), 1.0 / total))
             t0 = time.perf_counter()
             engine.train_step(batch, sft_loss)
             times.append(time.perf_counter() - t0)

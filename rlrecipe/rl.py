@@ -15,7 +15,7 @@ import torch
 
 from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
 from rlrecipe.algo.entropy_watch import EntropyWatch, trailing_run
-from rlrecipe.algo.ppo import Remedies, aggregation_scale, mismatch_weights, policy_loss
+from rlrecipe.algo.ppo import LossSettings, Remedies, aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.c3po import PromptStream, RolloutPool
 from rlrecipe.console import console
@@ -34,7 +34,7 @@ from rlrecipe.train.base import TrainSample
 from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
 from rlrecipe.train.reference import make_reference
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
-from rlrecipe.trajectory_arrays import TrajectoryBatch, as_batch
+from rlrecipe.trajectory_arrays import TrajectoryBatch
 
 POOL_FILE = "pool.safetensors"
 
@@ -60,27 +60,25 @@ def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer,
     return TrajectoryBatch.from_trajectories(batch), roll
 
 
-def recompute_old_logprobs(trainer, batch: TrajectoryBatch | list[Trajectory], reference=None
+def recompute_old_logprobs(trainer, batch: TrajectoryBatch, reference=None
                            ) -> tuple[list[TrainSample], list[torch.Tensor], list[torch.Tensor]]:
     """logp_train_old and entropies under the trainer's current weights; with a reference policy
     (train/reference.py, for the KL penalty) also each sample's field logp_ref."""
-    batch = as_batch(batch)
     samples = [TrainSample(batch.input_ids(i), batch.prompt_length(i)) for i in range(len(batch))]
     out = trainer.compute_logprobs(samples)
     if reference is not None:
         for s, lr in zip(samples, reference.logprobs(samples), strict=True):
-            s.fields["logp_ref"] = lr
+            s.columns.logp_ref = lr
     return samples, [lp for lp, _ in out], [en for _, en in out]
 
 
-def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch | list[Trajectory],
+def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch,
                       logp_old: list[torch.Tensor], cfg: RLSection) -> dict[str, float]:
-    """Advantages, IcePop/TIS weights and what the V3.2 mask needs, as per-token fields of each
-    sample (beside a logp_ref that `recompute_old_logprobs` put there)."""
-    if cfg.kl_coef > 0 and any("logp_ref" not in s.fields for s in samples):
+    """The prepare step: advantages, IcePop/TIS weights and what the V3.2 mask and GSPO need, as
+    each sample's token columns (beside the logp_ref that `recompute_old_logprobs` put there)."""
+    if cfg.kl_coef > 0 and any(s.columns.logp_ref is None for s in samples):
         raise ValueError("rl.kl_coef > 0 needs reference log-probs: pass a ReferencePolicy "
                          "(train/reference.py make_reference) to recompute_old_logprobs")
-    batch = as_batch(batch)
     adv = sequence_advantages(batch.rewards, batch.response_lengths, batch.group_ids, cfg.adv_norm)
     adv = scale_negative_advantages(adv, cfg.negative_adv_scale)
     masked = total = 0
@@ -89,8 +87,9 @@ def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch | list[
     for i, (s, a, lo) in enumerate(zip(samples, adv, logp_old, strict=True)):
         li = batch.logp_infer(i)  # a float32 view into the batch's array
         w, m = mismatch_weights(lo, li, ice.mode, ice.alpha, ice.beta, ice.tis_cap)
-        s.fields.update({"logp_old": lo, "adv": torch.full_like(lo, a), "weight": w, "logp_infer": li,
-                         "seq": torch.full(lo.shape, i, dtype=torch.long)})
+        c = s.columns
+        c.logp_old, c.adv, c.weight, c.logp_infer = lo, torch.full_like(lo, a), w, li
+        c.seq = torch.full(lo.shape, i, dtype=torch.long)
         masked += int(m.sum())
         total += len(lo)
         adv_sum += a * len(lo)
@@ -102,13 +101,16 @@ def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch | list[
             "adv_negative_frac": sum(a < 0 for a in adv) / max(1, len(adv))}
 
 
-def remedies_of(cfg: RLSection) -> Remedies:
-    """The recipe's stability remedies, as the loss takes them."""
+def loss_settings(cfg: RLSection) -> LossSettings:
+    """The recipe's clip ranges and stability remedies, as the loss takes them."""
     cov = cfg.cov
-    return Remedies(ratio_level=cfg.ratio_level, seq_eps_low=cfg.gspo_eps_low, seq_eps_high=cfg.gspo_eps_high,
-                    cov_mode=cov.mode, cov_fraction=cov.kl_fraction if cov.mode == "kl_cov" else cov.clip_fraction,
-                    clip_cov_low=cov.clip_low, clip_cov_high=cov.clip_high, kl_cov_coef=cov.kl_coef,
-                    kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
+    remedies = Remedies(ratio_level=cfg.ratio_level, seq_eps_low=cfg.gspo_eps_low, seq_eps_high=cfg.gspo_eps_high,
+                        cov_mode=cov.mode, cov_fraction=cov.kl_fraction if cov.mode == "kl_cov" else cov.clip_fraction,
+                        clip_cov_low=cov.clip_low, clip_cov_high=cov.clip_high, kl_cov_coef=cov.kl_coef,
+                        kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
+    return LossSettings(eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
+                        offpolicy_delta=cfg.offpolicy_seq_delta, early_stop_ratio=cfg.early_stop_imp_ratio,
+                        remedies=remedies)
 
 
 def minibatch_slices(n_samples: int, n_minibatches: int) -> list[slice]:
@@ -131,17 +133,16 @@ def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str,
     loss scaling finds its scale, not a failing run."""
     totals: dict[str, float] = {}
     slices = minibatch_slices(len(samples), cfg.ppo_minibatches)
-    remedies = remedies_of(cfg)
+    settings = loss_settings(cfg)
 
-    def loss_fn(lp, f):
-        return policy_loss(lp, f, cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip, cfg.offpolicy_seq_delta,
-                           cfg.early_stop_imp_ratio, remedies)
+    def loss_fn(lp, cols):
+        return policy_loss(lp, cols, settings)
 
     loss_scale = None
     for sl in slices:
         mb = samples[sl]
         for s, scale in zip(mb, aggregation_scale([x.num_response for x in mb], cfg.loss_agg), strict=True):
-            s.fields["scale"] = scale
+            s.columns.scale = scale
         stats = trainer.train_step(mb, loss_fn, with_entropy=cfg.entropy_coef > 0)
         loss_scale = stats.pop("loss_scale", loss_scale)
         for k, v in stats.items():
@@ -156,22 +157,23 @@ def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str,
            "importance_ratio_mean": totals.get("ratio_sum", 0.0) / active,
            "early_stopped_microbatches": totals.get("early_stopped_microbatches", 0.0),
            "offpolicy_dropped_seqs": totals.get("offpolicy_dropped_seqs", 0.0)}
-    out.update(_remedy_metrics(totals, steps, loss_scale))
+    out.update(_remedy_metrics(totals, steps, loss_scale, settings.remedies))
     return out
 
 
-def _remedy_metrics(totals: dict[str, float], steps: int, loss_scale: float | None) -> dict[str, float]:
-    """Metrics of the remedies that are on (their stats are present only then)."""
+def _remedy_metrics(totals: dict[str, float], steps: int, loss_scale: float | None,
+                    rem: Remedies) -> dict[str, float]:
+    """Metrics of the remedies the recipe turned on."""
     out: dict[str, float] = {}
     tokens = max(1.0, totals.get("tokens", 0.0))
-    if "seqs" in totals:  # GSPO
+    if rem.ratio_level == "sequence":  # GSPO
         out["seq_ratio_mean"] = totals["seq_ratio_sum"] / max(1.0, totals["seqs"])
         out["seq_clip_frac"] = totals["seq_clipped"] / max(1.0, totals["seqs"])
-    if "cov_selected_tokens" in totals:  # Clip-Cov / KL-Cov
+    if rem.cov_mode != "off":  # Clip-Cov / KL-Cov
         out["cov_selected_frac"] = totals["cov_selected_tokens"] / tokens
-    if "kl_ref_sum" in totals:
+    if rem.kl_coef > 0:
         out["kl_ref"] = totals["kl_ref_sum"] / tokens
-    if "entropy_bonus" in totals:
+    if rem.entropy_coef > 0:
         out["entropy_bonus"] = totals["entropy_bonus"] / steps
     if loss_scale is not None:
         out["loss_scale"] = loss_scale
@@ -179,9 +181,8 @@ def _remedy_metrics(totals: dict[str, float], steps: int, loss_scale: float | No
     return out
 
 
-def rollout_metrics(batch: TrajectoryBatch | list[Trajectory], entropy: list[torch.Tensor],
+def rollout_metrics(batch: TrajectoryBatch, entropy: list[torch.Tensor],
                     version: int) -> dict[str, float]:
-    batch = as_batch(batch)
     lengths = batch.response_lengths
     staleness = version - batch.arrays["versions"].long()  # per token; int64 so the sum cannot overflow
     return {

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
+from rlrecipe.algo.columns import Sums, TokenColumns
 from rlrecipe.console import console
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import sft_token_ids
@@ -49,8 +51,14 @@ def batch_for_step(samples: list[TrainSample], step: int, batch_size: int, seed:
 MAX_BAD_STEPS = 3
 
 
-def sft_loss(logp: torch.Tensor, f: dict[str, torch.Tensor]):
-    return -(logp * f["scale"]).sum(), {"nll_sum": float(-logp.detach().sum())}
+@dataclass
+class NllStats(Sums):
+    nll_sum: float = 0.0
+
+
+def sft_loss(logp: torch.Tensor, cols: TokenColumns) -> tuple[torch.Tensor, NllStats]:
+    (scale,) = cols.need("scale")
+    return -(logp * scale).sum(), NllStats(nll_sum=float(-logp.detach().sum()))
 
 
 def run_sft(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) -> dict:
@@ -125,7 +133,7 @@ def sft_step(engine, batch: list[TrainSample]) -> dict[str, float]:
     """One optimizer step: mean NLL over the batch's response tokens."""
     n_tok = sum(s.num_response for s in batch)
     for s in batch:
-        s.fields = {"scale": torch.full((s.num_response,), 1.0 / n_tok)}
+        s.columns = TokenColumns(scale=torch.full((s.num_response,), 1.0 / n_tok))
     stats = engine.train_step(batch, sft_loss)
     return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"], "tokens": n_tok,
             "skipped": stats["skipped"]}

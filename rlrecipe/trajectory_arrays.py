@@ -123,8 +123,3 @@ class TrajectoryBatch:
     @property
     def statuses(self) -> list[Status]:
         return [STATUSES[s] for s in self.arrays["status"].tolist()]
-
-
-def as_batch(batch: TrajectoryBatch | list[Trajectory]) -> TrajectoryBatch:
-    """A TrajectoryBatch as is; a list of Trajectory (rank 0's objects, tests) packed into one."""
-    return batch if isinstance(batch, TrajectoryBatch) else TrajectoryBatch.from_trajectories(batch)

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from rlrecipe.algo.advantages import sequence_advantages
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, pack
 from rlrecipe.algo.ppo import (
+    LossSettings,
     aggregation_scale,
     mismatch_weights,
     offpolicy_token_drop,
@@ -67,7 +69,7 @@ def test_icepop_band_and_tis():
 
 
 def _fields(logp_old, adv, weight, scale):
-    return {"logp_old": logp_old, "adv": adv, "weight": weight, "scale": scale}
+    return TokenColumns(logp_old=logp_old, adv=adv, weight=weight, scale=scale)
 
 
 def test_in_band_icepop_is_importance_weighted_ppo():
@@ -78,7 +80,7 @@ def test_in_band_icepop_is_importance_weighted_ppo():
     w, masked = mismatch_weights(logp_old, logp_infer, "icepop")
     assert not masked.any()
     scale = aggregation_scale([3], "token_mean")[0]
-    loss, _ = policy_loss(logp, _fields(logp_old, adv, w, scale), 0.2, 0.2, None)
+    loss, _ = policy_loss(logp, _fields(logp_old, adv, w, scale))
     k = torch.exp(logp_old - logp_infer)
     ratio = torch.exp(logp.detach() - logp_old)
     by_hand = (-torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv) * k).sum() / 3
@@ -92,7 +94,7 @@ def test_out_of_band_tokens_have_zero_gradient_but_count_in_normaliser():
     adv = torch.ones(4)
     w, masked = mismatch_weights(logp_old, logp_infer, "icepop")
     scale = aggregation_scale([4], "token_mean")[0]
-    loss, _ = policy_loss(logp, _fields(logp_old, adv, w, scale), 0.2, 0.2, None)
+    loss, _ = policy_loss(logp, _fields(logp_old, adv, w, scale))
     loss.backward()
     assert masked.tolist() == [False, True, False, True]
     assert logp.grad.tolist() == pytest.approx([-0.25, 0.0, -0.25, 0.0])
@@ -123,20 +125,20 @@ def test_offpolicy_token_drop_uses_the_current_policy():
 def test_policy_loss_stats_and_v32_mask_in_the_loss():
     logp_old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.5, 1.0, 1.0, 5.0]))
-    f = {"logp_old": logp_old, "adv": torch.tensor([1.0, -1.0, -1.0, -1.0]),
-         "weight": torch.tensor([1.0, 0.0, 1.0, 1.0]), "scale": torch.full((4,), 0.25),
-         "logp_infer": torch.tensor([0.0, 0.0, 2.0, 0.0]), "seq": torch.tensor([0, 1, 2, 3])}
-    loss, st = policy_loss(logp, f, 0.2, 0.2, dual_clip=3.0, offpolicy_delta=1.0)
+    f = TokenColumns(logp_old=logp_old, adv=torch.tensor([1.0, -1.0, -1.0, -1.0]),
+                     weight=torch.tensor([1.0, 0.0, 1.0, 1.0]), scale=torch.full((4,), 0.25),
+                     logp_infer=torch.tensor([0.0, 0.0, 2.0, 0.0]), seq=torch.tensor([0, 1, 2, 3]))
+    loss, st = policy_loss(logp, f, LossSettings(dual_clip=3.0, offpolicy_delta=1.0))
     # token 1 masked (IcePop weight 0); token 2: adv < 0 and log(pi_infer/pi_theta) = 2 > 1 -> dropped
     # token 0 clipped at 1.2 -> -1.2; token 3 ratio 5, adv -1 -> dual clip bound 3
     assert float(loss) == pytest.approx(0.25 * (-1.2 + 3.0))
-    assert st["offpolicy_dropped_seqs"] == 1.0 and st["active_tokens"] == 2.0
-    assert st["clipped_tokens"] == 1.0 and st["dual_clipped_tokens"] == 1.0
-    assert st["ratio_sum"] == pytest.approx(1.5 + 5.0)
-    stopped, st2 = policy_loss(logp, f, 0.2, 0.2, 3.0, 1.0, early_stop_ratio=3.0)  # mean ratio 3.25 > 3
-    assert float(stopped) == 0.0 and st2["early_stopped_microbatches"] == 1.0
-    kept, st3 = policy_loss(logp, f, 0.2, 0.2, 3.0, 1.0, early_stop_ratio=3.5)
-    assert float(kept) == pytest.approx(float(loss)) and st3["early_stopped_microbatches"] == 0.0
+    assert st.offpolicy_dropped_seqs == 1.0 and st.active_tokens == 2.0
+    assert st.clipped_tokens == 1.0 and st.dual_clipped_tokens == 1.0
+    assert st.ratio_sum == pytest.approx(1.5 + 5.0)
+    stopped, st2 = policy_loss(logp, f, LossSettings(dual_clip=3.0, offpolicy_delta=1.0, early_stop_ratio=3.0))  # mean ratio 3.25 > 3
+    assert float(stopped) == 0.0 and st2.early_stopped_microbatches == 1.0
+    kept, st3 = policy_loss(logp, f, LossSettings(dual_clip=3.0, offpolicy_delta=1.0, early_stop_ratio=3.5))
+    assert float(kept) == pytest.approx(float(loss)) and st3.early_stopped_microbatches == 0.0
 
 
 def test_extreme_log_ratio_stays_finite():

@@ -104,8 +104,8 @@ def test_rl_consumers_read_the_arrays():
     out = attach_ppo_fields(samples, batch, logp_old, RLSection(adv_norm="none"))
     assert out["icepop_masked_frac"] == 0.0 and out["mismatch_abs_logp"] == 0.0
     for s, t in zip(samples, trajs, strict=True):
-        assert s.fields["adv"].tolist() == [t.reward] * len(t.response_ids)
-        assert s.fields["logp_infer"].tolist() == _as_float32(t.logp_infer)
+        assert s.columns.adv.tolist() == [t.reward] * len(t.response_ids)
+        assert s.columns.logp_infer.tolist() == _as_float32(t.logp_infer)
 
 
 def test_tensor_input_ids_train_as_lists_do(tiny_model_dir):

@@ -41,6 +41,7 @@ WEIGHT_ATOL = 5e-4  # after 3 AdamW steps at lr 1e-2 (one step moves a weight by
 
 def batch(step: int) -> list:
     """Deterministic uneven batches: (lengths, prompt length) per step."""
+    from rlrecipe.algo.columns import TokenColumns
     from rlrecipe.train.base import TrainSample
 
     lengths = [[30, 12, 25, 8, 17], [39, 38, 5], [21]][step]
@@ -48,16 +49,16 @@ def batch(step: int) -> list:
     samples = [TrainSample(torch.randint(5, 200, (n,), generator=g).tolist(), 3) for n in lengths]
     n_tok = sum(s.num_response for s in samples)
     for s in samples:
-        s.fields = {"scale": torch.full((s.num_response,), 1.0 / n_tok)}
+        s.columns = TokenColumns(scale=torch.full((s.num_response,), 1.0 / n_tok))
     return samples
 
 
 def loss_fn(logp, f):
-    return -(logp * f["scale"]).sum(), {"nll_sum": float(-logp.detach().sum()), "tokens": float(len(logp))}
+    return -(logp * f.scale).sum(), {"nll_sum": float(-logp.detach().sum()), "tokens": float(len(logp))}
 
 
 def nan_loss(logp, f):
-    return (logp * f["scale"]).sum() * float("nan"), {}
+    return (logp * f.scale).sum() * float("nan"), {}
 
 
 # -- the worker (runs under torchrun) -------------------------------------------------------------

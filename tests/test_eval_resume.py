@@ -182,6 +182,7 @@ def test_killed_eval_resumes_to_the_uninterrupted_numbers(tmp_path, tiny_model_d
 
 def test_samples_graded_by_another_grader_are_not_resumed(monkeypatch):
     from rlrecipe.eval import runner
+
     from rlrecipe.recipe import recipe_from_dict
     from rlrecipe.trajectory import SamplingParams
 

@@ -7,14 +7,14 @@ import logging
 import warnings
 
 import pytest
+from rlrecipe.cli.app import app
 from typer.testing import CliRunner
 
-from rlrecipe.cli.app import app
 from rlrecipe.data.io import read_jsonl
 from rlrecipe.errors import UserError
+from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe import LoadedRecipe, RecipeError, load_recipe, recipe_from_dict
 from rlrecipe.rollout.inprocess import InProcessEngine, cache_keyword
-from rlrecipe.modeling import load_tokenizer
 from rlrecipe.runs import Run
 from rlrecipe.trajectory import SamplingParams, Trajectory
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
@@ -114,10 +115,10 @@ def test_a_killed_run_resumes_past_a_damaged_checkpoint_to_the_same_weights(tmp_
 
 def test_trainer_state_loads_with_weights_only_and_restores_everything(tiny_model_dir, tmp_path):
     cfg = TrainerSection(lr=1e-2, lr_schedule="cosine", warmup_steps=1)
-    sample = TrainSample([5, 6, 7, 8, 9], 2, {"scale": torch.ones(3)})
+    sample = TrainSample([5, 6, 7, 8, 9], 2, TokenColumns(scale=torch.ones(3)))
 
     def loss(lp, f):
-        return -(lp * f["scale"]).sum(), {}
+        return -(lp * f.scale).sum(), {}
 
     eng = TorchTrainEngine(tiny_model_dir, cfg, total_steps=4)
     eng.train_step([sample], loss)

@@ -8,18 +8,20 @@ import pytest
 import torch
 
 from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.cov import clip_cov_tokens, kl_cov_tokens, token_covariance
 from rlrecipe.algo.gspo import sequence_log_ratio
 from rlrecipe.algo.kl import kl_to_reference
-from rlrecipe.algo.ppo import Remedies, policy_loss
+from rlrecipe.algo.ppo import LossSettings, Remedies, policy_loss
 from rlrecipe.recipe import RecipeError, load_recipe
+from rlrecipe.trajectory_arrays import TrajectoryBatch
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _fields(logp_old, adv, scale, **extra):
     n = len(logp_old)
-    return {"logp_old": logp_old, "adv": adv, "weight": torch.ones(n), "scale": scale, **extra}
+    return TokenColumns(logp_old=logp_old, adv=adv, weight=torch.ones(n), scale=scale, **extra)
 
 
 # -- GSPO ---------------------------------------------------------------------------------------
@@ -33,16 +35,16 @@ def test_gspo_sequence_ratio_clip_and_gradient_by_hand():
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0])
     scale = torch.tensor([1 / 4, 1 / 4, 1 / 6, 1 / 6, 1 / 6])  # seq_mean_token_mean over G = 2 sequences
     rem = Remedies(ratio_level="sequence", seq_eps_low=0.05, seq_eps_high=0.1)
-    loss, st = policy_loss(logp, _fields(logp_old, adv, scale, seq=seq), 0.2, 0.2, remedies=rem)
+    loss, st = policy_loss(logp, _fields(logp_old, adv, scale, seq=seq), LossSettings(remedies=rem))
     loss.backward()
     s1 = math.exp(-0.01)
     # per sequence: -1.1 (clipped) and +s1, averaged over the two sequences
     assert float(loss.detach()) == pytest.approx((-1.1 + s1) / 2, rel=1e-6)
     # GSPO's gradient: s_i A_i / (G |y_i|) on every token of an unclipped sequence
     assert logp.grad.tolist() == pytest.approx([0.0, 0.0, s1 / 6, s1 / 6, s1 / 6], rel=1e-6)
-    assert st["seqs"] == 2.0 and st["seq_clipped"] == 1.0
-    assert st["seq_ratio_sum"] == pytest.approx(math.exp(0.2) + s1, rel=1e-6)
-    assert st["clipped_tokens"] == 2.0  # both tokens of the clipped sequence
+    assert st.seqs == 2.0 and st.seq_clipped == 1.0
+    assert st.seq_ratio_sum == pytest.approx(math.exp(0.2) + s1, rel=1e-6)
+    assert st.clipped_tokens == 2.0  # both tokens of the clipped sequence
 
 
 def test_gspo_matches_a_naive_per_sequence_objective():
@@ -67,8 +69,8 @@ def test_gspo_matches_a_naive_per_sequence_objective():
 
     logp = logp0.clone().requires_grad_(True)
     scale = torch.cat([torch.full((n,), 1 / (n * len(lengths))) for n in lengths])
-    ours, _ = policy_loss(logp, _fields(logp_old, adv_seq[seq], scale, seq=seq), 0.2, 0.2,
-                          remedies=Remedies(ratio_level="sequence", seq_eps_low=eps_low, seq_eps_high=eps_high))
+    ours, _ = policy_loss(logp, _fields(logp_old, adv_seq[seq], scale, seq=seq), LossSettings(
+        remedies=Remedies(ratio_level="sequence", seq_eps_low=eps_low, seq_eps_high=eps_high)))
     ours.backward()
     assert float(ours.detach()) == pytest.approx(float(naive.detach()), rel=1e-6)
     assert torch.allclose(logp.grad, naive_logp.grad, atol=1e-7)
@@ -115,10 +117,10 @@ def test_clip_cov_in_the_loss_detaches_its_tokens_and_skips_ppo_clipped_ones():
     logp = COV_LOGP.clone().requires_grad_(True)
     scale = torch.full((5,), 0.2)
     rem = Remedies(cov_mode="clip_cov", cov_fraction=0.4, clip_cov_low=1.0, clip_cov_high=5.0)
-    loss, st = policy_loss(logp, _fields(logp_old, COV_ADV, scale), 0.2, 0.2, remedies=rem)
+    loss, st = policy_loss(logp, _fields(logp_old, COV_ADV, scale), LossSettings(remedies=rem))
     loss.backward()
     # only token 1 is a candidate (token 0 clipped, the rest outside [1, 5]); its term keeps its value
-    assert st["cov_selected_tokens"] == 1.0
+    assert st.cov_selected_tokens == 1.0
     assert logp.grad.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.5 * 0.2, 3.0 * 0.2])
     assert float(loss.detach()) == pytest.approx(0.2 * (-2 * 1.2 - 1.5 + 0.0 + 0.5 + 3.0))
 
@@ -133,14 +135,14 @@ def test_kl_cov_penalises_the_top_tokens_by_hand():
     d = torch.tensor([0.1, 0.0, 0.0, 0.0, -0.1])  # logp - logp_old: ratios inside the PPO clip
     logp = COV_LOGP.clone().requires_grad_(True)
     rem = Remedies(cov_mode="kl_cov", cov_fraction=0.4, kl_cov_coef=1.0)
-    loss, st = policy_loss(logp, _fields(COV_LOGP - d, COV_ADV, torch.full((5,), 0.2)), 0.2, 0.2, remedies=rem)
+    loss, st = policy_loss(logp, _fields(COV_LOGP - d, COV_ADV, torch.full((5,), 0.2)), LossSettings(remedies=rem))
     loss.backward()
     r0, r4 = math.exp(0.1), math.exp(-0.1)
     # tokens 0 and 4 get + |logp - logp_old| = 0.1 each
     by_hand = 0.2 * ((-2 * r0 + 0.1) + (-1.5) + 0.0 + 0.5 + (3 * r4 + 0.1))
     assert float(loss.detach()) == pytest.approx(by_hand, abs=1e-6)
     assert logp.grad.tolist() == pytest.approx([0.2 * (-2 * r0 + 1), -0.3, 0.0, 0.1, 0.2 * (3 * r4 - 1)], rel=1e-6)
-    assert st["cov_selected_tokens"] == 2.0
+    assert st.cov_selected_tokens == 2.0
 
 
 # -- KL to the reference ------------------------------------------------------------------------
@@ -186,10 +188,10 @@ def test_kl_term_in_the_loss_and_its_stat():
     logp = logp_old.clone().requires_grad_(True)  # ratio 1: PPO term -A * scale per token
     logp_ref = torch.tensor([-1.0 - math.log(2), -1.0])  # token 0: pi / pi_ref = 2; token 1: equal
     f = _fields(logp_old, torch.tensor([1.0, 1.0]), torch.full((2,), 0.5), logp_ref=logp_ref)
-    loss, st = policy_loss(logp, f, 0.2, 0.2, remedies=Remedies(kl_coef=0.1, kl_estimator="k1"))
+    loss, st = policy_loss(logp, f, LossSettings(remedies=Remedies(kl_coef=0.1, kl_estimator="k1")))
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-1.0 + 0.1 * 0.5 * math.log(2))
-    assert st["kl_ref_sum"] == pytest.approx(math.log(2))
+    assert st.kl_ref_sum == pytest.approx(math.log(2))
     assert logp.grad.tolist() == pytest.approx([-0.5 + 0.05, -0.5 + 0.05])  # d k1 / d logp = 1
 
 
@@ -198,13 +200,13 @@ def test_entropy_bonus_counts_active_tokens_with_the_loss_scale():
     logp_old = torch.zeros(3)
     logp = logp_old.clone().requires_grad_(True)
     entropy = torch.tensor([1.0, 2.0, 0.5], requires_grad=True)
-    f = {"logp_old": logp_old, "adv": torch.ones(3), "weight": torch.tensor([1.0, 0.0, 1.0]),
-         "scale": torch.full((3,), 1 / 3), "entropy": entropy}
-    loss, st = policy_loss(logp, f, 0.2, 0.2, remedies=Remedies(entropy_coef=0.1))
+    f = TokenColumns(logp_old=logp_old, adv=torch.ones(3), weight=torch.tensor([1.0, 0.0, 1.0]),
+                     scale=torch.full((3,), 1 / 3), entropy=entropy)
+    loss, st = policy_loss(logp, f, LossSettings(remedies=Remedies(entropy_coef=0.1)))
     loss.backward()
     # PPO: -(1 + 1) / 3 from the two active tokens; bonus 0.1 * (1.0 + 0.5) / 3 (token 1 is masked)
     assert float(loss.detach()) == pytest.approx(-2 / 3 - 0.05)
-    assert st["entropy_bonus"] == pytest.approx(0.05)
+    assert st.entropy_bonus == pytest.approx(0.05)
     assert entropy.grad.tolist() == pytest.approx([-0.1 / 3, 0.0, -0.1 / 3])
 
 
@@ -213,10 +215,10 @@ def test_remedies_off_change_nothing():
     logp_old = -torch.rand(6, generator=g)
     logp = logp_old + 0.3 * torch.randn(6, generator=g)
     f = _fields(logp_old, torch.randn(6, generator=g), torch.full((6,), 1 / 6), seq=torch.tensor([0, 0, 1, 1, 1, 2]))
-    plain, st = policy_loss(logp, f, 0.2, 0.28)
-    off, st_off = policy_loss(logp, f, 0.2, 0.28, remedies=Remedies())
+    plain, st = policy_loss(logp, f, LossSettings(eps_high=0.28))
+    off, st_off = policy_loss(logp, f, LossSettings(eps_high=0.28, remedies=Remedies()))
     assert float(plain) == float(off) and st == st_off
-    assert not {"seqs", "cov_selected_tokens", "kl_ref_sum", "entropy_bonus"} & set(st)
+    assert (st.seqs, st.cov_selected_tokens, st.kl_ref_sum, st.entropy_bonus) == (0.0, 0.0, 0.0, 0.0)
 
 
 # -- negative advantages ------------------------------------------------------------------------
@@ -235,15 +237,16 @@ def test_attach_ppo_fields_scales_negatives_and_reports_it():
     from rlrecipe.train.base import TrainSample
     from rlrecipe.trajectory import Trajectory
 
-    batch = [Trajectory("a", [1, 2], "g", response_ids=[3], logp_infer=[-1.0], reward=5.0),
+    trajs = [Trajectory("a", [1, 2], "g", response_ids=[3], logp_infer=[-1.0], reward=5.0),
              Trajectory("b", [1, 2], "g", response_ids=[4, 5, 6], logp_infer=[-1.0] * 3, reward=-5.0)]
-    samples = [TrainSample(t.prompt_ids + t.response_ids, 2) for t in batch]
-    logp_old = [torch.full((len(t.response_ids),), -1.0) for t in batch]
+    batch = TrajectoryBatch.from_trajectories(trajs)
+    samples = [TrainSample(t.prompt_ids + t.response_ids, 2) for t in trajs]
+    logp_old = [torch.full((len(t.response_ids),), -1.0) for t in trajs]
     cfg = RLSection(negative_adv_scale=0.0, icepop={"mode": "off"})
     m = attach_ppo_fields(samples, batch, logp_old, cfg)
     s = math.sqrt(18.75) + 1e-5
-    assert samples[0].fields["adv"].tolist() == pytest.approx([7.5 / s])
-    assert samples[1].fields["adv"].tolist() == [0.0, 0.0, 0.0]
+    assert samples[0].columns.adv.tolist() == pytest.approx([7.5 / s])
+    assert samples[1].columns.adv.tolist() == [0.0, 0.0, 0.0]
     assert m["adv_token_mean"] == pytest.approx(7.5 / s / 4) and m["adv_negative_frac"] == 0.0
     m1 = attach_ppo_fields(samples, batch, logp_old, RLSection(icepop={"mode": "off"}))
     assert m1["adv_token_mean"] == pytest.approx(0.0, abs=1e-9) and m1["adv_negative_frac"] == 0.5
@@ -255,7 +258,8 @@ def test_kl_without_reference_logprobs_is_refused():
     from rlrecipe.train.base import TrainSample
     from rlrecipe.trajectory import Trajectory
 
-    batch = [Trajectory("a", [1], "g", response_ids=[3], logp_infer=[-1.0], reward=5.0)]
+    batch = TrajectoryBatch.from_trajectories([Trajectory("a", [1], "g", response_ids=[3], logp_infer=[-1.0],
+                                                          reward=5.0)])
     with pytest.raises(ValueError, match="reference log-probs"):
         attach_ppo_fields([TrainSample([1, 3], 1)], batch, [torch.tensor([-1.0])], RLSection(kl_coef=0.1))
 

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
@@ -16,7 +17,7 @@ def _samples(lengths, start=3, seed=0):
     samples = [TrainSample(torch.randint(5, 200, (n,), generator=g).tolist(), start) for n in lengths]
     n_tok = sum(s.num_response for s in samples)
     for s in samples:
-        s.fields = {"scale": torch.full((s.num_response,), 1.0 / n_tok)}
+        s.columns = TokenColumns(scale=torch.full((s.num_response,), 1.0 / n_tok))
     return samples
 
 
@@ -42,9 +43,9 @@ def test_train_step_hands_the_loss_entropy_with_gradient(tiny_model_dir):
     seen = []
 
     def bonus_only(logp, f):
-        assert f["entropy"].requires_grad and f["entropy"].shape == logp.shape
-        seen.append(f["entropy"].detach())
-        return -(f["entropy"] * f["scale"]).sum(), {}
+        assert f.entropy.requires_grad and f.entropy.shape == logp.shape
+        seen.append(f.entropy.detach())
+        return -(f.entropy * f.scale).sum(), {}
 
     stats = eng.train_step(samples, bonus_only, with_entropy=True)
     assert float(torch.cat(seen).mean()) == pytest.approx(float(naive), rel=1e-5)
@@ -52,8 +53,8 @@ def test_train_step_hands_the_loss_entropy_with_gradient(tiny_model_dir):
     assert stats["grad_norm"] == pytest.approx(float(naive_norm), rel=1e-4)
 
     def no_entropy(logp, f):
-        assert "entropy" not in f
-        return -(logp * f["scale"]).sum(), {}
+        assert f.entropy is None
+        return -(logp * f.scale).sum(), {}
 
     eng.train_step(samples, no_entropy)  # the default leaves it out (SFT, PPO without a bonus)
 
@@ -94,7 +95,7 @@ def test_loss_scaler_follows_deepspeeds_rules_step_for_step(monkeypatch):
 
 
 def _nll(logp, f):
-    return -(logp * f["scale"]).sum(), {}
+    return -(logp * f.scale).sum(), {}
 
 
 def _weights(eng):
@@ -180,7 +181,9 @@ def _graded_batch(eng, n=6, seed=0):
     out = eng.compute_logprobs([TrainSample(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in batch])
     for t, (lp, _) in zip(batch, out, strict=True):
         t.logp_infer = lp.tolist()
-    return batch
+    from rlrecipe.trajectory_arrays import TrajectoryBatch
+
+    return TrajectoryBatch.from_trajectories(batch)
 
 
 def test_ppo_update_does_not_count_loss_scale_overflows_as_bad_steps(tiny_model_dir):
@@ -217,7 +220,7 @@ def test_ppo_update_reports_the_remedies_that_are_on(tiny_model_dir):
     fields = attach_ppo_fields(samples, batch, logp_old, on)
     assert fields["adv_negative_frac"] == 0.0
     m = ppo_update(eng, samples, on)
-    n_tokens = sum(len(t.response_ids) for t in batch)
+    n_tokens = sum(batch.response_lengths)
     # one minibatch, before its step: pi_theta = pi_old, so every s_i = 1 and nothing is clipped
     assert m["seq_ratio_mean"] == pytest.approx(1.0) and m["seq_clip_frac"] == 0.0
     # KL-Cov: max(1, floor(0.1 x tokens)) per micro-batch (one micro-batch here)
@@ -267,14 +270,14 @@ def test_kl_to_the_reference_through_ppo_update(tiny_model_dir):
     batch = _graded_batch(eng)
     samples, logp_old, _ = recompute_old_logprobs(eng, batch, ref)
     attach_ppo_fields(samples, batch, logp_old, cfg)
-    assert all(torch.allclose(s.fields["logp_ref"], s.fields["logp_old"], atol=1e-5) for s in samples)
+    assert all(torch.allclose(s.columns.logp_ref, s.columns.logp_old, atol=1e-5) for s in samples)
     first = ppo_update(eng, samples, cfg)
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the policy is still the reference
     samples, logp_old, _ = recompute_old_logprobs(eng, batch, ref)
     attach_ppo_fields(samples, batch, logp_old, cfg)
     second = ppo_update(eng, samples, cfg)
     # one step later: the k3 estimate (ratio 1 before this step's update) by hand from the fields
-    by_hand = sum(float((torch.exp(s.fields["logp_ref"] - s.fields["logp_old"]) - 1
-                         - (s.fields["logp_ref"] - s.fields["logp_old"])).sum()) for s in samples)
+    by_hand = sum(float((torch.exp(s.columns.logp_ref - s.columns.logp_old) - 1
+                         - (s.columns.logp_ref - s.columns.logp_old)).sum()) for s in samples)
     assert second["kl_ref"] == pytest.approx(by_hand / sum(s.num_response for s in samples), rel=1e-4)
     assert second["kl_ref"] > 1e-6

@@ -2,6 +2,7 @@
 
 import torch
 
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
@@ -10,10 +11,10 @@ from rlrecipe.train.torch_engine import TorchTrainEngine
 def test_nan_loss_skips_the_update(tiny_model_dir):
     eng = TorchTrainEngine(tiny_model_dir, TrainerSection(lr=1e-2), total_steps=4)
     before = {k: v.clone() for k, v in eng.model.state_dict().items()}
-    s = TrainSample([5, 6, 7, 8], 2, {"scale": torch.ones(2)})
-    stats = eng.train_step([s], lambda lp, f: ((lp * f["scale"]).sum() * float("nan"), {}))
+    s = TrainSample([5, 6, 7, 8], 2, TokenColumns(scale=torch.ones(2)))
+    stats = eng.train_step([s], lambda lp, f: ((lp * f.scale).sum() * float("nan"), {}))
     assert stats["skipped"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
-    stats = eng.train_step([s], lambda lp, f: (-(lp * f["scale"]).sum(), {}))
+    stats = eng.train_step([s], lambda lp, f: (-(lp * f.scale).sum(), {}))
     assert stats["skipped"] == 0.0
     assert any(not torch.equal(before[k], v) for k, v in eng.model.state_dict().items())

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from rlrecipe.algo.columns import LossStats, TokenColumns
 from rlrecipe.algo.cov import clip_cov_tokens, kl_cov_penalty, kl_cov_tokens, token_covariance
 from rlrecipe.algo.gspo import sequence_log_ratio
 from rlrecipe.algo.kl import kl_to_reference
 from rlrecipe.algo.ratio import LOG_RATIO_CLAMP, safe_ratio
 
-__all__ = ["LOG_RATIO_CLAMP", "Remedies", "aggregation_scale", "mismatch_weights", "offpolicy_token_drop",
+__all__ = ["LOG_RATIO_CLAMP", "LossSettings", "LossStats", "Remedies", "TokenColumns", "aggregation_scale", "mismatch_weights", "offpolicy_token_drop",
            "policy_loss", "ppo_token_loss", "safe_ratio"]
 
 
@@ -43,6 +44,19 @@ class Remedies:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything the policy loss is told besides its columns: PPO's clip range, the dual clip, the
+    V3.2 mask's delta, AReaL's early stop, and the remedies. rl.py builds it once from the recipe."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    offpolicy_delta: float | None = None
+    early_stop_ratio: float | None = None
+    remedies: Remedies = Remedies()
 
 
 def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mode: str,
@@ -115,79 +129,82 @@ def offpolicy_token_drop(logp: torch.Tensor, logp_infer: torch.Tensor, adv: torc
     return (adv < 0) & ((sums / counts)[inverse] > delta)
 
 
-def policy_loss(logp: torch.Tensor, f: dict[str, torch.Tensor], eps_low: float, eps_high: float,
-                dual_clip: float | None = None, offpolicy_delta: float | None = None,
-                early_stop_ratio: float | None = None, remedies: Remedies | None = None,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sum over tokens of weight * PPO term * scale; `f` holds per-token logp_old, adv, weight
-    (IcePop / TIS), scale, and for the V3.2 mask and GSPO logp_infer and seq; see `Remedies` for
-    the rest (`generator` draws Clip-Cov's tokens).
+def policy_loss(logp: torch.Tensor, cols: TokenColumns, settings: LossSettings = LossSettings(),
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, LossStats]:
+    """Sum over tokens of weight * PPO term * scale, from the columns logp_old, adv, weight and scale
+    (and logp_infer, seq for the V3.2 mask and GSPO; see `Remedies` for the rest; `generator` draws
+    Clip-Cov's tokens).
 
     early_stop_ratio: a micro-batch whose mean importance ratio pi_theta/pi_old over its active
     tokens exceeds it contributes no gradient (its loss is multiplied by 0), as AReaL does with
     early_stop_imp_ratio. Stats count only active tokens (weight != 0) as clipped."""
-    rem = remedies or Remedies()
-    stats: dict[str, float] = {}
+    rem = settings.remedies
+    logp_old, adv, weight, scale = cols.need("logp_old", "adv", "weight", "scale")
+    stats = LossStats(microbatches=1.0, tokens=float(logp.numel()))
     if rem.ratio_level == "sequence":
-        log_s = sequence_log_ratio(logp, f["logp_old"], f["seq"])
-        tok_loss, was_clipped, dual_clipped = ppo_token_loss(log_s, torch.zeros_like(log_s), f["adv"],
-                                                             rem.seq_eps_low, rem.seq_eps_high, dual_clip)
-        stats.update(_sequence_stats(log_s.detach(), was_clipped, f["seq"]))
+        (seq,) = cols.need("seq")
+        log_s = sequence_log_ratio(logp, logp_old, seq)
+        tok_loss, was_clipped, dual_clipped = ppo_token_loss(log_s, torch.zeros_like(log_s), adv,
+                                                             rem.seq_eps_low, rem.seq_eps_high, settings.dual_clip)
+        stats.seqs, stats.seq_ratio_sum, stats.seq_clipped = _sequence_stats(log_s.detach(), was_clipped, seq)
     elif rem.ratio_level == "token":
-        tok_loss, was_clipped, dual_clipped = ppo_token_loss(logp, f["logp_old"], f["adv"], eps_low, eps_high,
-                                                             dual_clip)
+        tok_loss, was_clipped, dual_clipped = ppo_token_loss(logp, logp_old, adv, settings.eps_low, settings.eps_high,
+                                                             settings.dual_clip)
     else:
         raise ValueError(f"unknown ratio level {rem.ratio_level!r}")
-    weight = f["weight"]
-    if offpolicy_delta is not None:
-        drop = offpolicy_token_drop(logp, f["logp_infer"], f["adv"], f["seq"], offpolicy_delta)
+    if settings.offpolicy_delta is not None:
+        logp_infer, seq = cols.need("logp_infer", "seq")
+        drop = offpolicy_token_drop(logp, logp_infer, adv, seq, settings.offpolicy_delta)
         weight = torch.where(drop, torch.zeros_like(weight), weight)
-        stats["offpolicy_dropped_seqs"] = float(torch.unique(f["seq"][drop]).numel())
+        stats.offpolicy_dropped_seqs = float(torch.unique(seq[drop]).numel())
     active = weight != 0
     if rem.cov_mode != "off":
-        tok_loss, chosen = _cov_remedy(tok_loss, logp, f, active & ~was_clipped & ~dual_clipped, rem, generator)
-        stats["cov_selected_tokens"] = float(chosen.sum())
-    loss = (tok_loss * weight * f["scale"]).sum()
+        tok_loss, chosen = _cov_remedy(tok_loss, logp, cols, active & ~was_clipped & ~dual_clipped, rem, generator)
+        stats.cov_selected_tokens = float(chosen.sum())
+    loss = (tok_loss * weight * scale).sum()
     if rem.kl_coef > 0:
-        kl = kl_to_reference(logp, f["logp_ref"], f["logp_old"], rem.kl_estimator)
-        loss = loss + rem.kl_coef * (kl * f["scale"]).sum()
-        stats["kl_ref_sum"] = float(kl.detach().sum())
+        (logp_ref,) = cols.need("logp_ref")
+        kl = kl_to_reference(logp, logp_ref, logp_old, rem.kl_estimator)
+        loss = loss + rem.kl_coef * (kl * scale).sum()
+        stats.kl_ref_sum = float(kl.detach().sum())
     if rem.entropy_coef > 0:
-        bonus = rem.entropy_coef * (f["entropy"] * active * f["scale"]).sum()
+        (entropy,) = cols.need("entropy")
+        bonus = rem.entropy_coef * (entropy * active * scale).sum()
         loss = loss - bonus
-        stats["entropy_bonus"] = float(bonus.detach())
-    ratio = safe_ratio(logp.detach(), f["logp_old"])
-    ratio_sum = float(ratio[active].sum())
-    stopped = early_stop_ratio is not None and bool(active.any()) and ratio_sum / float(active.sum()) > early_stop_ratio
+        stats.entropy_bonus = float(bonus.detach())
+    ratio = safe_ratio(logp.detach(), logp_old)
+    stats.ratio_sum = float(ratio[active].sum())
+    stopped = (settings.early_stop_ratio is not None and bool(active.any())
+               and stats.ratio_sum / float(active.sum()) > settings.early_stop_ratio)
     if stopped:
         loss = loss * 0.0
-    stats.update({"clipped_tokens": float((was_clipped & active).sum()),
-                  "dual_clipped_tokens": float((dual_clipped & active).sum()),
-                  "active_tokens": float(active.sum()), "tokens": float(logp.numel()),
-                  "ratio_sum": ratio_sum, "early_stopped_microbatches": float(stopped), "microbatches": 1.0})
+    stats.clipped_tokens = float((was_clipped & active).sum())
+    stats.dual_clipped_tokens = float((dual_clipped & active).sum())
+    stats.active_tokens = float(active.sum())
+    stats.early_stopped_microbatches = float(stopped)
     return loss, stats
 
 
-def _sequence_stats(log_s: torch.Tensor, was_clipped: torch.Tensor, seq: torch.Tensor) -> dict[str, float]:
+def _sequence_stats(log_s: torch.Tensor, was_clipped: torch.Tensor, seq: torch.Tensor) -> tuple[float, float, float]:
     """GSPO: how many sequences, the sum of their ratios s_i, and how many the clip bound."""
     # every token of a sequence carries the same s_i and the same clip flag: any one of them will do
     ids, inverse = torch.unique(seq, return_inverse=True)
     s_i = torch.zeros(len(ids), dtype=log_s.dtype, device=log_s.device).scatter_(0, inverse, log_s.exp())
     clipped = torch.zeros(len(ids), dtype=torch.bool, device=log_s.device).scatter_(0, inverse, was_clipped)
-    return {"seqs": float(len(ids)), "seq_ratio_sum": float(s_i.sum()), "seq_clipped": float(clipped.sum())}
+    return float(len(ids)), float(s_i.sum()), float(clipped.sum())
 
 
-def _cov_remedy(tok_loss: torch.Tensor, logp: torch.Tensor, f: dict[str, torch.Tensor], candidates: torch.Tensor,
+def _cov_remedy(tok_loss: torch.Tensor, logp: torch.Tensor, cols: TokenColumns, candidates: torch.Tensor,
                 rem: Remedies, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip-Cov detaches the chosen tokens' terms; KL-Cov adds its penalty to them (then weighted like
     the rest of the term). Candidates are the tokens still in the loss and held by neither clip: the
     authors' code for Clip-Cov; for KL-Cov, whose authors drop the clip and rank every token, a
     variant (algo/cov.py says why)."""
-    cov = token_covariance(logp, f["adv"])
+    cov = token_covariance(logp, cols.adv)
     if rem.cov_mode == "clip_cov":
         chosen = clip_cov_tokens(cov, candidates, rem.cov_fraction, rem.clip_cov_low, rem.clip_cov_high, generator)
         return torch.where(chosen, tok_loss.detach(), tok_loss), chosen
     if rem.cov_mode == "kl_cov":
         chosen = kl_cov_tokens(cov, candidates, rem.cov_fraction)
-        return tok_loss + chosen * rem.kl_cov_coef * kl_cov_penalty(logp, f["logp_old"]), chosen
+        return tok_loss + chosen * rem.kl_cov_coef * kl_cov_penalty(logp, cols.logp_old), chosen
     raise ValueError(f"unknown covariance remedy {rem.cov_mode!r}")

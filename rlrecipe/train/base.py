@@ -3,31 +3,40 @@ type and the engine interface (as `rollout/base.py` does for rollout)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-# loss_fn(logp, fields) -> (loss already scaled to its share of the global batch, stats sums);
-# fields["entropy"] (per-token entropy, with gradient) is there when train_step is asked with_entropy.
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+from rlrecipe.algo.columns import Sums, TokenColumns
+
+# loss_fn(logp, columns) -> (loss already scaled to its share of the global batch, a Sums record);
+# columns.entropy (per-token entropy, with gradient) is there when train_step is asked with_entropy.
+LossFn = Callable[[torch.Tensor, TokenColumns], tuple[torch.Tensor, Sums]]
 
 
 @dataclass
 class TrainSample:
-    """A prompt + response sequence; per-token fields cover the response tokens (input_ids[start:]).
+    """A prompt + response sequence; its columns cover the response tokens (input_ids[start:]).
 
     input_ids: a list, or a 1-D integer tensor (RL's batch arrays: no per-token Python objects)."""
 
     input_ids: list[int] | torch.Tensor
     start: int
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    columns: TokenColumns = field(default_factory=TokenColumns)
 
     @property
     def num_response(self) -> int:
         return len(self.input_ids) - self.start
+
+
+def add_sums(totals: dict[str, float], stats: Sums | Mapping[str, float]) -> None:
+    """Add a micro-batch's statistics (a Sums record, or a plain mapping from a hand-written loss)
+    into an engine's running totals, a plain dict."""
+    for k, v in (stats.as_dict() if isinstance(stats, Sums) else stats).items():
+        totals[k] = totals.get(k, 0.0) + v
 
 
 class TrainEngine(Protocol):

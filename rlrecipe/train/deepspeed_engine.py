@@ -3,7 +3,7 @@
 Data parallelism and the global batch
 -------------------------------------
 Every rank calls `train_step(samples, loss_fn)` and `compute_logprobs(samples)` with the same
-global batch (the caller computes the per-token `scale` fields over that global batch). The
+global batch (the caller computes the per-token `scale` column over that global batch). The
 engine splits the samples across ranks, balancing tokens (longest first onto the least-loaded
 rank), and each rank packs its share into micro-batches exactly as the torch engine does.
 
@@ -55,11 +55,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, balanced_bins
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_model
 from rlrecipe.recipe import TrainerSection
-from rlrecipe.train.base import LossFn, TrainSample
+from rlrecipe.train.base import LossFn, TrainSample, add_sums
 from rlrecipe.train.launch import barrier, init_distributed
 from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, load_state, make_scheduler, restore_rng
 from rlrecipe.train.varlen_attention import training_attention
@@ -257,15 +258,14 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             if i < len(bins):
                 mb = [samples[j] for j in bins[i]]
                 logp, entropy = self._forward(mb, with_entropy=with_entropy)
-                fields = {k: torch.cat([s.fields[k] for s in mb]).to(self.device) for k in mb[0].fields}
+                cols = TokenColumns.cat([s.columns for s in mb], self.device)
                 if with_entropy:
-                    fields["entropy"] = entropy
-                loss, mb_stats = loss_fn(logp, fields)
+                    cols.entropy = entropy
+                loss, mb_stats = loss_fn(logp, cols)
                 if not loss.requires_grad:  # a constant loss still has to run the backward collectives
                     loss = loss + logp.sum() * 0.0
                 local_loss += float(loss.detach())
-                for k, v in mb_stats.items():
-                    stats[k] = stats.get(k, 0.0) + v
+                add_sums(stats, mb_stats)
             else:
                 logp, _ = self._forward(self._dummy(), with_entropy=False)
                 loss = logp.sum() * 0.0

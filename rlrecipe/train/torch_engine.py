@@ -18,11 +18,12 @@ from transformers.optimization import (
     get_cosine_with_min_lr_schedule_with_warmup,
 )
 
+from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, pack, response_rows
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
-from rlrecipe.train.base import LossFn, TrainSample
+from rlrecipe.train.base import LossFn, TrainSample, add_sums
 from rlrecipe.train.logprobs import response_logprobs
 from rlrecipe.train.loss_scale import DynamicLossScaler
 from rlrecipe.train.varlen_attention import training_attention
@@ -133,7 +134,7 @@ class TorchTrainEngine:
         """One optimizer step over all samples, accumulated over packed micro-batches.
 
         with_entropy: the loss function also gets each token's entropy, with gradient, as
-        fields["entropy"]. Under trainer.fp16_autocast the loss is scaled for backward and the
+        columns.entropy. Under trainer.fp16_autocast the loss is scaled for backward and the
         gradients unscaled before clipping; "overflow" marks a step skipped because the scaled gradients overflowed
         while the scaler could still lower its scale (the expected cost of loss scaling, unlike a
         NaN loss)."""
@@ -144,14 +145,13 @@ class TorchTrainEngine:
         scale = self.loss_scaler.scale if self.loss_scaler else 1.0
         for mb in self.microbatches(samples):
             logp, entropy = self._forward(mb, with_entropy=with_entropy)
-            fields = {k: torch.cat([s.fields[k] for s in mb]).to(self.device) for k in mb[0].fields}
+            cols = TokenColumns.cat([s.columns for s in mb], self.device)
             if with_entropy:
-                fields["entropy"] = entropy
-            loss, mb_stats = loss_fn(logp, fields)
+                cols.entropy = entropy
+            loss, mb_stats = loss_fn(logp, cols)
             (loss * scale if self.loss_scaler else loss).backward()
             total_loss += float(loss.detach())
-            for k, v in mb_stats.items():
-                stats[k] = stats.get(k, 0.0) + v
+            add_sums(stats, mb_stats)
         if self.loss_scaler:
             for p in self.model.parameters():
                 if p.grad is not None:

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.async_overlap import overlap_bench
 from bench.c3po_compare import compare
 from bench.grading import grading_bench
 from bench.thread_load import thread_load_bench
@@ -486,7 +487,7 @@ def main() -> None:
                       lambda: bench_prefill(results["c3po_vs_sync"]["token_budget"])),
                      ("packed_vs_padded", bench_packing),
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
-                     ("sft_step_under_load", thread_load_bench),
+                     ("sft_step_under_load", thread_load_bench), ("async_vs_sync_cpu", overlap_bench),
                      ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory),
                      ("plan_vs_measured", bench_plan_vs_measured), ("weight_fingerprint", bench_weight_fingerprint)]:
         console.print(f"[bold]bench[/] {name} ...")

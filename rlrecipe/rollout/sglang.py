@@ -17,16 +17,9 @@ token is never labelled with a policy version that did not produce it. `max_new_
 to the room left in the server's context, and a trajectory with no room left is truncated
 without a request.
 
-C3PO++: with `token_budget`, once the trajectories finished during the call hold that many
-response tokens, the requests in flight are aborted and come back partial (status RUNNING);
-requests not yet sent are not sent. A later call resumes a partial trajectory by sending
-prompt + partial response as `input_ids` with `max_new_tokens` reduced by what it has. Aborts:
-the first round by rid; later rounds, on servers this engine launched (nobody else's requests
-are there), abort all, since SGLang acts on a rid's first abort only and may miss it.
-
-This module runs past the usual ~400 lines because its one job, driving requests on many servers,
-keeps its bookkeeping together: the budget, aborts, resends, servers left out and the router all
-act on the same in-flight requests.
+C3PO++: with `token_budget`, a call stops once the trajectories finished during it hold that
+many response tokens; the requests in flight come back partial. One call's requests, their
+resends and their aborts are `sglang_call.py`'s.
 """
 
 from __future__ import annotations
@@ -35,10 +28,8 @@ import json
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,10 +40,11 @@ from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import Recipe, SGLangServer
 from rlrecipe.rollout.api_key import auth_headers
-from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
-from rlrecipe.rollout.http_pool import HttpPool, Post, PostFailed
+from rlrecipe.rollout.base import Refill, RolloutEngine
+from rlrecipe.rollout.http_pool import HttpPool
 from rlrecipe.rollout.server_recovery import ServerRecovery
-from rlrecipe.rollout.sglang_api import apply_output, context_length, generate_payload, sglang_sampling_params
+from rlrecipe.rollout.sglang_api import apply_output, context_length
+from rlrecipe.rollout.sglang_call import GenerateCall
 from rlrecipe.rollout.sglang_server import (
     ServerProcess,
     launch_servers,
@@ -62,23 +54,10 @@ from rlrecipe.rollout.sglang_server import (
     wait_until_healthy,
 )
 from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
     from rlrecipe.rollout.weight_broadcast import WeightBroadcast
-
-ABORT_RESEND_S = 1.0
-
-
-# -- the engine ----------------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Request:
-    traj: Trajectory
-    endpoint: int  # index into the engine's generation URLs: a server, or 0 = the router
-    payload: dict
-    rid: str
-    post: Post | None = None
-    lost: bool = False  # its server was left out before it answered: send it again elsewhere
 
 
 def _same_model(a: str | Path, b: str | Path) -> bool:
@@ -348,63 +327,6 @@ class SGLangEngine(RolloutEngine):
                 self._update_one(i, model_arg(model_dir), version)
 
     # -- generation ------------------------------------------------------------------------------
-    def _submit(self, req: _Request) -> Future:
-        max_new = req.payload["sampling_params"]["max_new_tokens"]
-        req.post = Post(req.endpoint, self._gen_urls[req.endpoint] + "/generate", req.payload,
-                        self.read_timeout(max_new))
-        return self._http.submit(req.post)
-
-    def _answer(self, req: _Request, fut: Future) -> dict | None:
-        """The server's JSON for a finished request; None when it went unsent or must go elsewhere."""
-        try:
-            result = fut.result()
-        except PostFailed as err:
-            if req.endpoint in self._failed and self.cfg.retry_on_other_servers:
-                req.lost = True  # its server was reported and left out already
-                return None
-            if err.timed_out:
-                what = (f"did not answer /generate within {req.post.read_timeout_s:.0f} s (hung? the limit is "
-                        "rollout.sglang.request_timeout_s + request_timeout_per_token_s x max_new_tokens, "
-                        "times the turns a request may queue for the KV cache)")
-            else:
-                what = "failed during /generate"
-            if self.router is not None:  # nothing to retry on here: the router spreads and retries itself
-                raise self._down_error(0, err, f"{what}; servers behind it: {', '.join(self.urls)}",
-                                       may_exit=not err.timed_out, server=self.router) from None
-            self._leave_out(req.endpoint, self._down_error(req.endpoint, err, what, may_exit=not err.timed_out))
-            req.lost = True
-            return None
-        if result is None:
-            return None
-        status, text = result
-        if status != 200:
-            raise UserError(f"SGLang server {self._gen_urls[req.endpoint]} /generate: HTTP {status}: {text[:500]}")
-        return json.loads(text)
-
-    def _abort(self, reqs: Sequence[_Request], all_on_own_servers: bool = False) -> None:
-        """Abort these requests by rid; with `all_on_own_servers`, servers this engine launched
-        abort everything instead (SGLang acts on a rid's first abort only, and may miss it). Behind
-        the router, which forwards no aborts and does not tell where a request went, every server
-        aborts everything (its servers serve this run only)."""
-        bodies: list[tuple[int, dict]] = []
-        if self.router is not None:
-            if reqs:
-                bodies = [(server, {"abort_all": True}) for server in self.live if server not in self._failed]
-        else:
-            for server in sorted({r.endpoint for r in reqs} - self._failed):
-                if all_on_own_servers and self._server(server) is not None:
-                    bodies.append((server, {"abort_all": True}))
-                else:
-                    bodies += [(server, {"rid": r.rid}) for r in reqs if r.endpoint == server]
-        failed: set[int] = set()
-        for server, body in bodies:
-            if server in failed:
-                continue  # one unanswered abort is enough: don't wait on it once per request
-            try:
-                self._session().post(self.urls[server] + "/abort_request", json=body, timeout=10)
-            except requests.RequestException:
-                failed.add(server)  # the /generate call reports a dead server
-
     def _apply(self, t: Trajectory, out: dict, params: SamplingParams, version: int, endpoint: int) -> None:
         meta = out.get("meta_info") or {}
         expected, got = self._expected_version(endpoint), meta.get("weight_version")
@@ -422,64 +344,13 @@ class SGLangEngine(RolloutEngine):
             raise RuntimeError("SGLangEngine is closed")
         self._check_alive()
         todo = admit(trajs, params)
-        if not todo:
-            return trajs
-        version = self.version
-        groups: dict[str, int] = {}
-        contexts: dict[int, int | None] = {}
-        reqs = self._requests(todo, params, groups, contexts)
-        futures: dict[Future, _Request] = {self._submit(r): r for r in reqs}
-        pending = set(futures)
-        budget = TokenBudget(token_budget)
-        stopping = False
-        last_abort, abort_rounds = 0.0, 0
-        try:
-            while pending:
-                done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-                ended = 0
-                for fut in done:
-                    req = futures.pop(fut)
-                    out = self._answer(req, fut)
-                    if out is not None:
-                        self._apply(req.traj, out, params, version, req.endpoint)
-                        ended += budget.count(req.traj)
-                    elif req.lost and not stopping:
-                        # its server was left out: the same request, from the start, on another
-                        req.endpoint = self.live[hash(req.rid) % len(self.live)]
-                        req.payload = {**req.payload, "rid": uuid.uuid4().hex}
-                        req.rid, req.lost = req.payload["rid"], False
-                        new = self._submit(req)
-                        futures[new] = req
-                        pending.add(new)
-                if not stopping and budget.reached:
-                    stopping = True
-                    # not sent yet: withdrawn, the trajectory stays as it is
-                    pending = {f for f in pending if not self._http.withdraw(futures[f].post)}
-                elif not stopping and refill is not None and ended:
-                    fresh = refill(ended)
-                    while fresh:
-                        self._to_least_loaded(fresh, [futures[f].endpoint for f in pending], groups)
-                        for req in self._requests(fresh, params, groups, contexts):
-                            new = self._submit(req)
-                            futures[new] = req
-                            pending.add(new)
-                        # a prompt that fills the server's context ends unsent: its slot is free again
-                        full = sum(t.done for t in fresh)
-                        fresh = refill(full) if full else []
-                if stopping and pending and time.monotonic() - last_abort > ABORT_RESEND_S:
-                    self._abort([futures[f] for f in pending if futures[f].post.sent],
-                                all_on_own_servers=abort_rounds > 0)
-                    last_abort, abort_rounds = time.monotonic(), abort_rounds + 1
-                self._check_alive()
-        except BaseException:
-            sent = [futures[f] for f in pending if not self._http.withdraw(futures[f].post) and not f.done()]
-            self._abort(sent)  # servers left out are among the failed: none is asked
-            raise
+        if todo:
+            GenerateCall(self, params, TokenBudget(token_budget), refill).run(todo)
         return trajs
 
     def _to_least_loaded(self, fresh: list[Trajectory], busy: list[int], groups: dict[str, int]) -> None:
         """Send each new group to the live server with the fewest requests in flight (where
-        rollouts just finished), by entering it in `groups` as `_requests` reads it."""
+        rollouts just finished), by entering it in `groups` as `GenerateCall._requests` reads it."""
         if self.router is not None:
             return
         load = {e: 0 for e in self.live}
@@ -491,34 +362,6 @@ class SGLangEngine(RolloutEngine):
             if gid not in groups:
                 groups[gid] = self.live.index(min(self.live, key=load.__getitem__))
             load[self.live[groups[gid] % len(self.live)]] += 1
-
-    def _requests(self, todo: list[Trajectory], params: SamplingParams, groups: dict[str, int],
-                  contexts: dict[int, int | None]) -> list[_Request]:
-        """One request per running trajectory, each group's samples to one server (which then
-        shares their prompt's prefix cache); `groups` and `contexts` persist over one call."""
-        reqs: list[_Request] = []
-        for t in todo:
-            if self.router is not None:
-                endpoint = 0  # the router keeps a prompt's samples together itself (cache_aware)
-            else:
-                endpoint = self.live[groups.setdefault(t.group_id or t.uid, len(groups)) % len(self.live)]
-            input_ids = list(t.prompt_ids) + list(t.response_ids)
-            max_new = params.max_new_tokens - len(t.response_ids)
-            if endpoint not in contexts:
-                contexts[endpoint] = self._endpoint_context(endpoint)
-            ctx = contexts[endpoint]
-            if ctx is not None:
-                max_new = min(max_new, ctx - len(input_ids))
-                if max_new <= 0:  # the context is full: it can never finish
-                    t.status = Status.TRUNCATED
-                    t.meta["truncated_by_server"] = True
-                    continue
-            rid = uuid.uuid4().hex  # fixed length: SGLang matches abort rids by prefix
-            sp = sglang_sampling_params(params, max_new, self.stop_token_ids)
-            if SEED_KEY in t.meta:  # honoured by SGLang >= 0.5.3 (exactly so with --enable-deterministic-inference)
-                sp["sampling_seed"] = int(t.meta[SEED_KEY])
-            reqs.append(_Request(t, endpoint, generate_payload(input_ids, sp, rid), rid))
-        return reqs
 
     # -- weights ---------------------------------------------------------------------------------
     def _update_one(self, i: int, model_path: str, version: int) -> None:

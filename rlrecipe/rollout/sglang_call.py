@@ -1,0 +1,207 @@
+"""One `SGLangEngine.generate` call: its requests in flight until they all answer, or the budget stops them.
+
+Each running trajectory becomes one /generate request, a group's samples on one server (which then
+shares their prompt's prefix cache). A request whose server is left out (retry_on_other_servers)
+is sent again, from the start, to another one.
+
+C3PO++: with `token_budget`, once the trajectories finished during the call hold that many
+response tokens, the requests in flight are aborted and come back partial (status RUNNING);
+requests not yet sent are not sent. A later call resumes a partial trajectory by sending
+prompt + partial response as `input_ids` with `max_new_tokens` reduced by what it has. Aborts:
+the first round by rid; later rounds, on servers this engine launched (nobody else's requests
+are there), abort all, since SGLang acts on a rid's first abort only and may miss it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import requests
+
+from rlrecipe.c3po_budget import TokenBudget
+from rlrecipe.errors import UserError
+from rlrecipe.rollout.base import SEED_KEY, Refill
+from rlrecipe.rollout.http_pool import Post, PostFailed
+from rlrecipe.rollout.sglang_api import generate_payload, sglang_sampling_params
+from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+
+if TYPE_CHECKING:
+    from rlrecipe.rollout.sglang import SGLangEngine
+
+ABORT_RESEND_S = 1.0
+
+
+@dataclass(eq=False)
+class Request:
+    traj: Trajectory
+    endpoint: int  # index into the engine's generation URLs: a server, or 0 = the router
+    payload: dict
+    rid: str
+    post: Post | None = None
+    lost: bool = False  # its server was left out before it answered: send it again elsewhere
+
+
+class GenerateCall:
+    """The requests of one call and what becomes of each: answered, sent again elsewhere, withdrawn
+    unsent or aborted once the budget is reached."""
+
+    def __init__(self, engine: SGLangEngine, params: SamplingParams, budget: TokenBudget, refill: Refill | None):
+        self.engine, self.params, self.budget, self.refill = engine, params, budget, refill
+        self.version = engine.version
+        self.groups: dict[str, int] = {}  # a group's server (see SGLangEngine._to_least_loaded)
+        self.contexts: dict[int, int | None] = {}  # each endpoint's context length, asked once
+        self.futures: dict[Future, Request] = {}
+        self.pending: set[Future] = set()
+        self.stopping = False
+        self.last_abort, self.abort_rounds = 0.0, 0
+
+    def run(self, todo: list[Trajectory]) -> None:
+        self._send(self._requests(todo))
+        try:
+            while self.pending:
+                done, self.pending = wait(self.pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                ended = self._take(done)
+                if not self.stopping and self.budget.reached:
+                    self.stopping = True
+                    # not sent yet: withdrawn, the trajectory stays as it is
+                    self.pending = {f for f in self.pending if not self.engine._http.withdraw(self.futures[f].post)}
+                elif not self.stopping and self.refill is not None and ended:
+                    self._refill(ended)
+                if self.stopping and self.pending and time.monotonic() - self.last_abort > ABORT_RESEND_S:
+                    self._abort([self.futures[f] for f in self.pending if self.futures[f].post.sent],
+                                all_on_own_servers=self.abort_rounds > 0)
+                    self.last_abort, self.abort_rounds = time.monotonic(), self.abort_rounds + 1
+                self.engine._check_alive()
+        except BaseException:
+            sent = [self.futures[f] for f in self.pending
+                    if not self.engine._http.withdraw(self.futures[f].post) and not f.done()]
+            self._abort(sent)  # servers left out are among the failed: none is asked
+            raise
+
+    def _send(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            fut = self._submit(req)
+            self.futures[fut] = req
+            self.pending.add(fut)
+
+    def _take(self, done: set[Future]) -> int:
+        """The answers of `done` applied; lost requests sent again. How many trajectories ended."""
+        ended = 0
+        for fut in done:
+            req = self.futures.pop(fut)
+            out = self._answer(req, fut)
+            if out is not None:
+                self.engine._apply(req.traj, out, self.params, self.version, req.endpoint)
+                ended += self.budget.count(req.traj)
+            elif req.lost and not self.stopping:
+                # its server was left out: the same request, from the start, on another
+                live = self.engine.live
+                req.endpoint = live[hash(req.rid) % len(live)]
+                req.payload = {**req.payload, "rid": uuid.uuid4().hex}
+                req.rid, req.lost = req.payload["rid"], False
+                self._send([req])
+        return ended
+
+    def _refill(self, ended: int) -> None:
+        """New groups for the `ended` trajectories' slots, each to the least loaded server."""
+        fresh = self.refill(ended)
+        while fresh:
+            self.engine._to_least_loaded(fresh, [self.futures[f].endpoint for f in self.pending], self.groups)
+            self._send(self._requests(fresh))
+            # a prompt that fills the server's context ends unsent: its slot is free again
+            full = sum(t.done for t in fresh)
+            fresh = self.refill(full) if full else []
+
+    def _requests(self, todo: list[Trajectory]) -> list[Request]:
+        """One request per running trajectory, each group's samples to one server (which then
+        shares their prompt's prefix cache)."""
+        eng, params = self.engine, self.params
+        reqs: list[Request] = []
+        for t in todo:
+            if eng.router is not None:
+                endpoint = 0  # the router keeps a prompt's samples together itself (cache_aware)
+            else:
+                endpoint = eng.live[self.groups.setdefault(t.group_id or t.uid, len(self.groups)) % len(eng.live)]
+            input_ids = list(t.prompt_ids) + list(t.response_ids)
+            max_new = params.max_new_tokens - len(t.response_ids)
+            if endpoint not in self.contexts:
+                self.contexts[endpoint] = eng._endpoint_context(endpoint)
+            ctx = self.contexts[endpoint]
+            if ctx is not None:
+                max_new = min(max_new, ctx - len(input_ids))
+                if max_new <= 0:  # the context is full: it can never finish
+                    t.status = Status.TRUNCATED
+                    t.meta["truncated_by_server"] = True
+                    continue
+            rid = uuid.uuid4().hex  # fixed length: SGLang matches abort rids by prefix
+            sp = sglang_sampling_params(params, max_new, eng.stop_token_ids)
+            if SEED_KEY in t.meta:  # honoured by SGLang >= 0.5.3 (exactly so with --enable-deterministic-inference)
+                sp["sampling_seed"] = int(t.meta[SEED_KEY])
+            reqs.append(Request(t, endpoint, generate_payload(input_ids, sp, rid), rid))
+        return reqs
+
+    def _submit(self, req: Request) -> Future:
+        eng = self.engine
+        max_new = req.payload["sampling_params"]["max_new_tokens"]
+        req.post = Post(req.endpoint, eng._gen_urls[req.endpoint] + "/generate", req.payload,
+                        eng.read_timeout(max_new))
+        return eng._http.submit(req.post)
+
+    def _answer(self, req: Request, fut: Future) -> dict | None:
+        """The server's JSON for a finished request; None when it went unsent or must go elsewhere."""
+        eng = self.engine
+        try:
+            result = fut.result()
+        except PostFailed as err:
+            if req.endpoint in eng._failed and eng.cfg.retry_on_other_servers:
+                req.lost = True  # its server was reported and left out already
+                return None
+            if err.timed_out:
+                what = (f"did not answer /generate within {req.post.read_timeout_s:.0f} s (hung? the limit is "
+                        "rollout.sglang.request_timeout_s + request_timeout_per_token_s x max_new_tokens, "
+                        "times the turns a request may queue for the KV cache)")
+            else:
+                what = "failed during /generate"
+            if eng.router is not None:  # nothing to retry on here: the router spreads and retries itself
+                raise eng._down_error(0, err, f"{what}; servers behind it: {', '.join(eng.urls)}",
+                                      may_exit=not err.timed_out, server=eng.router) from None
+            eng._leave_out(req.endpoint, eng._down_error(req.endpoint, err, what, may_exit=not err.timed_out))
+            req.lost = True
+            return None
+        if result is None:
+            return None
+        status, text = result
+        if status != 200:
+            raise UserError(f"SGLang server {eng._gen_urls[req.endpoint]} /generate: HTTP {status}: {text[:500]}")
+        return json.loads(text)
+
+    def _abort(self, reqs: Sequence[Request], all_on_own_servers: bool = False) -> None:
+        """Abort these requests by rid; with `all_on_own_servers`, servers this engine launched
+        abort everything instead (SGLang acts on a rid's first abort only, and may miss it). Behind
+        the router, which forwards no aborts and does not tell where a request went, every server
+        aborts everything (its servers serve this run only)."""
+        eng = self.engine
+        bodies: list[tuple[int, dict]] = []
+        if eng.router is not None:
+            if reqs:
+                bodies = [(server, {"abort_all": True}) for server in eng.live if server not in eng._failed]
+        else:
+            for server in sorted({r.endpoint for r in reqs} - eng._failed):
+                if all_on_own_servers and eng._server(server) is not None:
+                    bodies.append((server, {"abort_all": True}))
+                else:
+                    bodies += [(server, {"rid": r.rid}) for r in reqs if r.endpoint == server]
+        failed: set[int] = set()
+        for server, body in bodies:
+            if server in failed:
+                continue  # one unanswered abort is enough: don't wait on it once per request
+            try:
+                eng._session().post(eng.urls[server] + "/abort_request", json=body, timeout=10)
+            except requests.RequestException:
+                failed.add(server)  # the /generate call reports a dead server

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,11 @@ def _date(r: dict[str, Any]) -> str:
 
 def _cell(x: Any) -> str:
     return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def _wrapped(paragraph: str) -> str:
+    """A generated paragraph in lines of at most 100 characters, as the rest of the file."""
+    return textwrap.fill(paragraph, width=100, break_long_words=False, break_on_hyphens=False) + "\n"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -277,7 +283,8 @@ def study_section(study: dict[str, Any]) -> str:
            "collapsed. " if plan.get("lag_headline") else "")
         + (f"(The rule chose {plan['headline_by_rule']:g}; overridden: {plan['headline_override_why']}) "
            if plan.get("headline_override_why") else "")
-        + "`make mismatch-study` reruns it; figures in runs/mismatch-study/figures/.\n")
+        + "`make mismatch-study` reruns it; figures in runs/mismatch-study/figures/.")
+    intro = _wrapped(intro)
     header = ["mismatch", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
               "mismatch KL", "collapsed", "recipe", "sha256 (with the dial set)", "commit"]
     return "## Mismatch study\n\n" + intro + "\n" + _table(header, rows)
@@ -302,7 +309,8 @@ def async_section(study: dict[str, Any]) -> str:
              "trained from the tiny SFT model synchronously and with `rl.async_lag` L: the batch of step s is "
              "collected under the weights of step s - L. Final reward: mean training reward of the last steps "
              "(± sd across seeds); held-out: avg@n on tiny-arith eval, percent. "
-             f"Collapse: {study.get('collapse_rule', '-')}. `make async-study` reruns it.\n")
+             f"Collapse: {study.get('collapse_rule', '-')}. `make async-study` reruns it.")
+    intro = _wrapped(intro)
     header = ["schedule", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
               "mismatch KL", "collapsed", "recipe", "sha256 (with the lag set)", "commit"]
     return "## Asynchronous RL\n\n" + intro + "\n" + _table(header, rows)

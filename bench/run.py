@@ -19,6 +19,7 @@ from rich.table import Table
 from bench.async_overlap import overlap_bench
 from bench.c3po_compare import compare
 from bench.grading import grading_bench
+from bench.report import write as write_report
 from bench.thread_load import thread_load_bench
 from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches
@@ -26,6 +27,7 @@ from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.rollout.inprocess import InProcessEngine
+from rlrecipe.runs import cpu_record
 from rlrecipe.sft import build_sft_samples, sft_loss
 from rlrecipe.train.torch_engine import TorchTrainEngine
 from rlrecipe.trajectory import SamplingParams, Trajectory
@@ -495,8 +497,10 @@ def main() -> None:
     results["c3po_projection"] = bench_projection(results["c3po_vs_sync"], results["c3po_vs_sync_end_to_end"])
     console.print("[bold]bench[/] c3po_recipe_projection ...")
     results["c3po_recipe_projection"] = bench_recipe_projection()
-    results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "time": time.time()}
+    results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "time": time.time(),
+                      "cpu": cpu_record()["model"]}
     OUT.write_text(json.dumps(results, indent=2))
+    write_report(OUT)
     table = Table(title="rlrecipe bench (ratios from one run, same machine)")
     table.add_column("benchmark")
     table.add_column("measure")

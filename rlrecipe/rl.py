@@ -20,6 +20,7 @@ from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.c3po import PromptStream, RolloutPool
 from rlrecipe.console import console
 from rlrecipe.data.io import load_rows
+from rlrecipe.dist import broadcast_from_rank_zero, is_rank_zero
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe, RLSection, RolloutSection
 from rlrecipe.reward import Grader, grade_trajectories
@@ -31,7 +32,6 @@ from rlrecipe.runs import Run, check_resume_step, read_metrics
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
-from rlrecipe.train.launch import broadcast_from_rank_zero, is_rank_zero
 from rlrecipe.train.reference import make_reference
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 from rlrecipe.trajectory_arrays import TrajectoryBatch

@@ -13,6 +13,7 @@ from rlrecipe.algo.columns import Sums, TokenColumns
 from rlrecipe.console import console
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import sft_token_ids
+from rlrecipe.dist import is_rank_zero
 from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe
 from rlrecipe.runs import Run, check_resume_step, read_metrics
@@ -20,7 +21,6 @@ from rlrecipe.seeds import SFT_EPOCH, mix_seed
 from rlrecipe.stage import Stage, finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
-from rlrecipe.train.launch import is_rank_zero
 
 
 def build_sft_samples(rows: list[dict], tokenizer, template: str, max_length: int) -> tuple[list[TrainSample], int]:

@@ -129,7 +129,7 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from rlrecipe.train import launch
+    from rlrecipe import dist as ranks
 
     dist.init_process_group("gloo")
     rank, out = dist.get_rank(), Path(spec["out"])
@@ -137,7 +137,7 @@ def worker(spec: dict) -> None:
         def collect():
             raise RuntimeError("grader died")
         try:
-            launch.broadcast_batch_from_rank_zero(collect)
+            ranks.broadcast_batch_from_rank_zero(collect)
             result = "returned"
         except RuntimeError as err:
             result = f"raised: {err}"
@@ -152,14 +152,14 @@ def worker(spec: dict) -> None:
             raise AssertionError("only rank 0 collects")
         return TrajectoryBatch.from_trajectories(graded_trajectories()), {"step": 7}
 
-    batch, small = launch.broadcast_batch_from_rank_zero(collect)
+    batch, small = ranks.broadcast_batch_from_rank_zero(collect)
     types = sorted({type(v).__name__ for v in batch.arrays.values()})
     save_file(batch.arrays, str(out / f"rank{rank}.safetensors"),
               metadata={"uids": json.dumps(batch.uids), "group_ids": json.dumps(batch.group_ids),
                         "small": json.dumps(small), "types": json.dumps(types)})
     # the chunked path nccl takes, with a CPU staging buffer: rank 0's bytes arrive whole
     data = torch.arange(101, dtype=torch.int32) * 7919 if rank == 0 else torch.zeros(101, dtype=torch.int32)
-    launch._broadcast_bytes(data.view(torch.uint8), torch.empty(CHUNK_BYTES, dtype=torch.uint8), rank == 0)
+    ranks._broadcast_bytes(data.view(torch.uint8), torch.empty(CHUNK_BYTES, dtype=torch.uint8), rank == 0)
     (out / f"rank{rank}.chunked.json").write_text(json.dumps(data.tolist()))
     dist.destroy_process_group()
 

@@ -258,11 +258,14 @@ trainer: {{engine: {engine}, zero_stage: 2, nproc: {nproc}, lr: 1.0e-3, max_toke
 
 
 def test_torchrun_command(tmp_path, monkeypatch):
+    from rlrecipe.cli.stages import relaunch_args
+
+    from rlrecipe import dist
     from rlrecipe.errors import UserError
     from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
     from rlrecipe.train import launch
 
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.LAUNCHED_ENV, *launch.NODE_RANK_ENVS):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", dist.LAUNCHED_ENV, *launch.NODE_RANK_ENVS):
         monkeypatch.delenv(key, raising=False)
     recipe = recipe_from_dict({"run": {"name": "x"}, "model": {"path": "m"},
                                "trainer": {"engine": "deepspeed", "nproc": 4, "nodes": 2, "master_addr": "10.0.0.1",
@@ -271,7 +274,7 @@ def test_torchrun_command(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="RLRECIPE_NODE_RANK"):
         launch.torchrun_command(recipe.trainer, ["sft"])
     monkeypatch.setenv("RLRECIPE_NODE_RANK", "1")
-    cmd = launch.torchrun_command(recipe.trainer, launch.cli_args_for("sft", loaded, resume=True))
+    cmd = launch.torchrun_command(recipe.trainer, relaunch_args("sft", loaded, resume=True))
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc_per_node=4", "--nnodes=2", "--node_rank=1",
                        "--master_addr=10.0.0.1", "--master_port=29511", "-m", "rlrecipe.cli.app", "sft", "r.yaml",
                        "--set", "sft.max_steps=5", "--resume"]
@@ -281,8 +284,8 @@ def test_torchrun_command(tmp_path, monkeypatch):
     # one process, or the torch engine: nothing is launched
     single = LoadedRecipe(recipe=recipe_from_dict({"run": {"name": "x"}, "model": {"path": "m"},
                                                    "trainer": {"engine": "deepspeed"}}), path="r.yaml")
-    assert launch.maybe_relaunch("rl", single) is None
-    assert launch.is_rank_zero() and launch.world_size() == 1
+    assert launch.maybe_relaunch(single, relaunch_args("rl", single, resume=False)) is None
+    assert dist.is_rank_zero() and dist.world_size() == 1
 
 
 if __name__ == "__main__":

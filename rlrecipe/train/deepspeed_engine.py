@@ -57,11 +57,12 @@ import torch.distributed as dist
 
 from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, balanced_bins
+from rlrecipe.dist import barrier
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_model
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample, add_sums
-from rlrecipe.train.launch import barrier, init_distributed
+from rlrecipe.train.launch import init_distributed
 from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, load_state, make_scheduler, restore_rng
 from rlrecipe.train.varlen_attention import training_attention
 

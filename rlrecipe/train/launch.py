@@ -138,13 +138,3 @@ def maybe_relaunch(loaded: LoadedRecipe, command: list[str]) -> None:
     rc = subprocess.call(cmd, env=env)
     raise SystemExit(rc)
 
-
-# importers not yet moved to rlrecipe.dist
-from rlrecipe.dist import (  # noqa: E402,F401
-    _broadcast_bytes,
-    barrier,
-    broadcast_batch_from_rank_zero,
-    broadcast_from_rank_zero,
-    is_launched_rank,
-    world_size,
-)

@@ -17,22 +17,12 @@ from pathlib import Path
 
 from rlrecipe.eval.results_store import ASYNC_STUDY, save_study
 
-from rlrecipe.atomic_io import atomic_write_text
-from scripts.mismatch_study import COLLAPSE_DROP, WINDOW, aggregate, run_one
+from scripts.mismatch_study import run_one, write_study
 
 LAGS = [0, 1, 4]
 CORRECTIONS = ["off", "icepop"]
 SEEDS = [1, 2, 3]
 STUDY_DIR = Path("runs") / "async-study"
-
-
-def write(rows: list[dict], plan: dict) -> Path:
-    STUDY_DIR.mkdir(parents=True, exist_ok=True)
-    path = STUDY_DIR / "study.json"
-    atomic_write_text(path, json.dumps({"plan": plan, "collapse_rule": (
-        f"train accuracy over the last {WINDOW} steps more than {COLLAPSE_DROP:.0%} (absolute) below the first "
-        f"{WINDOW} steps', or the run stopped (NaN/inf guard)"), "runs": rows, "table": aggregate(rows)}, indent=1))
-    return path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:
         for lag in lags:
             rows += [run_one(c, "async", lag, seed) for c in corrections]
-            write(rows, plan)
-    path = write(rows, plan)
+            write_study(rows, plan, STUDY_DIR)
+    path = write_study(rows, plan, STUDY_DIR)
     print(f"study: {path}; kept as {save_study(json.loads(path.read_text()), name=ASYNC_STUDY)}")
     subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)
 

@@ -160,11 +160,11 @@ def plot_level(dial: str, level: float, seed: int) -> None:
         plot_runs(runs, STUDY_DIR / "figures" / f"{level_label(dial, level)}-s{seed}")
 
 
-def write_study(rows: list[dict], plan: dict) -> Path:
-    STUDY_DIR.mkdir(parents=True, exist_ok=True)
+def write_study(rows: list[dict], plan: dict, study_dir: Path = STUDY_DIR) -> Path:
+    study_dir.mkdir(parents=True, exist_ok=True)
     from rlrecipe.atomic_io import atomic_write_text
 
-    path = STUDY_DIR / "study.json"
+    path = study_dir / "study.json"
     atomic_write_text(path, json.dumps({"plan": plan, "collapse_rule": (
         f"train accuracy over the last {WINDOW} steps more than {COLLAPSE_DROP:.0%} (absolute) below the first "
         f"{WINDOW} steps', or the run stopped (NaN/inf guard)"), "runs": rows, "table": aggregate(rows)}, indent=1))

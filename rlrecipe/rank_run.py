@@ -36,9 +36,9 @@ class RankAwareRun(Run):
         if is_rank_zero():
             super().truncate_metrics(after_step)
 
-    def log(self, step, metrics, echo: bool = True) -> None:
+    def log(self, step, metrics, echo: bool = True, total: int | None = None) -> None:
         if is_rank_zero():
-            super().log(step, metrics, echo=echo)
+            super().log(step, metrics, echo=echo, total=total)
 
     def finish(self, token_columns: tuple[str, ...] = ()) -> None:
         if is_rank_zero():

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rlrecipe.modeling import load_model, load_tokenizer
-from rlrecipe.rollout import inprocess
+from rlrecipe.rollout import inprocess, packed_attention
 from rlrecipe.rollout.inprocess import InProcessEngine, filter_logits
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
@@ -155,7 +155,7 @@ def test_packed_prefill_attention_is_per_document_in_every_band():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, sum(lens), 8), torch.randn(1, 2, sum(lens), 8), torch.randn(1, 2, sum(lens), 8)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    out, _ = inprocess._prefill_or_sdpa(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+    out, _ = packed_attention._prefill_or_sdpa(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
                                                                is_causal=True, scale=0.3, enable_gqa=True)

@@ -15,12 +15,8 @@ and those are as long as the rollouts are). Identical sequences (the fresh sampl
 prompt) are prefilled once. Each sequence's keys and values are then laid into the
 left-padded cache layout that decoding uses.
 
-Decoding attends by bands of lengths. Rows are kept longest first (newcomers are prefilled in
-that order and merged into it; every row grows by one token a step, so the order holds), and a
-step's attention runs once per band of rows whose longest is at most PAD_RATIO x its shortest,
-over only the cache columns that longest row fills. Without the bands every row would attend over
-the width of the longest row in flight, and C3PO++ decodes resumed long rollouts beside fresh
-short ones, so much of that would be padding (docs/performance.md has the measurements).
+Decoding attends by bands of rows of similar lengths; rows are kept longest first for it. Both
+attentions are `packed_attention.py`'s.
 """
 
 from __future__ import annotations
@@ -31,14 +27,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rlrecipe.c3po_budget import TokenBudget, admit
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
 from rlrecipe.rollout.kv_cache import GrowingCache
+from rlrecipe.rollout.packed_attention import band_cells, decode_bands, register_attention
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 
@@ -63,111 +58,6 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = width - t.shape[dim]
     return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-# -- packed prefill attention ----------------------------------------------------------------
-ATTENTION = "rollout_sdpa"
-PAD_RATIO = 1.25  # a packed prefill attends documents in bands whose longest is at most this x the shortest
-
-
-def _prefill_or_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa, except for a packed prefill (called with `cu_seq_lens_q`, flash-attention's
-    varlen convention): causal attention within each document only.
-
-    Documents are attended in batches of similar length (the engine packs them sorted by length):
-    each batch right-padded to its longest, at most PAD_RATIO times its shortest, one causal SDPA
-    call each. A real query at position i sees keys 0..i only, all of its own document, so the
-    padding past a document's end is never attended to and the result is exact; attention costs
-    sum L_i^2 within that bound, and the number of calls stays small (one per length band) where
-    a call per document would cost more in overhead than in arithmetic on CPU."""
-    bands = kwargs.pop("decode_bands", None)
-    if cu_seq_lens_q is None and bands is not None and query.shape[2] == 1:
-        return _banded_decode(module, query, key, value, attention_mask, bands, dropout, scaling, **kwargs)
-    if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    if query.shape[0] != 1 or attention_mask is not None or key.shape[2] != query.shape[2]:
-        raise ValueError("a packed prefill is one row, with no mask and no cached past")
-    bounds = cu_seq_lens_q.tolist()
-    docs = list(zip(bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)], strict=True))
-    bands: list[list[tuple[int, int]]] = []  # runs of consecutive documents, longest <= PAD_RATIO x shortest
-    for d in docs:
-        if bands and max(bands[-1][-1][1], d[1]) <= PAD_RATIO * min(bands[-1][0][1], d[1]):
-            bands[-1].append(d)
-        else:
-            bands.append([d])
-    q, k, v = query[0], key[0], value[0]  # [H, T, D]
-    gqa = q.shape[0] != k.shape[0]
-    out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, D]: transformers' layout, batch dim aside
-    for band in bands:
-        start, longest = band[0][0], max(n for _, n in band)
-        if all(n == longest for _, n in band):  # contiguous, equal lengths: a view, no copy
-            qs, ks, vs = (x[:, start:start + len(band) * longest].unflatten(1, (len(band), longest)).transpose(0, 1)
-                          for x in (q, k, v))
-        else:
-            starts = torch.tensor([s for s, _ in band])[:, None]
-            lens = torch.tensor([n for _, n in band])[:, None]
-            cols = torch.arange(longest)[None]
-            idx = (starts + torch.minimum(cols, lens - 1)).reshape(-1)  # past the end: repeat (never attended)
-            qs, ks, vs = (x.index_select(1, idx).unflatten(1, (len(band), longest)).transpose(0, 1)
-                          for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)
-        o = o.transpose(1, 2)  # [documents, longest, H, D]
-        tokens = sum(n for _, n in band)
-        if tokens == o.shape[0] * longest:
-            out[start:start + tokens] = o.reshape(tokens, *o.shape[2:])
-        else:  # the band's real positions, in packed order
-            doc, pos = torch.nonzero(cols < lens, as_tuple=True)
-            out[start:start + tokens] = o[doc, pos]
-    return out.unsqueeze(0), None  # [1, T, H, D]
-
-
-def decode_bands(lengths: list[int]) -> list[tuple[int, int, int]]:
-    """(first row, end row, width) of each band of a decoding batch whose rows are ordered longest
-    first (`lengths`: each row's cache length): the band's longest at most PAD_RATIO x its shortest."""
-    bands = []
-    start = 0
-    while start < len(lengths):
-        longest = lengths[start]
-        end = start + 1
-        while end < len(lengths) and longest <= PAD_RATIO * lengths[end]:
-            end += 1
-        bands.append((start, end, longest))
-        start = end
-    return bands
-
-
-def band_cells(bands: list[tuple[int, int, int]]) -> int:
-    """Cache cells a decoding step attends under `bands`: each band's rows x its width."""
-    return sum((end - start) * width for start, end, width in bands)
-
-
-def _banded_decode(module, query, key, value, attention_mask, bands, dropout, scaling, **kwargs):
-    """A decoding step's attention band by band: each band's rows attend only to the last `width`
-    columns of the left-padded cache, those its longest row fills (the columns left of them are
-    padding for every row of the band). Rows longest first are what makes the bands contiguous
-    slices: views, no copies."""
-    kv = key.shape[2]
-    out = query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])  # [rows, 1, H, D]
-    for start, end, width in bands:
-        cols = slice(kv - width, kv)
-        mask = attention_mask[start:end, ..., cols] if attention_mask is not None else None
-        out[start:end], _ = sdpa_attention_forward(module, query[start:end], key[start:end, :, cols],
-                                                   value[start:end, :, cols], mask, dropout=dropout,
-                                                   scaling=scaling, **kwargs)
-    return out, None
-
-
-def register_attention() -> str:
-    """Make `rollout_sdpa` an attention (and mask) implementation transformers' models accept."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTENTION, _prefill_or_sdpa)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # decoding steps get sdpa's padding mask
-    return ATTENTION
 
 
 @dataclass
@@ -421,59 +311,78 @@ class InProcessEngine(RolloutEngine):
         budget = TokenBudget(token_budget)
         rows: list[Trajectory] = []
         batch: _Batch | None = None
-        c, clock = self.counters, time.perf_counter
-        start = clock()
+        start = time.perf_counter()
         while queue or rows:
-            live = [i for i, r in enumerate(rows) if r.status == Status.RUNNING]
-            free = self.max_batch - len(live)
-            if queue and (not live or free >= max(1, int(self.refill_fraction * self.max_batch))):
-                # only the newcomers are prefilled; the rows in flight keep their cache
-                new = [queue.pop() for _ in range(min(free, len(queue)))]
-                new.sort(key=lambda t: -t.num_tokens)  # longest first, as decoding needs (stable)
-                fresh = self._prefill(new)
-                if live:
-                    t0 = clock()
-                    batch, order = batch.select(live).join(fresh)
-                    self._refilled(clock() - t0, batch)
-                    joined = [rows[i] for i in live] + new
-                    rows = [joined[i] for i in order]
-                else:
-                    batch, rows = fresh, new
-            elif len(live) < len(rows):
-                if not live:
-                    rows = []
-                    continue
-                if len(live) <= len(rows) // 2:  # compact only when it halves the work
-                    t0 = clock()
-                    batch = batch.select(live)
-                    self._refilled(clock() - t0, batch)
-                    rows = [rows[i] for i in live]
-            t0 = clock()
-            tok, lp = self._sample(batch.logits, params, gen, rows, noise)
-            tokens, logps = tok.tolist(), lp.tolist()  # one conversion per step, not one per row
-            ended = 0
-            for i, t in enumerate(rows):
-                if t.status != Status.RUNNING:
-                    continue
-                t.append(tokens[i], logps[i], self.version)
-                if tokens[i] == self.eos:
-                    t.status = Status.FINISHED
-                elif len(t.response_ids) >= params.max_new_tokens:
-                    t.status = Status.TRUNCATED
-                ended += budget.count(t)
-            sampled = clock() - t0
-            c.sample_s += sampled
+            rows, batch = self._rows_in_flight(queue, rows, batch)
+            if not rows:
+                continue  # nothing running and nothing queued
+            tok, ended, sampled = self._sample_rows(batch, rows, params, gen, noise, budget)
             if budget.reached:
                 break
             if refill is not None and ended:
                 queue[:0] = refill(ended)[::-1]  # fresh, behind those queued already (pop() takes the last)
             if any(r.status == Status.RUNNING for r in rows):
-                t0 = clock()
-                batch = self._step(tok, batch)
-                if self.events is not None:  # one decoding step: its sampling and its forward pass
-                    self.events.append(["decode", sampled + clock() - t0, {
-                        "decode_steps": 1, "decode_rows": batch.mask.shape[0], "decode_cells": self._step_cells}])
+                batch = self._decode(tok, batch, sampled)
             else:
                 rows = []
-        c.generate_s += clock() - start
+        self.counters.generate_s += time.perf_counter() - start
         return trajs
+
+    def _rows_in_flight(self, queue: list[Trajectory], rows: list[Trajectory],
+                        batch: _Batch | None) -> tuple[list[Trajectory], _Batch | None]:
+        """The rows to sample from next: once enough slots are free, newcomers popped from `queue`
+        are prefilled and joined to the running rows (which keep their cache); else finished rows
+        are compacted away where that halves the work. No rows: nothing runs and nothing is queued."""
+        clock = time.perf_counter
+        live = [i for i, r in enumerate(rows) if r.status == Status.RUNNING]
+        free = self.max_batch - len(live)
+        if queue and (not live or free >= max(1, int(self.refill_fraction * self.max_batch))):
+            # only the newcomers are prefilled; the rows in flight keep their cache
+            new = [queue.pop() for _ in range(min(free, len(queue)))]
+            new.sort(key=lambda t: -t.num_tokens)  # longest first, as decoding needs (stable)
+            fresh = self._prefill(new)
+            if not live:
+                return new, fresh
+            t0 = clock()
+            batch, order = batch.select(live).join(fresh)
+            self._refilled(clock() - t0, batch)
+            joined = [rows[i] for i in live] + new
+            return [joined[i] for i in order], batch
+        if len(live) < len(rows):
+            if not live:
+                return [], batch
+            if len(live) <= len(rows) // 2:  # compact only when it halves the work
+                t0 = clock()
+                batch = batch.select(live)
+                self._refilled(clock() - t0, batch)
+                rows = [rows[i] for i in live]
+        return rows, batch
+
+    def _sample_rows(self, batch: _Batch, rows: list[Trajectory], params: SamplingParams, gen: torch.Generator,
+                     noise: torch.Generator, budget: TokenBudget) -> tuple[torch.Tensor, int, float]:
+        """Each running row's next token appended with its log-prob and this engine's version, and
+        its end marked; the tokens, how many rows ended (counted against `budget`), and the seconds."""
+        t0 = time.perf_counter()
+        tok, lp = self._sample(batch.logits, params, gen, rows, noise)
+        tokens, logps = tok.tolist(), lp.tolist()  # one conversion per step, not one per row
+        ended = 0
+        for i, t in enumerate(rows):
+            if t.status != Status.RUNNING:
+                continue
+            t.append(tokens[i], logps[i], self.version)
+            if tokens[i] == self.eos:
+                t.status = Status.FINISHED
+            elif len(t.response_ids) >= params.max_new_tokens:
+                t.status = Status.TRUNCATED
+            ended += budget.count(t)
+        sampled = time.perf_counter() - t0
+        self.counters.sample_s += sampled
+        return tok, ended, sampled
+
+    def _decode(self, tok: torch.Tensor, batch: _Batch, sampled: float) -> _Batch:
+        t0 = time.perf_counter()
+        batch = self._step(tok, batch)
+        if self.events is not None:  # one decoding step: its sampling and its forward pass
+            self.events.append(["decode", sampled + time.perf_counter() - t0, {
+                "decode_steps": 1, "decode_rows": batch.mask.shape[0], "decode_cells": self._step_cells}])
+        return batch

@@ -149,14 +149,17 @@ def schedule_row(name: str, steps: list[dict], *, gpus: int, rollout_gpus: int, 
 def async_projection(recipe_path: str | Path, groups: list[list[int]], *, lengths_label: str = "",
                      etas: tuple[int, ...] = (1, 2), steps: int = 5, cost: CostModel | None = None,
                      cost_name: str = "", load_s: float = LOAD_S, train_scale: float = 1.0,
-                     splits: tuple[int, ...] | None = None, overrides: list[str] | None = None) -> dict:
+                     splits: tuple[int, ...] | None = None, overrides: list[str] | None = None,
+                     cache: dict | None = None) -> dict:
     """The four schedules (and sync / C3PO++ both colocated and split as shipped) on the recipe's own
     GPU count, batch and C3PO++ settings, over response lengths `groups` (one list per prompt).
 
     Returns {"assumptions": ..., "rows": [...]}: per schedule the GPUs of each side, eta, rollout and
     train + push seconds per step, the steady step, trained tokens per step and seconds per million
     trained tokens, and speed-ups per trained token against both synchronous layouts.
-    `splits`: rollout GPU counts to try for async (default: the node grid around the balance)."""
+    `splits`: rollout GPU counts to try for async (default: the node grid around the balance).
+    `cache`: simulated rollout steps by engine count, shared by calls that differ only in the
+    training model (`train_scale`, `load_s`, `etas`)."""
     from rlrecipe.plan import kv_cache_tokens, rollout_engines
     from rlrecipe.recipe import load_recipe
 
@@ -169,7 +172,7 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
     shipped_r = rollout_engines(recipe) * recipe.rollout.sglang.tp_size
     shipped_t = recipe.trainer.nproc * recipe.trainer.nodes
     gpus = shipped_r + shipped_t
-    cache: dict = {}
+    cache = {} if cache is None else cache
     sim = lambda n: rollout_steps(loaded, n, cost, groups, steps=steps, kv_tokens=kv, cache=cache)  # noqa: E731
     rows = []
     for mode, label in (("sync", "sync"), ("c3po", "C3PO++")):
@@ -255,8 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cost", help="cost model JSON (CostModel fields); default: bench/cost_model.json or the H100 "
                                    "assumption")
     ap.add_argument("--load-s", type=float, default=LOAD_S, help="seconds the rollout side pauses per weight load")
-    ap.add_argument("--train-scale", type=float, default=1.0,
-                    help="multiply the training seconds per token (e.g. 1.25: gradient checkpointing's extra forward)")
+    ap.add_argument("--train-scale", default="1",
+                    help="multiply the training seconds per token (e.g. 1.25: gradient checkpointing's extra "
+                         "forward); comma-separated for several tables over the same simulated rollouts")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
     from rlrecipe.recipe import load_recipe
@@ -272,16 +276,20 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         groups, label = json.loads(Path(args.lengths).read_text()), f"from {args.lengths}"
     cost, cost_name = (CostModel.from_json(args.cost), args.cost) if args.cost else gpu_cost_model()
-    result = async_projection(args.recipe, groups, lengths_label=label,
-                              etas=tuple(int(x) for x in args.eta.split(",")), steps=args.steps, cost=cost,
-                              cost_name=cost_name, load_s=args.load_s, train_scale=args.train_scale,
-                              splits=tuple(int(x) for x in args.splits.split(",")) if args.splits else None,
-                              overrides=args.set)
-    print(json.dumps(result["assumptions"], indent=2))
-    print(markdown(result))
+    cache: dict = {}
+    results = []
+    for scale in (float(x) for x in args.train_scale.split(",")):
+        result = async_projection(args.recipe, groups, lengths_label=label,
+                                  etas=tuple(int(x) for x in args.eta.split(",")), steps=args.steps, cost=cost,
+                                  cost_name=cost_name, load_s=args.load_s, train_scale=scale,
+                                  splits=tuple(int(x) for x in args.splits.split(",")) if args.splits else None,
+                                  overrides=args.set, cache=cache)
+        print(json.dumps(result["assumptions"], indent=2))
+        print(markdown(result))
+        results.append(result)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return result
+        Path(args.json).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    return results[0] if len(results) == 1 else {"tables": results}
 
 
 if __name__ == "__main__":

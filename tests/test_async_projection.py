@@ -91,3 +91,17 @@ def test_projection_runs_on_the_shipped_7b_recipe():
         assert r["step_s"] == pytest.approx(max(r["rollout_s"], r["train_push_s"]))
     assert rows["sync, colocated"]["speedup_vs_sync_colocated"] == 1.0
     assert rows["async, eta=1"]["speedup_vs_sync_split"] > 1.0
+
+
+def test_cli_reuses_the_rollouts_for_several_training_costs(tmp_path, capsys):
+    from bench.async_projection import main
+
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([[200] * 16] * 8))
+    out = main(["recipes/7b_boba_icepop_c3po.yaml", "--lengths", str(lengths), "--steps", "1", "--splits", "64",
+                "--eta", "1", "--set", "rl.c3po.token_budget=1638400", "--train-scale", "1,2"])
+    one, two = ({r["schedule"]: r for r in t["rows"]}["sync, split as shipped"] for t in out["tables"])
+    assert two["rollout_s"] == one["rollout_s"]
+    # 512 x 16 x 200 tokens at 150 us over 64 GPUs = 3.84 s, doubled; the 5 s push stays
+    assert one["train_push_s"] == pytest.approx(5 + 3.84) and two["train_push_s"] == pytest.approx(5 + 7.68)
+    assert "| async, eta=1 | 64 + 64 | 1 |" in capsys.readouterr().out

@@ -202,7 +202,7 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
                           "max_batch": getattr(engine, "max_batch", None),
                           "refill_fraction": getattr(engine, "refill_fraction", None),
                           # how the engine batches: the in-process engine's slots, or a server's
-                          # continuous batching (see bench.rollout_projection.SimEngine)
+                          # continuous batching (see bench.sim_engine.SimEngine)
                           "layout": getattr(engine, "layout", "inprocess" if hasattr(engine, "counters") else "server")},
              "steps": {}, "trajectories": {}}
 

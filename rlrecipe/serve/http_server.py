@@ -23,193 +23,201 @@ class TooLarge(Exception):
     pass
 
 
-def make_handler(sched: Scheduler, api_key: str | None = None):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive for the engine's sessions
-        server_version = "rlrecipe-serve"
+class Handler(BaseHTTPRequestHandler):
+    """SGLang's HTTP endpoints over `sched`; make_handler binds a scheduler and an API key to it."""
 
-        def log_message(self, format, *args):  # noqa: A002 - stdlib signature
-            pass  # one line per request would drown the log; the scheduler reports instead
+    protocol_version = "HTTP/1.1"  # keep-alive for the engine's sessions
+    server_version = "rlrecipe-serve"
+    sched: Scheduler
+    api_key: str | None = None
 
-        def _send(self, code: int, body: dict | list | str | None = None) -> None:
-            if body is None:
-                data, ctype = b"", "text/plain"
-            elif isinstance(body, str):
-                data, ctype = body.encode(), "text/plain; charset=utf-8"
-            else:
-                data, ctype = json.dumps(body).encode(), "application/json"
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def log_message(self, format, *args):  # noqa: A002 - stdlib signature
+        pass  # one line per request would drown the log; the scheduler reports instead
 
-        def _reply(self, result: dict) -> None:
-            """A control endpoint's {success, message, ...}: HTTP 400 when it did not succeed, as SGLang."""
-            self._send(200 if result["success"] else 400, result)
+    def _send(self, code: int, body: dict | list | str | None = None) -> None:
+        if body is None:
+            data, ctype = b"", "text/plain"
+        elif isinstance(body, str):
+            data, ctype = body.encode(), "text/plain; charset=utf-8"
+        else:
+            data, ctype = json.dumps(body).encode(), "application/json"
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-        def _error(self, code: int, msg: str) -> None:
-            self._send(code, {"object": "error", "message": msg, "type": "BadRequest" if code == 400 else "Error",
-                              "code": code})
+    def _reply(self, result: dict) -> None:
+        """A control endpoint's {success, message, ...}: HTTP 400 when it did not succeed, as SGLang."""
+        self._send(200 if result["success"] else 400, result)
 
-        def _body(self) -> dict:
-            try:
-                n = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                raise BadRequest("Content-Length must be an integer") from None
-            if n < 0:  # read(-1) would wait for the client to close the connection
-                raise BadRequest("Content-Length must not be negative")
-            if n > MAX_BODY_BYTES:
-                raise TooLarge(f"request body of {n} bytes; at most {MAX_BODY_BYTES}")
-            raw = self.rfile.read(n) if n else b""
-            if not raw:
-                return {}
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            return body
+    def _error(self, code: int, msg: str) -> None:
+        self._send(code, {"object": "error", "message": msg, "type": "BadRequest" if code == 400 else "Error",
+                          "code": code})
 
-        def _refused(self, path: str) -> bool:
-            """401 as SGLang's --api-key middleware: every path but /health... needs the bearer key."""
-            if is_authorized(path, self.headers.get("Authorization"), api_key):
-                return False
-            self.close_connection = True  # its body stays unread: the connection cannot carry another
-            self._send(401, {"error": "Unauthorized"})
-            return True
+    def _body(self) -> dict:
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise BadRequest("Content-Length must be an integer") from None
+        if n < 0:  # read(-1) would wait for the client to close the connection
+            raise BadRequest("Content-Length must not be negative")
+        if n > MAX_BODY_BYTES:
+            raise TooLarge(f"request body of {n} bytes; at most {MAX_BODY_BYTES}")
+        raw = self.rfile.read(n) if n else b""
+        if not raw:
+            return {}
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
 
-        def do_GET(self):  # noqa: N802 - stdlib naming
-            path = self.path.split("?")[0]
-            if self._refused(path):
-                return
-            if path in ("/health", "/health_generate") and not sched.healthy:
-                self._send(503)  # as SGLang while it warms up or shuts down
-            elif path == "/health":
-                self._send(200)  # as SGLang: no generation (that is /health_generate)
-            elif path == "/health_generate":
-                probe = health_probe()
-                sched.submit([probe])
-                self._send(200 if probe.done.wait(HEALTH_GENERATE_S) and probe.finish.get("type") != "abort" else 503)
-            elif path in ("/model_info", "/get_model_info"):
-                self._send(200, {"model_path": sched.model_path, "tokenizer_path": sched.model_path,
-                                 "served_model_name": sched.model_path, "is_generation": True,
-                                 "preferred_sampling_params": None, "weight_version": sched.weight_version})
-            elif path in ("/server_info", "/get_server_info"):
-                self._send(200, {"model_path": sched.model_path, "context_length": sched.context_len,
-                                 "max_req_input_len": sched.context_len - 1, "tp_size": 1, "dp_size": 1,
-                                 "version": "rlrecipe-serve"})
-            elif path == "/get_weight_version":
-                self._send(200, {"weight_version": sched.weight_version})
+    def _refused(self, path: str) -> bool:
+        """401 as SGLang's --api-key middleware: every path but /health... needs the bearer key."""
+        if is_authorized(path, self.headers.get("Authorization"), self.api_key):
+            return False
+        self.close_connection = True  # its body stays unread: the connection cannot carry another
+        self._send(401, {"error": "Unauthorized"})
+        return True
+
+    def do_GET(self):  # noqa: N802 - stdlib naming
+        path = self.path.split("?")[0]
+        if self._refused(path):
+            return
+        if path in ("/health", "/health_generate") and not self.sched.healthy:
+            self._send(503)  # as SGLang while it warms up or shuts down
+        elif path == "/health":
+            self._send(200)  # as SGLang: no generation (that is /health_generate)
+        elif path == "/health_generate":
+            probe = health_probe()
+            self.sched.submit([probe])
+            self._send(200 if probe.done.wait(HEALTH_GENERATE_S) and probe.finish.get("type") != "abort" else 503)
+        elif path in ("/model_info", "/get_model_info"):
+            self._send(200, {"model_path": self.sched.model_path, "tokenizer_path": self.sched.model_path,
+                             "served_model_name": self.sched.model_path, "is_generation": True,
+                             "preferred_sampling_params": None, "weight_version": self.sched.weight_version})
+        elif path in ("/server_info", "/get_server_info"):
+            self._send(200, {"model_path": self.sched.model_path, "context_length": self.sched.context_len,
+                             "max_req_input_len": self.sched.context_len - 1, "tp_size": 1, "dp_size": 1,
+                             "version": "rlrecipe-serve"})
+        elif path == "/get_weight_version":
+            self._send(200, {"weight_version": self.sched.weight_version})
+        elif path == "/flush_cache":
+            self._flush()
+        elif path == "/get_weights_by_name":  # SGLang takes its JSON body on GET as on POST
+            self._weights_by_name()
+        else:
+            self._error(404, f"no route GET {path}")
+
+    def _stream(self, r: GenRequest) -> None:
+        """Server-sent events as SGLang sends them by default: each event holds the whole output
+        so far; the last one is the final response; then `data: [DONE]`. A client that hangs
+        up aborts its request."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def event(data: bytes) -> None:
+            self.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+        sent = 0
+        try:
+            while True:
+                finished = r.done.wait(0.02)
+                if finished or len(r.logprobs) > sent:
+                    sent = len(r.logprobs)
+                    body = response_body(r, self.sched.tokenizer, self.sched.weight_version)
+                    event(b"data: " + json.dumps(body).encode() + b"\n\n")
+                if finished:
+                    break
+            event(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            self.sched.abort(r.rid)
+
+    def _weights_by_name(self, body: dict | None = None) -> None:
+        """SGLang's /get_weights_by_name: {name, truncate_size} -> the parameter's first truncate_size
+        rows (dim 0) as float32 nested lists; a name the model lacks is a 400 {"error": {"message"}}."""
+        try:
+            body = self._body() if body is None else body
+            rows = self.sched.weights_by_name(str(body.get("name", "")), int(body.get("truncate_size", 100)))
+        except TooLarge as err:
+            self.close_connection = True
+            self._error(413, str(err))
+            return
+        except (BadRequest, ValueError, TypeError, OverflowError, RecursionError) as err:  # JSONDecodeError is a ValueError
+            self._send(400, {"error": {"message": f"bad request: {err}"}})
+            return
+        if rows is None:
+            self._send(400, {"error": {"message": "Get parameter by name failed"}})
+        else:
+            self._send(200, rows)
+
+    def _flush(self):
+        self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
+                        "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+    def do_POST(self):  # noqa: N802 - stdlib naming
+        path = self.path.split("?")[0]
+        if self._refused(path):
+            return
+        try:
+            body = self._body()
+            if path in ("/generate", "/generate/"):
+                reqs, batch = build_requests(body, self.sched)
+                if body.get("stream") and (batch or len(reqs) != 1):
+                    raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
+                self.sched.submit(reqs)
+                if body.get("stream"):
+                    self._stream(reqs[0])
+                    return
+                for r in reqs:
+                    r.done.wait()
+                outs = [response_body(r, self.sched.tokenizer, self.sched.weight_version) for r in reqs]
+                self._send(200, outs if batch else outs[0])
+            elif path == "/abort_request":
+                n = self.sched.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+                if n:
+                    log(f"abort {body.get('rid') or 'all'}: {n} request(s)")
+                self._send(200)
+            elif path == "/update_weights_from_disk":
+                if not body.get("model_path"):
+                    raise BadRequest("model_path is required")
+                log(f"update_weights_from_disk {body['model_path']}")
+                self._reply(self.sched.update_weights(str(body["model_path"]), body.get("weight_version")))
+            elif path == "/init_weights_update_group":
+                self._reply(self.sched.init_group(body))
+            elif path == "/update_weights_from_distributed":
+                self._reply(self.sched.update_weights_from_distributed(body))
+            elif path == "/destroy_weights_update_group":
+                self._reply(self.sched.destroy_group(body))
             elif path == "/flush_cache":
                 self._flush()
-            elif path == "/get_weights_by_name":  # SGLang takes its JSON body on GET as on POST
-                self._weights_by_name()
+            elif path == "/get_weights_by_name":
+                self._weights_by_name(body)
             else:
-                self._error(404, f"no route GET {path}")
+                self._error(404, f"no route POST {path}")
+        except BadRequest as err:
+            self._error(400, str(err))
+        except TooLarge as err:
+            self.close_connection = True  # the body stays unread: the connection cannot carry another
+            self._error(413, str(err))
+        except RecursionError:
+            self._error(400, "bad request: JSON nested too deeply")
+        except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                OverflowError) as err:
+            self._error(400, f"bad request: {err!r}")
 
-        def _stream(self, r: GenRequest) -> None:
-            """Server-sent events as SGLang sends them by default: each event holds the whole output
-            so far; the last one is the final response; then `data: [DONE]`. A client that hangs
-            up aborts its request."""
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
+    def do_PUT(self):  # noqa: N802 - SGLang accepts PUT on /generate
+        self.do_POST()
 
-            def event(data: bytes) -> None:
-                self.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
-                self.wfile.flush()
 
-            sent = 0
-            try:
-                while True:
-                    finished = r.done.wait(0.02)
-                    if finished or len(r.logprobs) > sent:
-                        sent = len(r.logprobs)
-                        event(b"data: " + json.dumps(response_body(r, sched.tokenizer, sched.weight_version)).encode() + b"\n\n")
-                    if finished:
-                        break
-                event(b"data: [DONE]\n\n")
-                self.wfile.write(b"0\r\n\r\n")
-            except (BrokenPipeError, ConnectionResetError):
-                sched.abort(r.rid)
 
-        def _weights_by_name(self, body: dict | None = None) -> None:
-            """SGLang's /get_weights_by_name: {name, truncate_size} -> the parameter's first truncate_size
-            rows (dim 0) as float32 nested lists; a name the model lacks is a 400 {"error": {"message"}}."""
-            try:
-                body = self._body() if body is None else body
-                rows = sched.weights_by_name(str(body.get("name", "")), int(body.get("truncate_size", 100)))
-            except TooLarge as err:
-                self.close_connection = True
-                self._error(413, str(err))
-                return
-            except (BadRequest, ValueError, TypeError, OverflowError, RecursionError) as err:  # JSONDecodeError is a ValueError
-                self._send(400, {"error": {"message": f"bad request: {err}"}})
-                return
-            if rows is None:
-                self._send(400, {"error": {"message": "Get parameter by name failed"}})
-            else:
-                self._send(200, rows)
-
-        def _flush(self):
-            self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
-                            "(When there are running or waiting requests, the operation will not be performed.)\n")
-
-        def do_POST(self):  # noqa: N802 - stdlib naming
-            path = self.path.split("?")[0]
-            if self._refused(path):
-                return
-            try:
-                body = self._body()
-                if path in ("/generate", "/generate/"):
-                    reqs, batch = build_requests(body, sched)
-                    if body.get("stream") and (batch or len(reqs) != 1):
-                        raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
-                    sched.submit(reqs)
-                    if body.get("stream"):
-                        self._stream(reqs[0])
-                        return
-                    for r in reqs:
-                        r.done.wait()
-                    outs = [response_body(r, sched.tokenizer, sched.weight_version) for r in reqs]
-                    self._send(200, outs if batch else outs[0])
-                elif path == "/abort_request":
-                    n = sched.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
-                    if n:
-                        log(f"abort {body.get('rid') or 'all'}: {n} request(s)")
-                    self._send(200)
-                elif path == "/update_weights_from_disk":
-                    if not body.get("model_path"):
-                        raise BadRequest("model_path is required")
-                    log(f"update_weights_from_disk {body['model_path']}")
-                    self._reply(sched.update_weights(str(body["model_path"]), body.get("weight_version")))
-                elif path == "/init_weights_update_group":
-                    self._reply(sched.init_group(body))
-                elif path == "/update_weights_from_distributed":
-                    self._reply(sched.update_weights_from_distributed(body))
-                elif path == "/destroy_weights_update_group":
-                    self._reply(sched.destroy_group(body))
-                elif path == "/flush_cache":
-                    self._flush()
-                elif path == "/get_weights_by_name":
-                    self._weights_by_name(body)
-                else:
-                    self._error(404, f"no route POST {path}")
-            except BadRequest as err:
-                self._error(400, str(err))
-            except TooLarge as err:
-                self.close_connection = True  # the body stays unread: the connection cannot carry another
-                self._error(413, str(err))
-            except RecursionError:
-                self._error(400, "bad request: JSON nested too deeply")
-            except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError,
-                    OverflowError) as err:
-                self._error(400, f"bad request: {err!r}")
-
-        def do_PUT(self):  # noqa: N802 - SGLang accepts PUT on /generate
-            self.do_POST()
-
-    return Handler
+def make_handler(sched: Scheduler, api_key: str | None = None) -> type[Handler]:
+    """The handler class the server instantiates per connection, bound to this scheduler and key."""
+    return type("Handler", (Handler,), {"sched": sched, "api_key": api_key})
 
 
 class Server(ThreadingHTTPServer):

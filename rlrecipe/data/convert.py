@@ -247,44 +247,57 @@ def _convert_one(row: dict, kind: str) -> tuple[dict | None, str | None, list[st
     raw = {"raw_prompt": problem} if problem != text else {}
 
     if kind == "rl":
-        akey, answers = _first(row, RL_ANSWER_KEYS)
-        if akey is None:
-            return None, "no reference answer field (tried " + ", ".join(RL_ANSWER_KEYS) + ")", []
-        if not isinstance(answers, list):
-            answers = [answers]
-        out_answers = []
-        for a in answers:
-            s = answer_text(a)
-            if s is None:
-                continue
-            if not isinstance(a, str):
-                changes.append("number -> string")
-            stripped = strip_boxed(s)
-            if stripped != s.strip():
-                changes.append("\\boxed{} removed")
-            if stripped:
-                out_answers.append(stripped)
-        if not out_answers:
-            return None, f"empty reference answers (field {akey!r})", []
-        return {"prompt": text, "answers": list(dict.fromkeys(out_answers)), **raw}, None, changes
-
+        return _rl_row(row, text, raw, changes)
     if kind == "sft":
-        rkey, response = _first(row, SFT_RESPONSE_KEYS)
-        if rkey is None:
-            return None, "no response field (tried " + ", ".join(SFT_RESPONSE_KEYS) + ")", []
-        if not isinstance(response, str):
-            return None, f"field {rkey!r} is not a string", []
-        resp = response.rstrip()
-        for eos in _EOS_SUFFIXES:
-            if resp.endswith(eos):
-                resp = resp[: -len(eos)].rstrip()
-                changes.append("eos token stripped")
-        if not resp.strip():
-            return None, f"field {rkey!r} is empty", []
-        if resp != response:
-            raw["raw_response"] = response
-        return {"prompt": text, "response": resp, **raw}, None, changes
+        return _sft_row(row, text, raw, changes)
+    return _eval_row(row, text, raw, changes)
 
+
+def _rl_row(row: dict, text: str, raw: dict, changes: list[str]) -> tuple[dict | None, str | None, list[str]]:
+    """An RL row's reference answers (a list; boxes removed, numbers as text) beside its prompt."""
+    akey, answers = _first(row, RL_ANSWER_KEYS)
+    if akey is None:
+        return None, "no reference answer field (tried " + ", ".join(RL_ANSWER_KEYS) + ")", []
+    if not isinstance(answers, list):
+        answers = [answers]
+    out_answers = []
+    for a in answers:
+        s = answer_text(a)
+        if s is None:
+            continue
+        if not isinstance(a, str):
+            changes.append("number -> string")
+        stripped = strip_boxed(s)
+        if stripped != s.strip():
+            changes.append("\\boxed{} removed")
+        if stripped:
+            out_answers.append(stripped)
+    if not out_answers:
+        return None, f"empty reference answers (field {akey!r})", []
+    return {"prompt": text, "answers": list(dict.fromkeys(out_answers)), **raw}, None, changes
+
+
+def _sft_row(row: dict, text: str, raw: dict, changes: list[str]) -> tuple[dict | None, str | None, list[str]]:
+    """An SFT row's response (a trailing eos token stripped) beside its prompt."""
+    rkey, response = _first(row, SFT_RESPONSE_KEYS)
+    if rkey is None:
+        return None, "no response field (tried " + ", ".join(SFT_RESPONSE_KEYS) + ")", []
+    if not isinstance(response, str):
+        return None, f"field {rkey!r} is not a string", []
+    resp = response.rstrip()
+    for eos in _EOS_SUFFIXES:
+        if resp.endswith(eos):
+            resp = resp[: -len(eos)].rstrip()
+            changes.append("eos token stripped")
+    if not resp.strip():
+        return None, f"field {rkey!r} is empty", []
+    if resp != response:
+        raw["raw_response"] = response
+    return {"prompt": text, "response": resp, **raw}, None, changes
+
+
+def _eval_row(row: dict, text: str, raw: dict, changes: list[str]) -> tuple[dict | None, str | None, list[str]]:
+    """An eval row: its problem and exactly one answer (box removed, a number as text)."""
     akey, answer = _first(row, EVAL_ANSWER_KEYS)
     if akey is None:
         return None, "no answer field (tried " + ", ".join(EVAL_ANSWER_KEYS) + ")", []

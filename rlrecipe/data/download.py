@@ -208,16 +208,6 @@ def _convert_and_write(raw_path: Path, kind: str, name: str, dest: Path, source_
 def download(name: str, revision: str | None = None, dest: str | Path = DATA_DIR,
              registry_path: Path = REGISTRY_PATH, connect_timeout: float = CONNECT_TIMEOUT_S) -> DataResult:
     """Fetch, verify and convert a registered dataset; see the module docstring."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
     entry = get_entry(name, registry_path)
     dest = Path(dest)
     rev = revision or entry.revision
@@ -226,54 +216,9 @@ def download(name: str, revision: str | None = None, dest: str | Path = DATA_DIR
     fetch_rev = (locked or {}).get("commit") or rev
     pinned = entry.sha256 if rev == entry.revision else None
     endpoint = hub_endpoint()
-    cache_dir = dest / ".cache" / "huggingface"
     notes: list[str] = []
-
-    def cached() -> Path | None:
-        if not cache_dir.exists():
-            return None
-        hit = try_to_load_from_cache(entry.repo, entry.filename, cache_dir=cache_dir, revision=fetch_rev,
-                                     repo_type=entry.repo_type)
-        return Path(hit) if isinstance(hit, str) else None
-
-    why = "HF_HUB_OFFLINE is set" if _offline_env() else check_reachable(endpoint, connect_timeout)
-    if why is not None:
-        raw = cached()
-        if raw is None:
-            raise _unreachable(name, entry, rev, endpoint, why)
-        notes.append(f"note:      hub unreachable ({why}); using the cached file {raw}")
-    else:
-        try:
-            raw = Path(hf_hub_download(repo_id=entry.repo, filename=entry.filename, repo_type=entry.repo_type,
-                                       revision=fetch_rev, cache_dir=cache_dir, endpoint=endpoint,
-                                       etag_timeout=10))
-        except LocalEntryNotFoundError as err:  # the HEAD request failed and nothing is cached
-            cause = err.__cause__ or err
-            if _is_network_error(cause):
-                raise _unreachable(name, entry, rev, endpoint, _first_line(cause)) from None
-            raise UserError(f"cannot download {name!r} from {endpoint}: {_first_line(cause)}; "
-                            + _how_to_proceed(name, entry, rev)) from None
-        except GatedRepoError:
-            raise UserError(f"cannot download {name!r}: {entry.repo} is gated; accept its terms on the hub and "
-                            "set HF_TOKEN, or " + _import_hint(name, entry, rev)) from None
-        except RepositoryNotFoundError:
-            raise UserError(f"cannot download {name!r}: {entry.repo_type} repo {entry.repo} not found at {endpoint} "
-                            f"(check {registry_path} or HF_ENDPOINT; private repos need HF_TOKEN)") from None
-        except RevisionNotFoundError:
-            raise UserError(f"cannot download {name!r}: revision {fetch_rev!r} not found in {entry.repo} "
-                            f"at {endpoint}") from None
-        except EntryNotFoundError:
-            raise UserError(f"cannot download {name!r}: {entry.filename} not found in {entry.repo} at revision "
-                            f"{fetch_rev!r} ({endpoint})") from None
-        except HfHubHTTPError as err:
-            raise UserError(f"cannot download {name!r} from {endpoint}: {_first_line(err)}; "
-                            + _how_to_proceed(name, entry, rev)) from None
-        except Exception as err:  # e.g. the connection dropped mid-download, or the disk is full
-            if _is_network_error(err):
-                raise _unreachable(name, entry, rev, endpoint, _first_line(err)) from None
-            if isinstance(err, OSError):
-                raise UserError(f"cannot download {name!r} from {endpoint}: {_first_line(err)}") from None
-            raise
+    raw = _fetch(name, entry, rev, fetch_rev, endpoint, dest / ".cache" / "huggingface", registry_path,
+                 connect_timeout, notes)
 
     commit = _commit_from_snapshot_path(raw, entry.filename)
     digest = sha256_file(raw)
@@ -300,6 +245,62 @@ def download(name: str, revision: str | None = None, dest: str | Path = DATA_DIR
                                            "recorded_at": _utc_now()})
     return DataResult(name=name, kind=entry.kind, out_path=out_path, raw_path=raw, sha256=digest, report=report,
                       commit=commit, lock_recorded=recorded, notes=tuple(notes))
+
+
+def _fetch(name: str, entry: Entry, rev: str, fetch_rev: str, endpoint: str, cache_dir: Path, registry_path: Path,
+           connect_timeout: float, notes: list[str]) -> Path:
+    """The raw file of `entry` at `fetch_rev`: from the hub into `cache_dir`, or the cached copy when
+    the hub is unreachable (said in `notes`); every hub failure is a UserError saying what to do."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    why = "HF_HUB_OFFLINE is set" if _offline_env() else check_reachable(endpoint, connect_timeout)
+    if why is not None:
+        hit = None
+        if cache_dir.exists():
+            hit = try_to_load_from_cache(entry.repo, entry.filename, cache_dir=cache_dir, revision=fetch_rev,
+                                         repo_type=entry.repo_type)
+        if not isinstance(hit, str):
+            raise _unreachable(name, entry, rev, endpoint, why)
+        notes.append(f"note:      hub unreachable ({why}); using the cached file {Path(hit)}")
+        return Path(hit)
+    try:
+        return Path(hf_hub_download(repo_id=entry.repo, filename=entry.filename, repo_type=entry.repo_type,
+                                    revision=fetch_rev, cache_dir=cache_dir, endpoint=endpoint, etag_timeout=10))
+    except LocalEntryNotFoundError as err:  # the HEAD request failed and nothing is cached
+        cause = err.__cause__ or err
+        if _is_network_error(cause):
+            raise _unreachable(name, entry, rev, endpoint, _first_line(cause)) from None
+        raise UserError(f"cannot download {name!r} from {endpoint}: {_first_line(cause)}; "
+                        + _how_to_proceed(name, entry, rev)) from None
+    except GatedRepoError:
+        raise UserError(f"cannot download {name!r}: {entry.repo} is gated; accept its terms on the hub and "
+                        "set HF_TOKEN, or " + _import_hint(name, entry, rev)) from None
+    except RepositoryNotFoundError:
+        raise UserError(f"cannot download {name!r}: {entry.repo_type} repo {entry.repo} not found at {endpoint} "
+                        f"(check {registry_path} or HF_ENDPOINT; private repos need HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise UserError(f"cannot download {name!r}: revision {fetch_rev!r} not found in {entry.repo} "
+                        f"at {endpoint}") from None
+    except EntryNotFoundError:
+        raise UserError(f"cannot download {name!r}: {entry.filename} not found in {entry.repo} at revision "
+                        f"{fetch_rev!r} ({endpoint})") from None
+    except HfHubHTTPError as err:
+        raise UserError(f"cannot download {name!r} from {endpoint}: {_first_line(err)}; "
+                        + _how_to_proceed(name, entry, rev)) from None
+    except Exception as err:  # e.g. the connection dropped mid-download, or the disk is full
+        if _is_network_error(err):
+            raise _unreachable(name, entry, rev, endpoint, _first_line(err)) from None
+        if isinstance(err, OSError):
+            raise UserError(f"cannot download {name!r} from {endpoint}: {_first_line(err)}") from None
+        raise
 
 
 # --- import --------------------------------------------------------------------------------------

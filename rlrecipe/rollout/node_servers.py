@@ -197,6 +197,23 @@ def stop_all(servers: list[ServerProcess]) -> None:
             list(pool.map(lambda s: s.stop(), servers))
 
 
+def _keep_alive(servers: list[ServerProcess], max_restarts: int) -> None:
+    """Until interrupted: a server that exits is started again, `max_restarts` times each; one more
+    exit raises its crash error."""
+    restarts_left = {s.index: max_restarts for s in servers}
+    while True:
+        for s in servers:
+            if not s.alive():
+                if not restarts_left[s.index]:
+                    raise s.crash_error()
+                restarts_left[s.index] -= 1
+                _note(f"{s.crash_error()}; starting it again ({restarts_left[s.index]} restarts left); a run "
+                      "with retry_on_other_servers takes it back once it answers")
+                s.stop()  # what its process group left behind
+                s.start()
+        time.sleep(ALIVE_POLL_S)
+
+
 def run_node(loaded: LoadedRecipe, node: int, *, gpus: int | None = None, url_host: str | None = None,
              urls_out: Path | None = None, log_dir: Path | None = None, dry_run: bool = False,
              out: Callable[[str], None] = print) -> NodePlan:
@@ -234,18 +251,7 @@ def run_node(loaded: LoadedRecipe, node: int, *, gpus: int | None = None, url_ho
             merged = update_urls(urls_out, plan.urls, add=True)
             _note(f"{urls_out}: {len(merged)} of {cfg.num_servers} servers listed")
         _note(f"node {node}: {len(servers)} servers up; Ctrl-C or SIGTERM stops them")
-        restarts_left = {s.index: cfg.max_restarts for s in servers}
-        while True:
-            for s in servers:
-                if not s.alive():
-                    if not restarts_left[s.index]:
-                        raise s.crash_error()
-                    restarts_left[s.index] -= 1
-                    _note(f"{s.crash_error()}; starting it again ({restarts_left[s.index]} restarts left); a run "
-                          "with retry_on_other_servers takes it back once it answers")
-                    s.stop()  # what its process group left behind
-                    s.start()
-            time.sleep(ALIVE_POLL_S)
+        _keep_alive(servers, cfg.max_restarts)
     except KeyboardInterrupt:
         _note(f"node {node}: stopping {len(servers)} servers")
     finally:

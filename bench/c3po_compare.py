@@ -1,6 +1,6 @@
 """C3PO++ vs synchronous rollout on any rollout engine, same weights, same tokens trained per step.
 
-`compare` is the measurement; `bench/run.py` runs it on the in-process engine, and
+`compare` is the measurement; `bench/run_c3po.py` runs it on the in-process engine, and
 `python -m bench.c3po_compare` runs it against an SGLang-API server: a real SGLang on a GPU (where
 the speed-up should show: a decode step costs about the same at any batch size) or `rlrecipe
 serve` on CPU.

@@ -182,6 +182,16 @@ def compare(engine: RolloutEngine, rows: list[dict], tokenizer, template: str, p
                            surplus=surplus, between_steps=between_steps)
 
 
+def _trace_settings(engine: RolloutEngine, params: SamplingParams, **schedule) -> dict:
+    """A trace's settings: the schedule compared (keyword order kept), then how the engine batches."""
+    return {**schedule, "max_new_tokens": params.max_new_tokens,
+            "max_batch": getattr(engine, "max_batch", None),
+            "refill_fraction": getattr(engine, "refill_fraction", None),
+            # how the engine batches: the in-process engine's slots, or a server's
+            # continuous batching (see bench.sim_engine.SimEngine)
+            "layout": getattr(engine, "layout", "inprocess" if hasattr(engine, "counters") else "server")}
+
+
 def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], params: SamplingParams, *,
                     steps: int, prompts_per_step: int, samples_per_prompt: int, pool_capacity: int,
                     max_staleness: int = 2, refill: str = "per_call", surplus: str = "carry",
@@ -195,17 +205,10 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
     ones too, marked warmup) and every trajectory's prompt and response length, enough for
     bench.rollout_projection to replay both schedules and to calibrate a cost model from them.
     """
-    trace = {"settings": {"steps": steps, "prompts_per_step": prompts_per_step,
-                          "samples_per_prompt": samples_per_prompt, "pool_capacity": pool_capacity,
-                          "max_staleness": max_staleness, "refill": refill, "surplus": surplus,
-                          "max_new_tokens": params.max_new_tokens,
-                          "max_batch": getattr(engine, "max_batch", None),
-                          "refill_fraction": getattr(engine, "refill_fraction", None),
-                          # how the engine batches: the in-process engine's slots, or a server's
-                          # continuous batching (see bench.sim_engine.SimEngine)
-                          "layout": getattr(engine, "layout", "inprocess" if hasattr(engine, "counters") else "server")},
+    trace = {"settings": _trace_settings(engine, params, steps=steps, prompts_per_step=prompts_per_step,
+                                         samples_per_prompt=samples_per_prompt, pool_capacity=pool_capacity,
+                                         max_staleness=max_staleness, refill=refill, surplus=surplus),
              "steps": {}, "trajectories": {}}
-
     if hasattr(engine, "events") and engine.events is None:
         engine.events = []  # keep the engine's events for the run (calibration one event at a time)
     common = {"prompts_per_step": prompts_per_step, "samples_per_prompt": samples_per_prompt}

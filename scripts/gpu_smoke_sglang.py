@@ -53,7 +53,7 @@ def recompute_logprobs(model, trajs, temperature: float, device: str) -> list:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=os.environ.get("RLRECIPE_SGLANG_SMOKE_MODEL", DEFAULT_MODEL))
     ap.add_argument("--dtype", default="bfloat16")
@@ -65,7 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--max-mean-gap", type=float, default=0.05, help="fail above this mean |dlogp|")
     ap.add_argument("--sync-backend", default="gloo", choices=["gloo", "nccl"])
-    args = ap.parse_args(argv)
+    return ap
+
+
+# Long on purpose: the checks the module docstring numbers, in that order, on one live server; each
+# reads what the one before left (the engine's version, the partial trajectories, the changed weights).
+def main(argv: list[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM

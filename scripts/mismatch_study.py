@@ -171,7 +171,7 @@ def write_study(rows: list[dict], plan: dict, study_dir: Path = STUDY_DIR) -> Pa
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--noise", default=",".join(f"{x:g}" for x in NOISE_LEVELS), help="noise levels, ascending")
     ap.add_argument("--lag", default=",".join(str(x) for x in LAG_LEVELS), help="weight-update lags ('' = none)")
@@ -184,7 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lag-headline", action="store_true",
                     help="also every seed at the first lag where the uncorrected run collapsed (the noise rule, "
                          "applied to the lag)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     corrections = [c for c in args.corrections.split(",") if c]
     noise = [float(x) for x in args.noise.split(",") if x]
     lags = [int(x) for x in args.lag.split(",") if x]

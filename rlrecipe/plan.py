@@ -411,7 +411,12 @@ def disk_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
     parts = {f"checkpoints ({recipe.run.keep_checkpoints} kept + 1 being written)": (recipe.run.keep_checkpoints + 1) * one,
              "final export": float(b * d.params())}
     if stage == "rl" and recipe.rollout.engine == "sglang" and recipe.rollout.sglang.weight_sync == "disk":
-        parts["export for the rollout servers"] = float(b * d.params())
+        # asynchronous, lag >= 2: each version waits in an export of its own until the rollout side
+        # loads it (rollout_schedule.py), at most `lag` of them beside the synchronous one
+        lag = recipe.rl.async_lag
+        copies = 1 + (lag if lag >= 2 else 0)
+        parts["export for the rollout servers" + (f" ({copies} copies)" if copies > 1 else "")] = \
+            copies * float(b * d.params())
     return parts
 
 

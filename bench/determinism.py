@@ -148,7 +148,7 @@ def write_golden(path: Path, ref: dict, table: dict) -> None:
     GOLDEN_MARGIN x the largest difference between kernel paths here (at least 1e-6), since
     another CPU's kernels differ from this one's at least as much as this one's differ among
     themselves, and differences grow over steps."""
-    from rlrecipe.runs import cpu_record
+    from rlrecipe.run_env import cpu_record
 
     worst = max([c["sft_loss_max_rel"] for c in table.values()] + [c["rl_loss_max_rel"] for c in table.values()]
                 + [0.0])

@@ -32,7 +32,7 @@ from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.rollout.inprocess import InProcessEngine
-from rlrecipe.runs import cpu_record
+from rlrecipe.run_env import cpu_record
 from rlrecipe.sft import build_sft_samples, sft_loss
 from rlrecipe.train.torch_engine import TorchTrainEngine
 from rlrecipe.trajectory import SamplingParams, Trajectory

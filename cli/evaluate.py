@@ -12,7 +12,8 @@ from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.modeling import hub_snapshot, model_record
 from rlrecipe.recipe import LoadedRecipe, load_recipe
-from rlrecipe.runs import Run, latest_run, record_model
+from rlrecipe.run_env import record_model
+from rlrecipe.runs import Run, latest_run
 
 
 def run_eval_command(recipe_path: Path | None, model: str | None, overrides: list[str]) -> dict[str, dict]:

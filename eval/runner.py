@@ -23,7 +23,7 @@ from rlrecipe.errors import UserError
 from rlrecipe.recipe import LoadedRecipe, Recipe
 from rlrecipe.reward import Grader, grade_trajectories, grader_name
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
-from rlrecipe.runs import git_state
+from rlrecipe.run_env import git_state
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 
 

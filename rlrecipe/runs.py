@@ -1,16 +1,12 @@
-"""Run records: the run directory, environment capture, metrics, atomic checkpoints."""
+"""Run records: the run directory, its metrics, atomic checkpoints (environment capture: run_env.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +16,9 @@ from rlrecipe.atomic_io import atomic_write_text
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
 from rlrecipe.manifest import check_manifest, read_identity, write_manifest
+from rlrecipe.metrics_file import metric_lines, read_metrics
 from rlrecipe.recipe import LoadedRecipe, RecipeError, _digest, recipe_from_dict
+from rlrecipe.run_env import environment
 from rlrecipe.runlock import RunLock
 from rlrecipe.threads import thread_change, thread_record
 
@@ -32,93 +30,6 @@ REPLACED_ITEMS = ("checkpoints", "metrics.jsonl", "run_summary.json", "final", "
 # Resuming from a checkpoint another experiment (or seed, or stage) wrote, or whose state disagrees
 # with the step its manifest records, is refused unless this is set (`--adopt-checkpoint`).
 ADOPT_ENV = "RLRECIPE_ADOPT_CHECKPOINT"
-
-KEY_PACKAGES = ["torch", "transformers", "tokenizers", "datasets", "math-verify", "deepspeed", "pydantic", "sglang"]
-
-
-def git_state(cwd: str | Path | None = None) -> dict[str, Any]:
-    cwd = str(cwd or Path(__file__).resolve().parent.parent)
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                cwd=cwd, capture_output=True, text=True, timeout=10,
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit or None, "dirty": dirty}
-
-
-def environment() -> dict[str, Any]:
-    versions = {}
-    for name in KEY_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    gpus: list[str] = []
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001 - environment capture must never fail a run
-        pass
-    return {
-        **git_state(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "cpu": cpu_record(),
-        "gpus": gpus,
-        "packages": versions,
-    }
-
-
-# Settings that change which CPU kernels run, hence the low bits of every float: recorded as set.
-CPU_KERNEL_ENVS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def cpu_record() -> dict[str, Any]:
-    """The CPU and the kernels torch picks on it. Two CPUs that differ here can give different
-    numbers from the same recipe and seed (vector width and BLAS code paths change rounding)."""
-    out: dict[str, Any] = {"model": None, "flags": [], "aten_capability": None, "torch_threads": None,
-                           "env": {k: os.environ[k] for k in CPU_KERNEL_ENVS if k in os.environ}}
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        for line in info.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and out["model"] is None:
-                out["model"] = value.strip()
-            elif key.strip() == "flags":
-                have = set(value.split())
-                out["flags"] = [f for f in ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
-                break
-    except OSError:
-        out["model"] = platform.processor() or None
-    try:
-        import torch
-
-        out["aten_capability"] = torch.backends.cpu.get_cpu_capability()
-        out.update(thread_record())
-    except Exception:  # noqa: BLE001 - environment capture must never fail a run
-        pass
-    return out
-
-
-def record_model(run_dir: Path, record: dict[str, Any]) -> None:
-    """Add the resolved starting model (snapshot commit, chat template sha256) to env.json."""
-    path = Path(run_dir) / "env.json"
-    if not path.exists():
-        return
-    env = json.loads(path.read_text())
-    env["model"] = record
-    atomic_write_text(path, json.dumps(env, indent=2))
-
 
 class Run:
     """`runs/<name>/`: the resolved recipe, its sha256, environment, metrics, checkpoints.
@@ -389,7 +300,7 @@ class Run:
         """On resume, drop metric lines written after the checkpoint we resume from, and a line
         a kill cut short."""
         if self.metrics_path.exists():
-            kept = [ln for ln, row in _metric_lines(self.metrics_path) if row.get("step", 0) <= after_step]
+            kept = [ln for ln, row in metric_lines(self.metrics_path) if row.get("step", 0) <= after_step]
             atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
 
     def log(self, step: int, metrics: dict[str, Any], echo: bool = True, total: int | None = None) -> None:
@@ -514,19 +425,6 @@ def _make_dir(path: Path, field: str) -> None:
         raise UserError(f"{field}: cannot write run records in {path}: {err.strerror or err}") from None
 
 
-def _metric_lines(path: Path) -> list[tuple[str, dict]]:
-    """(line, row) of a metrics.jsonl; a line that is not a JSON object (cut short by a kill) is skipped."""
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            out.append((line, row))
-    return out
-
-
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     """{"a.b.c": leaf}: nested mappings by dotted key; lists and other values are leaves."""
     if not isinstance(tree, dict):
@@ -535,10 +433,6 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     for k, v in tree.items():
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
     return out
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [row for _, row in _metric_lines(path)] if path.exists() else []
 
 
 def _duration(seconds: float) -> str:

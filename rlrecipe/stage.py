@@ -23,7 +23,8 @@ from rlrecipe.modeling import load_tokenizer, model_record, resolve_model_dir
 from rlrecipe.preflight import check_stage_inputs
 from rlrecipe.rank_run import make_run
 from rlrecipe.recipe import LoadedRecipe, Recipe
-from rlrecipe.runs import Run, record_model
+from rlrecipe.run_env import record_model
+from rlrecipe.runs import Run
 
 
 @dataclass

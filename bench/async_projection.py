@@ -151,6 +151,8 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
                      cost_name: str = "", load_s: float = LOAD_S, train_scale: float = 1.0,
                      splits: tuple[int, ...] | None = None, overrides: list[str] | None = None,
                      cache: dict | None = None) -> dict:
+    # Long (~65 lines) on purpose: the rows are built in one pass so each schedule's row reads
+    # beside the others', from the same simulated rollouts.
     """The four schedules (and sync / C3PO++ both colocated and split as shipped) on the recipe's own
     GPU count, batch and C3PO++ settings, over response lengths `groups` (one list per prompt).
 

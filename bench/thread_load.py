@@ -1,9 +1,10 @@
-"""The demo's SFT step under a competing load, for two OpenMP wait policies (`make bench`).
+"""The demo's SFT step under a competing load, for three OpenMP wait settings (`make bench`).
 
-Each (policy, load) pair runs in its own process, because the OpenMP runtime reads its wait policy
-once, when torch loads: `spin` is the runtime's default (torch imported before the package, as a
-process that never imports rlrecipe first would), `passive` is what the package sets. The load is
-one busy Python loop per core, started before and stopped after the measured steps.
+Each (setting, load) pair runs in its own process, because the OpenMP runtime reads how its threads
+wait once, when torch loads: `spin` is the runtime's default (torch imported before the package, as
+a process that never imports rlrecipe first would), `passive` sleeps at once, `short_spin` is what
+the package sets (rlrecipe/threads.py). The load is one busy Python loop per core, started before
+and stopped after the measured steps. The reference for every ratio is `spin` on a quiet machine.
 
     python -m bench.thread_load            # prints a table and the ratios as JSON
 """
@@ -30,7 +31,8 @@ from rlrecipe.train.torch_engine import TorchTrainEngine
 
 SFT_RECIPE = "recipes/tiny_sft.yaml"
 DATA = Path("data/tiny-arith/sft.jsonl")
-POLICIES = {"spin": None, "passive": "PASSIVE"}
+# the runtime's default (long spins), threads that sleep at once, and the package's short spin
+POLICIES = {"spin": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "short_spin": {"GOMP_SPINCOUNT": "1000"}}
 
 
 def busy(seconds: float) -> None:
@@ -62,9 +64,8 @@ def sft_step_times(seconds: float) -> list[float]:
 
 
 def measure(policy: str, loaded: bool, seconds: float) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    if POLICIES[policy]:
-        env["OMP_WAIT_POLICY"] = POLICIES[policy]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    env.update(POLICIES[policy])
     cores = os.cpu_count() or 1
     load = [subprocess.Popen([sys.executable, "-c", f"from bench.thread_load import busy; busy({seconds + 30})"])
             for _ in range(cores if loaded else 0)]
@@ -86,10 +87,9 @@ def thread_load_bench(seconds: float = 8.0) -> dict:
     rows = {f"{p}_{'loaded' if loaded else 'quiet'}": measure(p, loaded, seconds)
             for loaded in (False, True) for p in POLICIES}
     med = {k: v["median_s"] for k, v in rows.items()}
+    quiet = med["spin_quiet"]
     return {"steps": rows, "threads": torch.get_num_threads(), **{f"{k}_median_s": v for k, v in med.items()},
-            "spin_loaded_over_quiet": med["spin_loaded"] / med["spin_quiet"],
-            "passive_loaded_over_quiet": med["passive_loaded"] / med["passive_quiet"],
-            "passive_over_spin_quiet": med["passive_quiet"] / med["spin_quiet"]}
+            **{f"{k}_over_spin_quiet": v / quiet for k, v in med.items() if k != "spin_quiet"}}
 
 
 if __name__ == "__main__":

@@ -11,31 +11,31 @@ from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
 from rlrecipe.runs import Run
 from rlrecipe.threads import thread_change, thread_record
 
-PROBE = "import os, rlrecipe, torch; print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())"
+PROBE = ("import os, rlrecipe, torch; "
+         "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
+UNSET = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def _probe(env: dict, code: str = PROBE) -> list[str]:
-    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    base = {k: v for k, v in os.environ.items() if k not in UNSET}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                           check=True).stdout.split()
 
 
-def test_importing_the_package_first_makes_openmp_threads_sleep_while_waiting():
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**env, "OMP_NUM_THREADS": "2"}, capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out == ["PASSIVE", "2"]
+def test_importing_the_package_first_gives_openmp_a_short_spin():
+    assert _probe({"OMP_NUM_THREADS": "2"}) == ["1000", "None", "2"]
 
 
-def test_a_policy_the_user_set_is_kept():
-    assert _probe({"OMP_WAIT_POLICY": "active"})[0] == "active"
+def test_a_wait_setting_the_user_made_is_kept_and_nothing_added():
+    assert _probe({"OMP_WAIT_POLICY": "active"})[:2] == ["None", "active"]
+    assert _probe({"GOMP_SPINCOUNT": "5"})[:2] == ["5", "None"]
 
 
-def test_torch_imported_first_is_recorded_as_no_policy():
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code = "import torch, rlrecipe, json; from rlrecipe.threads import thread_record; print(thread_record()['wait_policy'])"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["None"]
+def test_torch_imported_first_is_recorded_as_the_runtime_default():
+    code = "import torch, rlrecipe; from rlrecipe.threads import thread_record; print(thread_record()['wait_policy'])"
+    assert _probe({}, code) == ["None"]
+    code = "import rlrecipe; from rlrecipe.threads import thread_record; print(thread_record()['wait_policy'])"
+    assert _probe({}, code) == ["GOMP_SPINCOUNT=1000"]
 
 
 def test_thread_change_names_both_counts_only_when_they_differ():

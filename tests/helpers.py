@@ -1,5 +1,6 @@
 """Shared test helpers: tiny recipes written to tmp dirs, bounded subprocess runs."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -121,3 +122,22 @@ def build_r1_tokenizer(out: Path, chat_template: str | None = None):
     tok.chat_template = chat_template or (DATA / "r1_chat_template.jinja").read_text()
     tok.save_pretrained(out)
     return AutoTokenizer.from_pretrained(out)
+
+
+@contextlib.contextmanager
+def serving_in_thread(model_dir, **kwargs):
+    """`rlrecipe serve`'s server on a free port in a thread of this process: (port, scheduler)."""
+    import threading
+
+    from rlrecipe.serve.http_server import make_server
+
+    server, sched = make_server(model_dir, port=0, **kwargs)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], sched
+    finally:
+        server.shutdown()
+        sched.stop()
+        sched.thread.join(timeout=30)
+        server.server_close()

@@ -3,26 +3,17 @@
 import http.client
 import json
 import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rlrecipe.serve.http_server import make_server
+from .helpers import serving_in_thread
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    server, sched = make_server(tiny_model_dir, port=0, join_timeout_s=1.0)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], sched
-    finally:
-        server.shutdown()
-        sched.stop()
-        sched.thread.join(timeout=30)
-        server.server_close()
+    with serving_in_thread(tiny_model_dir, join_timeout_s=1.0) as port_and_scheduler:
+        yield port_and_scheduler
 
 
 def post(port: int, path: str, body: bytes, headers: dict | None = None, timeout: float = 60):

@@ -12,22 +12,16 @@ import threading
 import pytest
 from safetensors.torch import load_file, save_file
 
-from rlrecipe.serve.http_server import MAX_BODY_BYTES, make_server
+from rlrecipe.serve.http_server import MAX_BODY_BYTES
 from rlrecipe.serve.protocol import MAX_N, MAX_SAMPLES_PER_REQUEST
+
+from .helpers import serving_in_thread
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    server, sched = make_server(tiny_model_dir, port=0, max_batch=4, chunk_tokens=4)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], sched
-    finally:
-        server.shutdown()
-        sched.stop()
-        sched.thread.join(timeout=30)
-        server.server_close()
+    with serving_in_thread(tiny_model_dir, max_batch=4, chunk_tokens=4) as port_and_scheduler:
+        yield port_and_scheduler
 
 
 def post(port: int, path: str, body: dict, timeout: float = 120):

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rlrecipe.reward.grader import GRADER_HASH_SEED
+
 DATA = Path(__file__).parent / "data"
 
 FULL_WIDTH = str.maketrans("0123456789+-/.,()", "０１２３４５６７８９＋－／．，（）")
@@ -276,6 +278,7 @@ def reference_verdicts(tasks: list[tuple[str | None, list[str]]], procs: int = 2
     chunks = [tasks[i::procs] for i in range(procs)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONHASHSEED"] = GRADER_HASH_SEED  # math-verify's verdict can depend on it (rlrecipe/reward/grader.py)
     with tempfile.TemporaryDirectory() as tmp:
         running = []
         for i, chunk in enumerate(chunks):

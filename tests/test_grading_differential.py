@@ -83,3 +83,4 @@ def test_what_a_looser_grader_would_count_right_math_verify_counts_wrong():
     assert all(fast_grade(extract_boxed(r), list(a)) is None for r, a in pairs)
     wrong, _ = disagreements(pairs)
     assert not wrong
+

@@ -31,7 +31,7 @@ from rlrecipe.rollout_schedule import StepRollout, WeightsOut
 from rlrecipe.runs import Run, check_resume_step, read_metrics
 from rlrecipe.stage import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
-from rlrecipe.train.base import TrainSample
+from rlrecipe.train.base import TrainSample, add_sums
 from rlrecipe.train.reference import make_reference
 from rlrecipe.trajectory import SamplingParams, Status, Trajectory
 from rlrecipe.trajectory_arrays import TrajectoryBatch
@@ -145,8 +145,7 @@ def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str,
             s.columns.scale = scale
         stats = trainer.train_step(mb, loss_fn, with_entropy=cfg.entropy_coef > 0)
         loss_scale = stats.pop("loss_scale", loss_scale)
-        for k, v in stats.items():
-            totals[k] = totals.get(k, 0.0) + v
+        add_sums(totals, stats)
     steps = len(slices)
     active = max(1.0, totals.get("active_tokens", 0.0))
     overflow = totals.get("overflow", 0.0)

@@ -51,9 +51,8 @@ class RolloutAhead:
     """One worker thread that collects batches in step order; `install(weights, version)` loads
     weights into the engine on that thread, just before the batch that needs them."""
 
-    def __init__(self, lag: int, collect: Callable[[int], tuple[TrajectoryBatch, RolloutStats]],
+    def __init__(self, collect: Callable[[int], tuple[TrajectoryBatch, RolloutStats]],
                  install: Callable[[Any, int], None], version: Callable[[], int]):
-        self.lag = lag
         self._collect, self._install, self._version = collect, install, version
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
         self._jobs: dict[int, Future] = {}

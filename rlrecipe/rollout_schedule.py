@@ -33,11 +33,15 @@ class WeightsOut:
     def __init__(self, trainer, engine, run, tokenizer, transport: WeightTransport):
         self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, engine, run, tokenizer, transport
 
+    @property
+    def exports(self) -> Path:
+        return Path(self.run.dir) / ROLLOUT_EXPORTS
+
     def push(self, version: int) -> None:
         """Into the engine now (collective; rank 0 pushes): in memory, by broadcast, or by an HF
         export the servers load."""
         if self.transport is WeightTransport.DISK:
-            export = self.trainer.export_hf(Path(self.run.dir) / ROLLOUT_EXPORTS, self.tokenizer)
+            export = self.trainer.export_hf(self.exports, self.tokenizer)
             if self.engine is not None:
                 self.engine.update_weights_from_disk(export, version)
             return
@@ -49,7 +53,7 @@ class WeightsOut:
         """A copy of the weights now, for the worker to install later (collective): cloned tensors
         in memory, or an export of its own on disk. None on ranks without the engine."""
         if self.transport is WeightTransport.DISK:
-            export = self.trainer.export_hf(Path(self.run.dir) / ROLLOUT_EXPORTS / f"v{version:07d}", self.tokenizer)
+            export = self.trainer.export_hf(self.exports / f"v{version:07d}", self.tokenizer)
             return export if self.engine is not None else None
         if self.transport is not WeightTransport.IN_MEMORY:
             raise ValueError(f"weights cannot be held for later over {self.transport.name.lower()}")
@@ -73,17 +77,16 @@ class StepRollout:
     def __init__(self, recipe: Recipe, collect: Callable, weights: WeightsOut, start: int,
                  pending: list[Collected]):
         self.lag, self.every, self.steps = recipe.rl.async_lag, recipe.rollout.weight_update_every, recipe.rl.steps
-        self.seed, self.weights, self.start = recipe.run.seed, weights, start
+        self.seed, self.weights = recipe.run.seed, weights
         self._collect = collect
-        self._last: Collected | None = None
-        self._wait_s = 0.0
+        self._timing: dict[str, float] = {}  # the last asynchronous batch's, for `timing`
         self.ahead = None
         if not self.lag:
             if start:  # a resumed run: the engine starts from the stage's first weights
                 weights.push(start)
             return
         if is_rank_zero():
-            self.ahead = RolloutAhead(self.lag, self._collect_step, weights.install, lambda: weights.engine.version)
+            self.ahead = RolloutAhead(self._collect_step, weights.install, lambda: weights.engine.version)
             self.ahead.restore(pending)
             for step in range(start, min(start + self.lag, self.steps)):
                 if not self.ahead.scheduled(step):  # a fresh run: under the starting weights
@@ -98,8 +101,8 @@ class StepRollout:
             return broadcast_batch_from_rank_zero(lambda: self._collect_step(step))
 
         def taken():
-            self._last, self._wait_s = self.ahead.take(step)
-            return self._last.batch, (self._last.roll, self._last.version, self._last.seconds, self._wait_s)
+            collected, waited = self.ahead.take(step)
+            return collected.batch, (collected.roll, collected.version, collected.seconds, waited)
 
         batch, (roll, version, seconds, wait_s) = broadcast_batch_from_rank_zero(taken)
         self._timing = {"rollout_version": float(version), "rollout_lag": float(step - version),

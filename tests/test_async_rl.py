@@ -64,7 +64,7 @@ def test_the_worker_installs_then_collects_in_step_order_however_slowly():
         events.append(("install", version))
         engine["version"] = version
 
-    ahead = RolloutAhead(2, collect, install, lambda: engine["version"])
+    ahead = RolloutAhead(collect, install, lambda: engine["version"])
     ahead.schedule(0)
     ahead.schedule(1)
     ahead.schedule(2, weights="w1", version=1)
@@ -82,7 +82,7 @@ def test_a_failing_collection_reaches_the_trainer():
     def collect(step):
         raise ValueError(f"server gone at step {step}")
 
-    ahead = RolloutAhead(1, collect, lambda w, v: None, lambda: 0)
+    ahead = RolloutAhead(collect, lambda w, v: None, lambda: 0)
     ahead.schedule(0)
     with pytest.raises(ValueError, match="server gone at step 0"):
         ahead.take(0)

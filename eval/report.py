@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rlrecipe.eval.results_store import ASYNC_STUDY, STORE, load_records, load_stored_study, merge
+from rlrecipe.eval.results_store import ASYNC_STUDY, STORE, load_records, load_stored_study, merge, read_study
 
 from rlrecipe.errors import UserError
 
@@ -318,13 +318,7 @@ def async_section(study: dict[str, Any]) -> str:
 
 def load_study(runs_dir: str | Path = "runs", name: Path = STUDY_FILE) -> dict[str, Any] | None:
     """A local study.json, or None."""
-    path = Path(runs_dir) / name
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON ({err})") from None
+    return read_study(Path(runs_dir) / name)
 
 
 def render_results_md(results: list[dict[str, Any]], published: list[dict[str, Any]] | None = None,

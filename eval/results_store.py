@@ -62,14 +62,18 @@ def save_record(r: dict[str, Any], store: str | Path = STORE) -> Path:
     return path
 
 
-def load_stored_study(store: str | Path = STORE, name: str = STUDY) -> dict[str, Any] | None:
-    path = Path(store) / name
+def read_study(path: Path) -> dict[str, Any] | None:
+    """A study's JSON (kept here or a run's study.json), None when absent; UserError names a damaged one."""
     if not path.exists():
         return None
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UserError(f"{path}: not a readable study record ({err})") from None
+
+
+def load_stored_study(store: str | Path = STORE, name: str = STUDY) -> dict[str, Any] | None:
+    return read_study(Path(store) / name)
 
 
 def save_study(study: dict[str, Any], store: str | Path = STORE, name: str = STUDY) -> Path:

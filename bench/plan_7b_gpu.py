@@ -3,12 +3,14 @@
   python -m bench.plan_7b_gpu runs/gpu-checks/logprob_7b.json     # `make gpu-checks` runs it
   python -m bench.plan_7b_gpu bench/gpu/logprob_7b_h100.json       # the H100 figures kept in the repo
 
-logprob_memory measures, above the weights, one forward and backward of a packed micro-batch's
+logprob_memory measures, above the weights, forward and backward of a packed micro-batch's
 log-probs in bfloat16 on one GPU (R1-Distill-Qwen-7B's shapes, gradient checkpointing, 4
-documents): the weights' gradients, the activations, the chunked log-probs and whatever a step
-makes on the way. The plan's terms for the same thing (plan.train_budget in one process, no
-ZeRO): gradients, activations, log-probs and the LM head / embedding gradient buffer. The ratio
-is printed as it comes; nothing is fitted.
+documents). The plan describes a micro-batch that runs beside the step's whole gradients (a step
+accumulates over many), so the points compared are the attention sweep's, whose peak is a second
+forward and backward beside the first one's gradients. The first sweep's single pass, which starts
+with no gradients, is a different step and is not compared. The plan's terms for the same thing
+(plan.train_budget in one process, no ZeRO): the gradients and the micro-batch's phases up to the
+embedding's gradient (no optimizer step runs). The ratio is printed as it comes; nothing is fitted.
 """
 
 from __future__ import annotations
@@ -17,13 +19,19 @@ import argparse
 import json
 
 MIB = 2**20
-TERMS = ("gradients", "activations", "log-probs", "LM head / embedding grad")
+TERMS = ("gradients", "activations", "log-probs", "layer backward", "embedding grad")
 
 
 def compare(result: dict) -> list[dict]:
-    from bench.logprob_memory import SHAPES, VOCAB
+    sweeps = result.get("attention", {"": result})  # bench/gpu/logprob_7b_h100.json keeps one per attention
+    rows = []
+    for result in sweeps.values():
+        rows += _compare_sweep(result)
+    return rows
 
-    result = result.get("full_vs_chunked", result)  # bench/gpu/logprob_7b_h100.json nests the sweep
+
+def _compare_sweep(result: dict) -> list[dict]:
+    from bench.logprob_memory import SHAPES, VOCAB
     from rlrecipe.plan import ModelDims, train_budget
     from rlrecipe.recipe import recipe_from_dict
 

@@ -9,9 +9,19 @@ toy model through the same code (so the code pages and allocator arenas a step t
 baseline), records its resident memory (the baseline), loads a random model of the configuration
 with the torch engine (float32, AdamW), runs one step (AdamW's state is made), resets the kernel's
 high-water mark (/proc/self/clear_refs) and runs a second step: measured = that step's peak RSS
-(VmHWM, as ru_maxrss) minus the baseline. Predicted: plan.train_budget's parts for the same
-configuration on CPU (without the GPU reserve), with the same packed micro-batch of 4 documents.
+(VmHWM) minus the baseline.
 
+The step is what the plan describes: two packed micro-batches of 4 documents each (a real step
+accumulates over many, so the later ones run beside whole gradients), every token but each
+document's first a response token (the plan's worst case).
+
+Each configuration is measured twice. With glibc's malloc as it comes, freed blocks below its
+moving mmap threshold stay in the process's heap and count in RSS after the tensor is gone; the
+plan counts tensors, which on a GPU the caching allocator's reserve covers. So the compared figure
+is measured with the threshold fixed (MALLOC_MMAP_THRESHOLD_), where every tensor over 128 KiB is
+its own mapping, returned when freed; the default allocator's figure is printed beside it.
+
+Predicted: plan.train_budget's parts for the same configuration on CPU, without the GPU reserve.
 Nothing is fitted here: the printed ratio is whatever the plan's formulas give.
 """
 
@@ -19,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 MIB = 2**20
+MICROBATCHES = 2
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 # hidden, intermediate, layers, heads, kv heads, vocab, micro-batch tokens, gradient checkpointing
 CONFIGS = [
     (64, 128, 2, 4, 2, 4096, 1024, False),
@@ -33,6 +46,7 @@ CONFIGS = [
     (384, 1024, 8, 6, 2, 65536, 4096, True),
     (512, 1408, 4, 8, 2, 152064, 2048, True),
     (768, 2048, 2, 12, 2, 152064, 1024, False),
+    (256, 2048, 4, 4, 2, 4096, 4096, True),  # a wide MLP, a small vocabulary: a layer's backward is the peak
 ]
 
 
@@ -97,8 +111,8 @@ def _step(model_dir: Path, cfg, steps: int) -> None:
     engine = TorchTrainEngine(model_dir, TrainerSection(max_tokens_per_microbatch=tokens), total_steps=steps,
                               gradient_checkpointing=ckpt)
     g = torch.Generator().manual_seed(0)
-    n = tokens // 4  # 4 documents packed into one micro-batch, 90% of each a response
-    batch = [TrainSample(torch.randint(0, vocab, (n,), generator=g).tolist(), n // 10) for _ in range(4)]
+    n = tokens // 4  # 4 documents packed into each micro-batch, all but the first token a response
+    batch = [TrainSample(torch.randint(0, vocab, (n,), generator=g).tolist(), 1) for _ in range(4 * MICROBATCHES)]
     for _ in range(steps - 1):
         sft_step(engine, batch)
     return engine, batch
@@ -124,36 +138,44 @@ def child(cfg, work: Path) -> dict:
 
 
 # -- the parent ----------------------------------------------------------------------------------
+def _measure(cfg, env: dict[str, str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        res = subprocess.run([sys.executable, "-m", "bench.plan_vs_measured", "--child", json.dumps(cfg), tmp],
+                             capture_output=True, text=True, timeout=900, env={**os.environ, **env})
+    if res.returncode != 0:
+        raise RuntimeError(f"config {cfg}: {res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def run(configs=CONFIGS) -> list[dict]:
     out = []
     for cfg in configs:
-        with tempfile.TemporaryDirectory() as tmp:
-            res = subprocess.run([sys.executable, "-m", "bench.plan_vs_measured", "--child", json.dumps(cfg), tmp],
-                                 capture_output=True, text=True, timeout=900)
-        if res.returncode != 0:
-            raise RuntimeError(f"config {cfg}: {res.stderr[-2000:]}")
-        got = json.loads(res.stdout.strip().splitlines()[-1])
+        got = _measure(cfg, FIXED_MMAP_THRESHOLD)
+        default = _measure(cfg, {})
         parts = predicted(cfg)
         pred = sum(parts.values()) / MIB
         h, inter, layers, heads, kv, vocab, tokens, ckpt = cfg
         out.append({"hidden": h, "layers": layers, "vocab": vocab, "tokens": tokens, "checkpointing": ckpt,
                     "params_m": dims_of(cfg).params() / 1e6, "predicted_mib": pred,
                     "predicted_parts_mib": {k: v / MIB for k, v in parts.items()}, **got,
-                    "predicted_over_measured": pred / got["measured_mib"]})
+                    "predicted_over_measured": pred / got["measured_mib"],
+                    "default_malloc_measured_mib": default["measured_mib"],
+                    "predicted_over_default_malloc": pred / default["measured_mib"]})
     return out
 
 
 def table(rows: list[dict]):
     from rich.table import Table
 
-    t = Table(title="rlrecipe plan vs a measured training step (CPU, float32, torch engine; peak RSS above baseline)")
+    t = Table(title="rlrecipe plan vs a measured training step (CPU, float32, torch engine, 2 micro-batches; peak RSS above baseline, malloc's mmap threshold fixed; glibc's default beside it)")
     for col in ("hidden", "layers", "vocab", "tokens", "ckpt", "params (M)", "predicted MiB", "measured MiB",
-                "predicted / measured"):
+                "predicted / measured", "default malloc MiB", "predicted / it"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["hidden"]), str(r["layers"]), str(r["vocab"]), str(r["tokens"]), "yes" if r["checkpointing"] else "no",
                   f"{r['params_m']:.1f}", f"{r['predicted_mib']:.0f}", f"{r['measured_mib']:.0f}",
-                  f"{r['predicted_over_measured']:.2f}")
+                  f"{r['predicted_over_measured']:.2f}", f"{r['default_malloc_measured_mib']:.0f}",
+                  f"{r['predicted_over_default_malloc']:.2f}")
     return t
 
 

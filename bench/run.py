@@ -247,7 +247,7 @@ def bench_logprob_memory() -> dict:
     return {"full_mib_per_token": res["full_mib_per_token"], "chunked_mib_per_token": res["chunked_mib_per_token"],
             "fp32_logits_row_mib": VOCAB * 4 / 2**20,
             "chunked_peak_mib_at_4096": measured[4096],
-            "plan_logprob_mib_at_4096": logprob_bytes(dims, 4096, chunk, 4) / 2**20}
+            "plan_logprob_mib_at_4096": logprob_bytes(dims, 4096, chunk, 4, 4) / 2**20}
 
 
 def bench_plan_vs_measured() -> dict:

@@ -7,17 +7,29 @@ Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
   optimizer    AdamW m and v (plus fp32 master weights when the model dtype is 16-bit under
                DeepSpeed): 8 or 12 bytes x P, divided by N from ZeRO-1, 0 when offloaded.
                The plain torch engine keeps m and v in the model dtype, no master copy.
-  activations  at trainer.max_tokens_per_microbatch = T tokens. With gradient checkpointing
-               each decoder layer keeps its input (T x hidden) and one layer at a time holds its
-               full activations during recompute; without it every layer holds them. Saved
-               elements per token and layer: 10 hidden + 4 intermediate + 4 kv (a SwiGLU
-               decoder with RMSNorm); attention itself keeps O(T) (flash / memory-efficient
-               kernels). The CPU's sdpa math kernel materialises T x T scores per head on top.
-  log-probs    the final hidden states (T x hidden) and one chunk's logits in fp32, about four
-               [chunk x V] copies at the peak of backward (`train/logprobs.py`).
-  transients   what exists only during a step: the LM head's and embedding's weight-gradient
-               buffers, AdamW's temporaries, and under DeepSpeed the fp32 gradient copy and the
-               reduce / prefetch buckets (see `transients`).
+  step peak    what exists only while a micro-batch trains, at the largest of its phases (a
+               step accumulates over several micro-batches, so the gradients above are whole
+               while the later ones run):
+     activations       kept from forward to backward at trainer.max_tokens_per_microbatch = T:
+                       with gradient checkpointing each decoder layer's input (T x hidden), without
+                       it every layer's saved tensors, 10 hidden + 4 intermediate + 4 kv elements a
+                       token (a SwiGLU decoder with RMSNorm; attention keeps O(T): flash or
+                       memory-efficient kernels, one document at a time)
+     log-probs         the head's backward (`train/logprobs.py`), the first thing backward runs: the
+                       decoder's output and its response rows (2 x T x hidden), the last chunk's
+                       fp32 logits and the four [chunk x V] temporaries of the logsumexp and gather
+                       gradients, and, while the earlier chunks run, the head's weight gradient
+                       held between them (V x hidden)
+     layer backward    one decoder layer's backward: with checkpointing its recomputed activations,
+                       and the MLP's two [T x intermediate] gradients beyond what it frees
+     embedding grad    the embedding's dense weight gradient (V x hidden), after the activations
+                       are freed
+     optimizer step    AdamW's temporaries, after backward: torch's foreach path (CUDA) one per
+                       parameter, its per-tensor path (CPU) two of the largest tensor (the square
+                       root and its quotient); DeepSpeed steps over its flat fp32 partition
+               Each phase's line in the budget is what it needs beyond the ones before it, so
+               the lines add up to the largest phase. Under DeepSpeed the fp32 gradient copy and
+               the reduce / prefetch buckets are added on top (see `deepspeed_buffers`).
   reserve      CUDA context and allocator fragmentation: 1 GiB + 5%, an assumption.
 
 With C3PO++, a note gives the host memory and checkpoint size of the in-flight pool at its worst
@@ -170,8 +182,57 @@ def activation_elements_per_token_layer(d: ModelDims) -> int:
     return 10 * d.hidden + 4 * d.intermediate + 4 * d.kv_dim
 
 
-def logprob_bytes(d: ModelDims, tokens: int, chunk: int, act_bytes: int) -> float:
-    return tokens * d.hidden * act_bytes + 4 * min(chunk, tokens) * d.vocab * 4
+# The head's backward holds the last chunk's fp32 logits (saved by logsumexp) and four more
+# [chunk x V] fp32 tensors at once: logsumexp's gradient (x - lse, its exp, the product) and the
+# gather's scattered gradient, before they are summed (torch 2.13's kernels, CPU and CUDA alike).
+LOGIT_COPIES_AT_HEAD_BACKWARD = 5
+# A SwiGLU MLP's backward makes the gradient of down_proj's input, then those of silu(gate) and
+# up, before freeing the first and the saved tensors they replace: two [T x intermediate] beyond.
+MLP_BACKWARD_GRADIENTS = 2
+
+
+def logprob_bytes(d: ModelDims, tokens: int, chunk: int, act_bytes: int, weight_bytes: int) -> float:
+    """The head's backward at its peak, every token a response row: the decoder output and its
+    response rows, then the larger of the last chunk's backward (run first) and an earlier chunk's
+    beside the head's weight gradient already made by the ones after it."""
+    rows = 2.0 * tokens * d.hidden * act_bytes
+    last = min(chunk, tokens)
+    peak = LOGIT_COPIES_AT_HEAD_BACKWARD * last * d.vocab * 4.0
+    if tokens > last:
+        earlier = min(chunk, tokens - last)
+        peak = max(peak, LOGIT_COPIES_AT_HEAD_BACKWARD * earlier * d.vocab * 4.0 + d.vocab * d.hidden * weight_bytes)
+    return rows + peak
+
+
+def step_phases(recipe: Recipe, d: ModelDims, act_b: int, b: int, n: int, deepspeed: bool,
+                device: str) -> dict[str, float]:
+    """Bytes beyond the persistent parts in each phase of a micro-batch's step, in the order they
+    run (see the module docstring)."""
+    m, tr = recipe.model, recipe.trainer
+    t = tr.max_tokens_per_microbatch
+    one_layer = activation_elements_per_token_layer(d) * act_b * t
+    kept = d.layers * t * d.hidden * act_b if m.gradient_checkpointing else d.layers * one_layer
+    recomputed = one_layer if m.gradient_checkpointing else 0.0
+    if deepspeed:
+        optimizer_step = 4.0 * d.params() / n
+    elif device == "cuda":
+        optimizer_step = float(b * d.params())
+    else:
+        optimizer_step = 2.0 * b * max(d.vocab * d.hidden, d.intermediate * d.hidden)
+    return {"activations": kept,
+            "log-probs": kept + logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b, b),
+            "layer backward": kept + recomputed + MLP_BACKWARD_GRADIENTS * t * d.intermediate * act_b,
+            "embedding grad": float(b * d.vocab * d.hidden),
+            "optimizer step": optimizer_step}
+
+
+def beyond_previous(phases: dict[str, float]) -> dict[str, float]:
+    """Each phase's bytes beyond the largest before it: the lines add up to the largest phase."""
+    out, high = {}, 0.0
+    for name, need in phases.items():
+        out[name] = max(0.0, need - high)
+        high = max(high, need)
+    return out
 
 
 # DeepSpeed's defaults the engine leaves (train/deepspeed_engine.py sets no bucket sizes): elements
@@ -179,30 +240,16 @@ DS_REDUCE_BUCKET = 500_000_000
 DS_PREFETCH_BUCKET = 50_000_000
 
 
-def transients(tr, d: ModelDims, b: int, n: int, stage: int, deepspeed: bool, device: str) -> dict[str, float]:
-    """What exists only during a step, beside the parts above:
-      LM head / embedding grad   the weight gradient of the LM head (each log-prob chunk's backward
-                                 makes a fresh V x hidden tensor before adding it to .grad) and the
-                                 embedding's dense backward: one V x hidden buffer at a time
-      optimizer step             AdamW's temporaries: torch's foreach path (CUDA) makes one per
-                                 parameter (P elements), its per-tensor path (CPU) one of the largest
-                                 tensor; DeepSpeed steps over its flat fp32 partition (P / N). The
-                                 budget counts what exceeds the backward pass's own transients
-                                 (activations, log-probs, LM head gradient), freed by then
-      fp32 gradient copy         DeepSpeed with a 16-bit model: the fp32 gradients of its partition
-      reduce / prefetch buckets  DeepSpeed's gradient reduce bucket and ZeRO-3's prefetch bucket"""
-    vh = d.vocab * d.hidden
-    out = {"LM head / embedding grad": float(b * vh)}
-    if deepspeed:
-        out["optimizer step"] = 4.0 * d.params() / n
-        if b == 2:
-            out["fp32 gradient copy"] = 4.0 * d.params() / (n if stage >= 1 else 1)
-        out["reduce bucket"] = float(b * min(DS_REDUCE_BUCKET, d.params()))
-        if stage >= 3:
-            out["prefetch bucket"] = float(b * min(DS_PREFETCH_BUCKET, d.params()))
-    else:
-        largest = max(vh, d.intermediate * d.hidden)
-        out["optimizer step"] = float(b * (d.params() if device == "cuda" else largest))
+def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int) -> dict[str, float]:
+    """DeepSpeed's own buffers during a step, counted on top of the phases (not measured here):
+    the fp32 gradients of its partition with a 16-bit model, the gradient reduce bucket, and
+    ZeRO-3's prefetch bucket."""
+    out = {}
+    if b == 2:
+        out["fp32 gradient copy"] = 4.0 * d.params() / (n if stage >= 1 else 1)
+    out["reduce bucket"] = float(b * min(DS_REDUCE_BUCKET, d.params()))
+    if stage >= 3:
+        out["prefetch bucket"] = float(b * min(DS_PREFETCH_BUCKET, d.params()))
     return out
 
 
@@ -227,21 +274,12 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
     optimizer = 0.0 if (deepspeed and tr.offload_optimizer) else opt_per_param * p / (n if stage >= 1 else 1)
     if deepspeed and tr.offload_optimizer:
         notes.append(f"optimizer state ({opt_per_param * p / n / GIB:.1f} GiB per rank) offloaded to CPU memory")
-    t = tr.max_tokens_per_microbatch
-    per_layer = activation_elements_per_token_layer(d) * act_b * t
-    if m.gradient_checkpointing:
-        activations = d.layers * t * d.hidden * act_b + per_layer
-    else:
-        activations = d.layers * per_layer
+    if not m.gradient_checkpointing:
         notes.append("no gradient checkpointing: every layer keeps its activations")
-    parts = {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
-             "log-probs": logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b)}
-    step_temporaries = transients(tr, d, b, n, stage, deepspeed, device)
-    # AdamW runs after backward has freed the activations and log-prob buffers: only what its
-    # temporaries need beyond that backward peak adds to the step's peak
-    backward_peak = parts["activations"] + parts["log-probs"] + step_temporaries["LM head / embedding grad"]
-    step_temporaries["optimizer step"] = max(0.0, step_temporaries["optimizer step"] - backward_peak)
-    parts.update(step_temporaries)
+    parts = {"parameters": params, "gradients": grads, "optimizer": optimizer}
+    parts.update(beyond_previous(step_phases(recipe, d, act_b, b, n, deepspeed, device)))
+    if deepspeed:
+        parts.update(deepspeed_buffers(d, b, n, stage))
     if stage_of(recipe) == "rl" and recipe.rl.kl_coef > 0:
         # train/reference.py: every rank holds the whole frozen copy, not a ZeRO part of it; its
         # no-grad forward runs between updates, inside the room the activations leave then

@@ -81,6 +81,10 @@ class StepRollout:
         self._collect = collect
         self._timing: dict[str, float] = {}  # the last asynchronous batch's, for `timing`
         self.ahead = None
+        if start == 0 and recipe.rollout.urls and weights.transport is WeightTransport.DISK:
+            # attached servers, perhaps on other nodes, load every push from run.dir: loading the
+            # starting weights from there now finds one that cannot see it before a step's rollouts
+            weights.push(0)
         if not self.lag:
             if start:  # a resumed run: the engine starts from the stage's first weights
                 weights.push(start)

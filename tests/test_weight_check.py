@@ -137,3 +137,61 @@ def test_tolerance_accepts_a_bf16_cast_and_refuses_other_weights():
     assert weight_check.compare(trainer, [served, served], torch.bfloat16) is None
     assert "dp replica 1" in weight_check.compare(trainer, [served, other], torch.bfloat16)
     assert "shape" in weight_check.compare(trainer, served[:1], torch.bfloat16)
+
+
+def test_attached_servers_that_do_not_serve_the_starting_model_are_named_before_any_request(
+        servers, tok, tiny_model_dir, other_model_dir):
+    """A server asked to load the stage's model answers 200 and keeps other weights: the engine
+    refuses at construction, before a rollout samples from the wrong model; a faithful one passes."""
+    from rlrecipe.recipe import recipe_from_dict
+    from rlrecipe.rollout.factory import make_rollout_engine
+
+    def recipe(url):
+        return recipe_from_dict({"run": {"name": "t"}, "model": {"path": str(other_model_dir)},
+                                 "rollout": {"engine": "sglang", "dtype": "float32", "urls": [url]}})
+
+    with pytest.raises(weight_check.WeightMismatch) as err:
+        make_rollout_engine(recipe(servers["bad"]), other_model_dir, tok)
+    assert str(err.value).startswith(f"SGLang server {servers['bad']}: at start, where it should serve "
+                                     f"{other_model_dir.resolve()}, parameter ")
+    eng = make_rollout_engine(recipe(servers["good"]), other_model_dir, tok)
+    try:
+        assert eng.weight_check_s > 0 and not eng.no_weight_check  # it was asked, and it answered
+    finally:
+        eng.update_weights_from_disk(tiny_model_dir, 0)  # the module's servers serve the tiny model
+        eng.close()
+
+
+def test_an_rl_run_whose_attached_server_cannot_read_the_export_stops_before_its_first_rollout(
+        tmp_path, tiny_model_dir):
+    """weight_sync: disk with attached servers: the starting weights go through run.dir once at start,
+    so a server that cannot read there (another node without the mount) stops the run at once, with
+    the server named, instead of at the end of step 1's rollouts."""
+    from rlrecipe.errors import UserError
+    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
+    from rlrecipe.rl import run_rl
+    from tests.helpers import rl_recipe, serving_in_thread, write_tiny_data
+
+    data = write_tiny_data(tmp_path / "data")
+    with serving_in_thread(tiny_model_dir) as (port, sched):
+        real_update, generated = sched.update_weights, []
+
+        def unreadable_under_runs(model_path, weight_version, timeout=3600.0):
+            if str(tmp_path / "runs") in model_path:
+                return {"success": False, "message": f"[Errno 2] No such file or directory: '{model_path}'"}
+            return real_update(model_path, weight_version, timeout)
+
+        sched.update_weights = unreadable_under_runs
+        real_submit = sched.submit
+        # rollouts only: the health probe generates one token of its own
+        sched.submit = lambda reqs: (generated.extend(r for r in reqs if r.return_logprob), real_submit(reqs))[1]
+        spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=2, c3po={"enabled": False})
+        spec["eval"] = {}
+        spec["rollout"] = {"engine": "sglang", "dtype": "float32", "max_new_tokens": 8,
+                           "urls": [f"http://127.0.0.1:{port}"], "sglang": {"weight_sync": "disk"}}
+        with pytest.raises(UserError) as err:
+            run_rl(LoadedRecipe(recipe=recipe_from_dict(spec), path="attached.yaml"))
+    msg = str(err.value)
+    assert f"SGLang server http://127.0.0.1:{port} /update_weights_from_disk failed" in msg
+    assert "No such file or directory" in msg and str(tmp_path / "runs" / "rl" / "weights_for_rollout") in msg
+    assert generated == []  # no rollout was sampled

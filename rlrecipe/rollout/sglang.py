@@ -119,8 +119,14 @@ class SGLangEngine(RolloutEngine):
         eos = tokenizer.eos_token_id
         if not ro.urls:
             trainer_gpus = trainer_gpus_on_node(recipe.trainer) if beside_training else 0
-            return cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
-                              version=version, seed=recipe.run.seed, trainer_gpus=trainer_gpus)
+            engine = cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
+                                version=version, seed=recipe.run.seed, trainer_gpus=trainer_gpus)
+            try:
+                engine.verify_start(model_dir, version)
+            except BaseException:
+                engine.close()
+                raise
+            return engine
         urls = [u.rstrip("/") for u in ro.urls]
         # attached servers may still be starting (or restarting): the same bounded wait as launched ones
         wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
@@ -134,6 +140,7 @@ class SGLangEngine(RolloutEngine):
             raise
         try:
             engine.ensure_model(model_dir, version)
+            engine.verify_start(model_dir, version)
         except BaseException:
             engine.close()
             raise
@@ -385,7 +392,15 @@ class SGLangEngine(RolloutEngine):
         if Path(model_dir).is_dir():  # the trainer's export (a hub id has no rows to compare here)
             self.verify_weights(lambda wc: wc.export_slices(model_dir, version), version)
 
-    def verify_weights(self, expected: Callable, version: int) -> None:
+    def verify_start(self, model_dir: str | Path, version: int) -> None:
+        """Before the first request: every server serves the stage's starting model, compared by the
+        fingerprint a push gets (a server started from another checkpoint answers /model_info with
+        the right path just as well). A hub id has no local rows to compare."""
+        if any(Path(model_dir).glob("*.safetensors")):
+            self.verify_weights(lambda wc: wc.export_slices(model_dir, version), version,
+                                when=f"at start, where it should serve {model_arg(model_dir)}")
+
+    def verify_weights(self, expected: Callable, version: int, when: str | None = None) -> None:
         """The fingerprint after a push: each live server serves the trainer's weights (weight_check.py;
         imported here: it needs torch, the HTTP client does not)."""
         import torch
@@ -394,7 +409,7 @@ class SGLangEngine(RolloutEngine):
 
         served = getattr(torch, self.served_dtype) if self.served_dtype else None
         t0 = time.perf_counter()
-        weight_check.check_servers(self, expected(weight_check), version, served)
+        weight_check.check_servers(self, expected(weight_check), version, served, when)
         self.weight_check_s = time.perf_counter() - t0  # the trainer's rows read, every server asked
 
     def control(self, i: int, path: str, body: dict, read_timeout: float) -> None:

@@ -111,10 +111,13 @@ def compare(expected: torch.Tensor, answer, served: torch.dtype | None) -> str |
     return None
 
 
-def check_servers(engine, expected: dict[str, torch.Tensor], version: int, served: torch.dtype | None) -> None:
+def check_servers(engine, expected: dict[str, torch.Tensor], version: int, served: torch.dtype | None,
+                  when: str | None = None) -> None:
     """Ask each of the engine's live servers for the `expected` rows; raise WeightMismatch naming the
-    server and the parameter where they differ. A server that does not answer /get_weights_by_name
-    (an SGLang model without it) is said once and not asked again."""
+    server and the parameter where they differ (`when`: how the error says when; by default after
+    the update to `version`). A server that does not answer /get_weights_by_name (an SGLang model
+    without it) is said once and not asked again."""
+    when = when or f"after the update to weight version {version}"
     from rlrecipe.console import console
 
     rows = max((t.shape[0] for t in expected.values() if t.dim()), default=TRUNCATE_ROWS)
@@ -131,5 +134,5 @@ def check_servers(engine, expected: dict[str, torch.Tensor], version: int, serve
                 break
             problem = compare(exp, r.json(), served)
             if problem is not None:
-                raise WeightMismatch(f"SGLang server {engine.urls[i]}: after the update to weight version {version}, "
-                                     f"parameter {name} (first {rows} rows) is not the trainer's: {problem}")
+                raise WeightMismatch(f"SGLang server {engine.urls[i]}: {when}, parameter {name} (first {rows} rows) "
+                                     f"is not the trainer's: {problem}")

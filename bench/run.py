@@ -262,6 +262,24 @@ def bench_plan_vs_measured() -> dict:
         out[f"{key}_predicted_mib"] = r["predicted_mib"]
         out[f"{key}_measured_mib"] = r["measured_mib"]
         out[f"{key}_predicted_over_measured"] = r["predicted_over_measured"]
+        out[f"{key}_predicted_over_default_malloc"] = r["predicted_over_default_malloc"]
+    out["within_10pct"] = sum(abs(r["predicted_over_measured"] - 1) <= 0.10 for r in rows)
+    out["within_10pct_default_malloc"] = sum(abs(r["predicted_over_default_malloc"] - 1) <= 0.10 for r in rows)
+    out["configurations"] = len(rows)
+    return out
+
+
+def bench_plan_vs_measured_deepspeed() -> dict:
+    """The same per rank under DeepSpeed ZeRO-2 and ZeRO-3, two ranks (bench/plan_vs_measured_ds.py)."""
+    from bench.plan_vs_measured_ds import run
+
+    rows = run()
+    out: dict = {"rows": rows}
+    for r in rows:
+        key = f"zero{r['zero_stage']}_h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}"
+        out[f"{key}_predicted_mib"] = r["predicted_mib"]
+        out[f"{key}_measured_mib"] = r["measured_mib"]
+        out[f"{key}_predicted_over_measured"] = r["predicted_over_measured"]
     out["within_10pct"] = sum(abs(r["predicted_over_measured"] - 1) <= 0.10 for r in rows)
     out["configurations"] = len(rows)
     return out
@@ -286,7 +304,9 @@ def main() -> None:
                      ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
                      ("sft_step_under_load", thread_load_bench), ("async_vs_sync_cpu", overlap_bench),
                      ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory),
-                     ("plan_vs_measured", bench_plan_vs_measured), ("weight_fingerprint", bench_weight_fingerprint)]:
+                     ("plan_vs_measured", bench_plan_vs_measured),
+                     ("plan_vs_measured_deepspeed", bench_plan_vs_measured_deepspeed),
+                     ("weight_fingerprint", bench_weight_fingerprint)]:
         console.print(f"[bold]bench[/] {name} ...")
         results[name] = fn()
     results["c3po_projection"] = bench_projection(results["c3po_vs_sync"], results["c3po_vs_sync_end_to_end"])
@@ -312,6 +332,9 @@ def main() -> None:
     from bench.plan_vs_measured import table as plan_table
 
     console.print(plan_table(results["plan_vs_measured"]["rows"]))
+    from bench.plan_vs_measured_ds import table as plan_ds_table
+
+    console.print(plan_ds_table(results["plan_vs_measured_deepspeed"]["rows"]))
     console.print(f"written to {OUT}")
 
 

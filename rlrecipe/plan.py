@@ -1,11 +1,12 @@
 """Will this recipe fit its GPUs? A per-GPU memory budget computed before launch.
 
 Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
-  parameters   model dtype x P; ZeRO-3 divides by N and adds the working set it gathers
-               (the larger of two decoder layers and the LM head)
+  parameters   model dtype x P; ZeRO-3 divides by N and adds what it keeps gathered (up to
+               DeepSpeed's stage3_max_live_parameters plus its prefetch bucket)
   gradients    model dtype x P; divided by N from ZeRO-2
-  optimizer    AdamW m and v (plus fp32 master weights when the model dtype is 16-bit under
-               DeepSpeed): 8 or 12 bytes x P, divided by N from ZeRO-1, 0 when offloaded.
+  optimizer    AdamW m and v, plus DeepSpeed's fp32 master weights (except ZeRO-3 with an fp32
+               model, which shares them): 8 or 12 bytes x P, divided by N from ZeRO-1, 0 when
+               offloaded.
                The plain torch engine keeps m and v in the model dtype, no master copy.
   step peak    what exists only while a micro-batch trains, at the largest of its phases (a
                step accumulates over several micro-batches, so the gradients above are whole
@@ -29,7 +30,7 @@ Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
                        root and its quotient); DeepSpeed steps over its flat fp32 partition
                Each phase's line in the budget is what it needs beyond the ones before it, so
                the lines add up to the largest phase. Under DeepSpeed the fp32 gradient copy and
-               the reduce / prefetch buckets are added on top (see `deepspeed_buffers`).
+               the reduce bucket are added on top (see `deepspeed_buffers`).
   reserve      CUDA context and allocator fragmentation: 1 GiB + 5%, an assumption.
 
 With C3PO++, a note gives the host memory and checkpoint size of the in-flight pool at its worst
@@ -235,21 +236,20 @@ def beyond_previous(phases: dict[str, float]) -> dict[str, float]:
     return out
 
 
-# DeepSpeed's defaults the engine leaves (train/deepspeed_engine.py sets no bucket sizes): elements
+# DeepSpeed's defaults the engine leaves (train/deepspeed_engine.py sets none of these): elements
 DS_REDUCE_BUCKET = 500_000_000
 DS_PREFETCH_BUCKET = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int) -> dict[str, float]:
-    """DeepSpeed's own buffers during a step, counted on top of the phases (not measured here):
-    the fp32 gradients of its partition with a 16-bit model, the gradient reduce bucket, and
-    ZeRO-3's prefetch bucket."""
+    """DeepSpeed's own buffers, counted on top of the phases: the fp32 gradients of its partition
+    (a 16-bit model; ZeRO-3 keeps that buffer whatever the dtype) and the gradient reduce bucket
+    (ZeRO-3 allocates it whole; on CPU only the pages written, at most the model, count)."""
     out = {}
-    if b == 2:
+    if b == 2 or stage >= 3:
         out["fp32 gradient copy"] = 4.0 * d.params() / (n if stage >= 1 else 1)
     out["reduce bucket"] = float(b * min(DS_REDUCE_BUCKET, d.params()))
-    if stage >= 3:
-        out["prefetch bucket"] = float(b * min(DS_PREFETCH_BUCKET, d.params()))
     return out
 
 
@@ -261,16 +261,19 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
     n = tr.nodes * tr.nproc if deepspeed else 1
     stage = tr.zero_stage if deepspeed else 0
     notes = []
-    if stage >= 3 and not tr.offload_params:
-        gathered = max(2 * d.layer_params(), d.vocab * d.hidden)
-        params = b * p / n + b * gathered
-    elif stage >= 3:
-        params = b * max(2 * d.layer_params(), d.vocab * d.hidden)
-        notes.append("parameters offloaded to CPU memory")
+    if stage >= 3:
+        # ZeRO-3 releases a gathered parameter only past stage3_max_live_parameters (or when it is
+        # not reused within stage3_max_reuse_distance), and prefetches ahead of that
+        gathered = b * min(p, DS_MAX_LIVE_PARAMETERS + DS_PREFETCH_BUCKET)
+        params = gathered if tr.offload_params else b * p / n + gathered
+        if tr.offload_params:
+            notes.append("parameters offloaded to CPU memory")
     else:
         params = b * p
     grads = b * p / (n if stage >= 2 else 1)
-    opt_per_param = (12 if b == 2 else 8) if deepspeed else 2 * b
+    # fp32 master weights: ZeRO-1/2 always clone their partition into one; ZeRO-3 shares it when
+    # the model is fp32 already (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py)
+    opt_per_param = (12 if b == 2 or stage < 3 else 8) if deepspeed else 2 * b
     optimizer = 0.0 if (deepspeed and tr.offload_optimizer) else opt_per_param * p / (n if stage >= 1 else 1)
     if deepspeed and tr.offload_optimizer:
         notes.append(f"optimizer state ({opt_per_param * p / n / GIB:.1f} GiB per rank) offloaded to CPU memory")

@@ -1,0 +1,150 @@
+"""`rlrecipe plan`'s per-rank training peak under DeepSpeed ZeRO against a measured step, on CPU.
+
+  python -m bench.plan_vs_measured_ds             # a table
+  python -m bench.plan_vs_measured_ds --json out.json
+
+As bench/plan_vs_measured.py, with the DeepSpeed engine in two ranks (torchrun, gloo): each rank
+records its resident memory after the imports and the process group (the baseline), builds the
+engine for the configuration (float32, AdamW, DeepSpeed's default buckets), runs one step, resets
+its high-water mark and runs a second; measured = that step's peak RSS above the baseline, per rank,
+with malloc's mmap threshold fixed (see plan_vs_measured). Each rank trains two micro-batches of
+its own. Predicted: plan.train_budget for the same recipe on CPU, per rank, without the reserve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.plan_vs_measured import (
+    FIXED_MMAP_THRESHOLD,
+    MIB,
+    MICROBATCHES,
+    _model_dir,
+    _reset_peak,
+    _status_kib,
+)
+
+RANKS = 2
+# hidden, intermediate, layers, heads, kv heads, vocab, micro-batch tokens, checkpointing, ZeRO stage
+CONFIGS = [
+    (512, 1408, 4, 8, 2, 32768, 2048, True, 2),
+    (512, 1408, 4, 8, 2, 32768, 2048, True, 3),
+    (256, 704, 8, 4, 2, 65536, 1024, False, 2),
+    (256, 704, 8, 4, 2, 65536, 1024, False, 3),
+]
+
+
+def recipe_of(cfg):
+    from rlrecipe.recipe import recipe_from_dict
+
+    *_, tokens, ckpt, stage = cfg
+    return recipe_from_dict({"run": {"name": "bench"}, "model": {"tiny": {}, "gradient_checkpointing": ckpt},
+                             "trainer": {"engine": "deepspeed", "zero_stage": stage, "nproc": RANKS,
+                                         "max_tokens_per_microbatch": tokens}})
+
+
+def predicted(cfg) -> dict[str, float]:
+    from rlrecipe.plan import ModelDims, train_budget
+
+    h, inter, layers, heads, kv, vocab, *_ = cfg
+    dims = ModelDims(vocab=vocab, hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, tied=False)
+    parts = dict(train_budget(recipe_of(cfg), dims, device="cpu").parts)
+    parts.pop("reserve")
+    return parts
+
+
+def child(cfg, model_dir: Path, out: Path) -> None:
+    """One rank, under torchrun."""
+    import torch
+
+    from rlrecipe.sft import sft_step
+    from rlrecipe.train.base import TrainSample
+    from rlrecipe.train.deepspeed_engine import DeepSpeedTrainEngine
+    from rlrecipe.train.launch import init_distributed
+
+    init_distributed()
+    rank = int(os.environ["RANK"])
+    *_, vocab, tokens, ckpt, stage = cfg
+    g = torch.Generator().manual_seed(0)
+    n = tokens // 4  # 4 documents a micro-batch on each rank, all but the first token a response
+    batch = [TrainSample(torch.randint(0, vocab, (n,), generator=g).tolist(), 1)
+             for _ in range(4 * MICROBATCHES * RANKS)]
+    base = _status_kib("VmRSS")
+    engine = DeepSpeedTrainEngine(model_dir, recipe_of(cfg).trainer, total_steps=2, gradient_checkpointing=ckpt)
+    sft_step(engine, batch)  # the first step makes AdamW's state
+    reset = _reset_peak()
+    sft_step(engine, batch)
+    peak = _status_kib("VmHWM")
+    (out / f"rank{rank}.json").write_text(json.dumps({"baseline_mib": base / 1024, "measured_mib": (peak - base) / 1024,
+                                                      "peak_reset": reset}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _measure(cfg) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _model_dir(cfg[:8], Path(tmp) / "model")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+               f"--nproc_per_node={RANKS}", "-m", "bench.plan_vs_measured_ds", "--child", json.dumps(cfg), str(model), tmp]
+        env = {**os.environ, **FIXED_MMAP_THRESHOLD, "OMP_NUM_THREADS": "1"}
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+        if res.returncode != 0:
+            raise RuntimeError(f"config {cfg}: {res.stdout[-3000:]} {res.stderr[-3000:]}")
+        return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
+def run(configs=CONFIGS) -> list[dict]:
+    out = []
+    for cfg in configs:
+        ranks = _measure(cfg)
+        parts = predicted(cfg)
+        pred = sum(parts.values()) / MIB
+        measured = max(r["measured_mib"] for r in ranks)
+        h, inter, layers, heads, kv, vocab, tokens, ckpt, stage = cfg
+        out.append({"hidden": h, "layers": layers, "vocab": vocab, "tokens": tokens, "checkpointing": ckpt,
+                    "zero_stage": stage, "predicted_mib": pred,
+                    "predicted_parts_mib": {k: v / MIB for k, v in parts.items()},
+                    "measured_mib_by_rank": [r["measured_mib"] for r in ranks], "measured_mib": measured,
+                    "predicted_over_measured": pred / measured})
+    return out
+
+
+def table(rows: list[dict]):
+    from rich.table import Table
+
+    t = Table(title=f"rlrecipe plan vs a measured DeepSpeed step (CPU, float32, {RANKS} ranks, {MICROBATCHES} "
+                    "micro-batches each; peak RSS above baseline, the larger rank)")
+    for col in ("ZeRO", "hidden", "layers", "vocab", "tokens", "ckpt", "predicted MiB", "measured MiB",
+                "predicted / measured"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["zero_stage"]), str(r["hidden"]), str(r["layers"]), str(r["vocab"]), str(r["tokens"]),
+                  "yes" if r["checkpointing"] else "no", f"{r['predicted_mib']:.0f}", f"{r['measured_mib']:.0f}",
+                  f"{r['predicted_over_measured']:.2f}")
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", nargs=3, metavar=("CONFIG", "MODEL", "DIR"))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.child:
+        child(tuple(json.loads(args.child[0])), Path(args.child[1]), Path(args.child[2]))
+        return
+    from rich.console import Console
+
+    rows = run()
+    Console().print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

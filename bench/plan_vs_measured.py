@@ -179,6 +179,15 @@ def table(rows: list[dict]):
     return t
 
 
+def print_rows(rows: list[dict], make_table, json_path: str | None) -> None:
+    """The table on the console, and the rows as JSON where asked."""
+    from rich.console import Console
+
+    Console().print(make_table(rows))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "DIR"))
@@ -186,13 +195,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(tuple(json.loads(args.child[0])), Path(args.child[1]))))
-        return
-    from rich.console import Console
-
-    rows = run()
-    Console().print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    else:
+        print_rows(run(), table, args.json)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from bench.plan_vs_measured import (
     _model_dir,
     _reset_peak,
     _status_kib,
+    print_rows,
 )
 
 RANKS = 2
@@ -137,13 +138,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         child(tuple(json.loads(args.child[0])), Path(args.child[1]), Path(args.child[2]))
-        return
-    from rich.console import Console
-
-    rows = run()
-    Console().print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    else:
+        print_rows(run(), table, args.json)
 
 
 if __name__ == "__main__":

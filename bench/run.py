@@ -250,22 +250,31 @@ def bench_logprob_memory() -> dict:
             "plan_logprob_mib_at_4096": logprob_bytes(dims, 4096, chunk, 4, 4) / 2**20}
 
 
+def plan_rows_summary(rows: list[dict], key_of) -> dict:
+    """Predicted, measured and their ratio per configuration (keyed by `key_of(row)`), and how many
+    are within 10%."""
+    out: dict = {"rows": rows}
+    for r in rows:
+        key = key_of(r)
+        out[f"{key}_predicted_mib"] = r["predicted_mib"]
+        out[f"{key}_measured_mib"] = r["measured_mib"]
+        out[f"{key}_predicted_over_measured"] = r["predicted_over_measured"]
+    out["within_10pct"] = sum(abs(r["predicted_over_measured"] - 1) <= 0.10 for r in rows)
+    out["configurations"] = len(rows)
+    return out
+
+
 def bench_plan_vs_measured() -> dict:
     """`rlrecipe plan`'s training peak against a real step's peak RSS, for several configurations
     (bench/plan_vs_measured.py; one subprocess each); the full rows are in results.json."""
     from bench.plan_vs_measured import run
 
     rows = run()
-    out: dict = {"rows": rows}
+    out = plan_rows_summary(rows, lambda r: f"h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}")
     for r in rows:
-        key = f"h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}"
-        out[f"{key}_predicted_mib"] = r["predicted_mib"]
-        out[f"{key}_measured_mib"] = r["measured_mib"]
-        out[f"{key}_predicted_over_measured"] = r["predicted_over_measured"]
-        out[f"{key}_predicted_over_default_malloc"] = r["predicted_over_default_malloc"]
-    out["within_10pct"] = sum(abs(r["predicted_over_measured"] - 1) <= 0.10 for r in rows)
+        out[f"h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}_predicted_over_default_malloc"] = \
+            r["predicted_over_default_malloc"]
     out["within_10pct_default_malloc"] = sum(abs(r["predicted_over_default_malloc"] - 1) <= 0.10 for r in rows)
-    out["configurations"] = len(rows)
     return out
 
 
@@ -273,16 +282,8 @@ def bench_plan_vs_measured_deepspeed() -> dict:
     """The same per rank under DeepSpeed ZeRO-2 and ZeRO-3, two ranks (bench/plan_vs_measured_ds.py)."""
     from bench.plan_vs_measured_ds import run
 
-    rows = run()
-    out: dict = {"rows": rows}
-    for r in rows:
-        key = f"zero{r['zero_stage']}_h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}"
-        out[f"{key}_predicted_mib"] = r["predicted_mib"]
-        out[f"{key}_measured_mib"] = r["measured_mib"]
-        out[f"{key}_predicted_over_measured"] = r["predicted_over_measured"]
-    out["within_10pct"] = sum(abs(r["predicted_over_measured"] - 1) <= 0.10 for r in rows)
-    out["configurations"] = len(rows)
-    return out
+    return plan_rows_summary(run(), lambda r: f"zero{r['zero_stage']}_h{r['hidden']}_L{r['layers']}_V{r['vocab']}"
+                                              f"_T{r['tokens']}")
 
 
 def bench_weight_fingerprint() -> dict:

@@ -185,7 +185,8 @@ def activation_elements_per_token_layer(d: ModelDims) -> int:
 
 # The head's backward holds the last chunk's fp32 logits (saved by logsumexp) and four more
 # [chunk x V] fp32 tensors at once: logsumexp's gradient (x - lse, its exp, the product) and the
-# gather's scattered gradient, before they are summed (torch 2.13's kernels, CPU and CUDA alike).
+# gather's scattered gradient, before they are summed (measured on CPU, `python -m bench.step_phases
+# head`; the H100 figures agree with the plan that counts them, docs/gpu.md).
 LOGIT_COPIES_AT_HEAD_BACKWARD = 5
 # A SwiGLU MLP's backward makes the gradient of down_proj's input, then those of silu(gate) and
 # up, before freeing the first and the saved tensors they replace: two [T x intermediate] beyond.

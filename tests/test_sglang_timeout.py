@@ -41,3 +41,24 @@ def test_the_32b_evaluation_allows_every_turn_its_512_open_requests_take(tmp_pat
         eng.close()
     err = capsys.readouterr().err
     assert f"holds {fit} sequences of {seq} tokens" in err and f"may wait {turns} turns" in err
+
+
+def test_launched_servers_get_the_same_allowance_as_attached_ones(tiny_model_dir, tmp_path):
+    """The 32B evaluation launches its one tp-8 server: the engine the recipe launches is sized from
+    the plan as an attached one is (and its servers are checked against the starting model)."""
+    from rlrecipe.modeling import load_tokenizer
+    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
+    from tests.test_sglang_client import BOOT_TIMEOUT_S, free_ports, rlrecipe_cmd
+
+    spec = {"run": {"name": "t", "output_dir": str(tmp_path)}, "model": {"path": str(tiny_model_dir)},
+            "rollout": {"engine": "sglang", "dtype": "float32", "sglang": {
+                "num_servers": 1, "base_port": free_ports(1), "startup_timeout_s": BOOT_TIMEOUT_S,
+                "launch_cmd": [*rlrecipe_cmd(), "serve", "{model}", "--host", "{host}", "--port", "{port}",
+                               "--dtype", "{dtype}"]}}}
+    loaded = LoadedRecipe(recipe=recipe_from_dict(spec), path="launch.yaml")
+    eng = SGLangEngine.from_recipe(loaded.recipe, tiny_model_dir, load_tokenizer(tiny_model_dir), run_dir=tmp_path)
+    try:
+        assert eng.servers and eng.kv_tokens == kv_cache_tokens(loaded)
+        assert eng.weight_check_s > 0 and not eng.no_weight_check  # asked at start, and it answered
+    finally:
+        eng.close()

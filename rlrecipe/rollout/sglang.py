@@ -38,7 +38,7 @@ import requests
 from rlrecipe.c3po_budget import TokenBudget, admit
 from rlrecipe.console import console
 from rlrecipe.errors import UserError
-from rlrecipe.recipe import Recipe, SGLangServer
+from rlrecipe.recipe import Recipe, RolloutSection, SGLangServer
 from rlrecipe.rollout.api_key import auth_headers
 from rlrecipe.rollout.base import Refill, RolloutEngine
 from rlrecipe.rollout.http_pool import HttpPool
@@ -117,35 +117,37 @@ class SGLangEngine(RolloutEngine):
         first trainer.nproc GPUs train, so launched servers take the GPUs after them."""
         ro = recipe.rollout
         eos = tokenizer.eos_token_id
-        if not ro.urls:
+        if ro.urls:
+            engine = cls._attach(ro, eos, version, run_dir)
+        else:
             trainer_gpus = trainer_gpus_on_node(recipe.trainer) if beside_training else 0
             engine = cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
                                 version=version, seed=recipe.run.seed, trainer_gpus=trainer_gpus)
-            try:
-                engine.verify_start(model_dir, version)
-            except BaseException:
-                engine.close()
-                raise
-            return engine
-        urls = [u.rstrip("/") for u in ro.urls]
-        # attached servers may still be starting (or restarting): the same bounded wait as launched ones
-        wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
-        router = start_router(urls, ro.sglang, run_dir) if ro.sglang.router else None
         try:
-            engine = cls(urls, eos_token_id=eos, version=version, max_concurrency=ro.sglang.max_concurrency,
-                         cfg=ro.sglang, router=router, served_dtype=ro.dtype)
-        except BaseException:
-            if router is not None:
-                router.stop()
-            raise
-        try:
-            engine.ensure_model(model_dir, version)
-            engine.verify_start(model_dir, version)
+            if ro.urls:
+                engine.ensure_model(model_dir, version)
+            # a server started from another checkpoint answers /get_model_info with the right path too
+            engine.verify_export(model_dir, version, when=f"at start, where it should serve {model_arg(model_dir)}")
         except BaseException:
             engine.close()
             raise
         engine.size_queue_allowance(recipe, model_dir)
         return engine
+
+    @classmethod
+    def _attach(cls, ro: RolloutSection, eos: int | None, version: int, run_dir: Path | None) -> SGLangEngine:
+        """An engine over rollout.urls, with the router in front of them where asked."""
+        urls = [u.rstrip("/") for u in ro.urls]
+        # attached servers may still be starting (or restarting): the same bounded wait as launched ones
+        wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
+        router = start_router(urls, ro.sglang, run_dir) if ro.sglang.router else None
+        try:
+            return cls(urls, eos_token_id=eos, version=version, max_concurrency=ro.sglang.max_concurrency,
+                       cfg=ro.sglang, router=router, served_dtype=ro.dtype)
+        except BaseException:
+            if router is not None:
+                router.stop()
+            raise
 
     def size_queue_allowance(self, recipe: Recipe, model_dir: str | Path) -> None:
         """Size the read timeout's queueing allowance from the KV cache `rlrecipe plan` gives each
@@ -389,16 +391,13 @@ class SGLangEngine(RolloutEngine):
                         raise
                     self._leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
         self.version = version
-        if Path(model_dir).is_dir():  # the trainer's export (a hub id has no rows to compare here)
-            self.verify_weights(lambda wc: wc.export_slices(model_dir, version), version)
+        self.verify_export(model_dir, version)
 
-    def verify_start(self, model_dir: str | Path, version: int) -> None:
-        """Before the first request: every server serves the stage's starting model, compared by the
-        fingerprint a push gets (a server started from another checkpoint answers /model_info with
-        the right path just as well). A hub id has no local rows to compare."""
-        if any(Path(model_dir).glob("*.safetensors")):
-            self.verify_weights(lambda wc: wc.export_slices(model_dir, version), version,
-                                when=f"at start, where it should serve {model_arg(model_dir)}")
+    def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
+        """Each server serves the weights of the HF directory `model_dir` (the trainer's export, or
+        the stage's starting model); a hub id has no local rows to compare."""
+        if Path(model_dir).is_dir():
+            self.verify_weights(lambda wc: wc.export_slices(model_dir, version), version, when)
 
     def verify_weights(self, expected: Callable, version: int, when: str | None = None) -> None:
         """The fingerprint after a push: each live server serves the trainer's weights (weight_check.py;

@@ -167,7 +167,8 @@ def run(configs=CONFIGS) -> list[dict]:
 def table(rows: list[dict]):
     from rich.table import Table
 
-    t = Table(title="rlrecipe plan vs a measured training step (CPU, float32, torch engine, 2 micro-batches; peak RSS above baseline, malloc's mmap threshold fixed; glibc's default beside it)")
+    t = Table(title=f"rlrecipe plan vs a measured training step (CPU, float32, torch engine, {MICROBATCHES} "
+                    "micro-batches; peak RSS above baseline, malloc's mmap threshold fixed; glibc's default beside it)")
     for col in ("hidden", "layers", "vocab", "tokens", "ckpt", "params (M)", "predicted MiB", "measured MiB",
                 "predicted / measured", "default malloc MiB", "predicted / it"):
         t.add_column(col, justify="right")

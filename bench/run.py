@@ -269,11 +269,13 @@ def bench_plan_vs_measured() -> dict:
     (bench/plan_vs_measured.py; one subprocess each); the full rows are in results.json."""
     from bench.plan_vs_measured import run
 
+    def key(r: dict) -> str:
+        return f"h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}"
+
     rows = run()
-    out = plan_rows_summary(rows, lambda r: f"h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}")
+    out = plan_rows_summary(rows, key)
     for r in rows:
-        out[f"h{r['hidden']}_L{r['layers']}_V{r['vocab']}_T{r['tokens']}_predicted_over_default_malloc"] = \
-            r["predicted_over_default_malloc"]
+        out[f"{key(r)}_predicted_over_default_malloc"] = r["predicted_over_default_malloc"]
     out["within_10pct_default_malloc"] = sum(abs(r["predicted_over_default_malloc"] - 1) <= 0.10 for r in rows)
     return out
 

@@ -231,7 +231,7 @@ def _budgeted_call(engine, tok, params: SamplingParams) -> tuple[list[Trajectory
     It finishes within the first chunk; the others are aborted and come back partial."""
     trajs = prompts(tok, 9)
     near = trajs[0]
-    filler = tok.encode("0123456789" * 10)[:params.max_new_tokens - 8]
+    filler = tok.encode("0123456789" * 30)[:params.max_new_tokens - 8]
     near.response_ids, near.logp_infer, near.versions = list(filler), [0.0] * len(filler), [0] * len(filler)
     engine.generate(trajs, params, token_budget=1, seed=2)
     return trajs, near

@@ -4,11 +4,12 @@
   python -m bench.plan_vs_measured_ds --json out.json
 
 As bench/plan_vs_measured.py, with the DeepSpeed engine in two ranks (torchrun, gloo): each rank
-records its resident memory after the imports and the process group (the baseline), builds the
-engine for the configuration (float32, AdamW, DeepSpeed's default buckets), runs one step, resets
-its high-water mark and runs a second; measured = that step's peak RSS above the baseline, per rank,
-with malloc's mmap threshold fixed (see plan_vs_measured). Each rank trains two micro-batches of
-its own. Predicted: plan.train_budget for the same recipe on CPU, per rank, without the reserve.
+first builds and steps a toy engine of the same ZeRO stage and drops it, so the libraries' code
+and state are loaded, then records its resident memory (the baseline), builds the engine for the
+configuration (float32, AdamW, DeepSpeed's default buckets), runs one step, resets its high-water
+mark and runs a second; measured = that step's peak RSS above the baseline, per rank, with malloc's
+mmap threshold fixed (see plan_vs_measured). Each rank trains two micro-batches of its own.
+Predicted: plan.train_budget for the same recipe on CPU, per rank, without the reserve.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ CONFIGS = [
 ]
 
 
+TOY = (32, 64, 1, 2, 2, 512, 256, True)
+
+
 def recipe_of(cfg):
     from rlrecipe.recipe import recipe_from_dict
 
@@ -61,24 +65,41 @@ def predicted(cfg) -> dict[str, float]:
     return parts
 
 
-def child(cfg, model_dir: Path, out: Path) -> None:
-    """One rank, under torchrun."""
+def _engine_and_batch(model_dir: Path, cfg):
     import torch
 
-    from rlrecipe.sft import sft_step
     from rlrecipe.train.base import TrainSample
     from rlrecipe.train.deepspeed_engine import DeepSpeedTrainEngine
-    from rlrecipe.train.launch import init_distributed
 
-    init_distributed()
-    rank = int(os.environ["RANK"])
-    *_, vocab, tokens, ckpt, stage = cfg
+    *_, vocab, tokens, ckpt, _stage = cfg
     g = torch.Generator().manual_seed(0)
     n = tokens // 4  # 4 documents a micro-batch on each rank, all but the first token a response
     batch = [TrainSample(torch.randint(0, vocab, (n,), generator=g).tolist(), 1)
              for _ in range(4 * MICROBATCHES * RANKS)]
-    base = _status_kib("VmRSS")
     engine = DeepSpeedTrainEngine(model_dir, recipe_of(cfg).trainer, total_steps=2, gradient_checkpointing=ckpt)
+    return engine, batch
+
+
+def child(cfg, model_dir: Path, toy_dir: Path, out: Path) -> None:
+    """One rank, under torchrun."""
+    import gc
+
+    import torch
+
+    from rlrecipe.sft import sft_step
+    from rlrecipe.train.launch import init_distributed
+
+    init_distributed()
+    rank = int(os.environ["RANK"])
+    # DeepSpeed's and the model's code, loaded by a toy engine of the same stage and then dropped:
+    # libraries are host memory the plan (a GPU budget) does not count (about 170 MiB at ZeRO-3)
+    toy, toy_batch = _engine_and_batch(toy_dir, TOY[:8] + cfg[8:])
+    sft_step(toy, toy_batch)
+    toy.engine.destroy()
+    del toy, toy_batch
+    gc.collect()
+    base = _status_kib("VmRSS")
+    engine, batch = _engine_and_batch(model_dir, cfg)
     sft_step(engine, batch)  # the first step makes AdamW's state
     reset = _reset_peak()
     sft_step(engine, batch)
@@ -91,9 +112,9 @@ def child(cfg, model_dir: Path, out: Path) -> None:
 
 def _measure(cfg) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        model = _model_dir(cfg[:8], Path(tmp) / "model")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc_per_node={RANKS}", "-m", "bench.plan_vs_measured_ds", "--child", json.dumps(cfg), str(model), tmp]
+        model, toy = _model_dir(cfg[:8], Path(tmp) / "model"), _model_dir(TOY, Path(tmp) / "toy")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={RANKS}",
+               "-m", "bench.plan_vs_measured_ds", "--child", json.dumps(cfg), str(model), str(toy), tmp]
         env = {**os.environ, **FIXED_MMAP_THRESHOLD, "OMP_NUM_THREADS": "1"}
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
         if res.returncode != 0:
@@ -134,11 +155,11 @@ def table(rows: list[dict]):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--child", nargs=3, metavar=("CONFIG", "MODEL", "DIR"))
+    ap.add_argument("--child", nargs=4, metavar=("CONFIG", "MODEL", "TOY", "DIR"))
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.child:
-        child(tuple(json.loads(args.child[0])), Path(args.child[1]), Path(args.child[2]))
+        child(tuple(json.loads(args.child[0])), *(Path(a) for a in args.child[1:]))
     else:
         print_rows(run(), table, args.json)
 

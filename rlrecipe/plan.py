@@ -30,7 +30,8 @@ Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
                        root and its quotient); DeepSpeed steps over its flat fp32 partition
                Each phase's line in the budget is what it needs beyond the ones before it, so
                the lines add up to the largest phase. Under DeepSpeed the fp32 gradient copy and
-               the reduce bucket are added on top (see `deepspeed_buffers`).
+               ZeRO-3's reduce bucket are added on top (see `deepspeed_buffers`); ZeRO-1/2's
+               bucket lives in backward only, so it joins the backward phases (`backward_bucket`).
   reserve      CUDA context and allocator fragmentation: 1 GiB + 5%, an assumption.
 
 With C3PO++, a note gives the host memory and checkpoint size of the in-flight pool at its worst
@@ -206,26 +207,45 @@ def logprob_bytes(d: ModelDims, tokens: int, chunk: int, act_bytes: int, weight_
     return rows + peak
 
 
-def step_phases(recipe: Recipe, d: ModelDims, act_b: int, b: int, n: int, deepspeed: bool,
+def step_phases(recipe: Recipe, d: ModelDims, act_b: int, b: int, n: int, stage: int,
                 device: str) -> dict[str, float]:
     """Bytes beyond the persistent parts in each phase of a micro-batch's step, in the order they
-    run (see the module docstring)."""
+    run (see the module docstring). `stage` is the ZeRO stage under DeepSpeed, 0 for the torch engine."""
     m, tr = recipe.model, recipe.trainer
     t = tr.max_tokens_per_microbatch
     one_layer = activation_elements_per_token_layer(d) * act_b * t
     kept = d.layers * t * d.hidden * act_b if m.gradient_checkpointing else d.layers * one_layer
     recomputed = one_layer if m.gradient_checkpointing else 0.0
-    if deepspeed:
+    if stage:
         optimizer_step = 4.0 * d.params() / n
     elif device == "cuda":
         optimizer_step = float(b * d.params())
     else:
         optimizer_step = 2.0 * b * max(d.vocab * d.hidden, d.intermediate * d.hidden)
+    bucket = backward_bucket(d, b, stage, device)
     return {"activations": kept,
-            "log-probs": kept + logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b, b),
-            "layer backward": kept + recomputed + MLP_BACKWARD_GRADIENTS * t * d.intermediate * act_b,
-            "embedding grad": float(b * d.vocab * d.hidden),
+            "log-probs": kept + logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b, b) + bucket["log-probs"],
+            "layer backward": kept + recomputed + MLP_BACKWARD_GRADIENTS * t * d.intermediate * act_b
+                              + bucket["layer backward"],
+            "embedding grad": float(b * d.vocab * d.hidden) + bucket["embedding grad"],
             "optimizer step": optimizer_step}
+
+
+def backward_bucket(d: ModelDims, b: int, stage: int, device: str) -> dict[str, float]:
+    """ZeRO-1/2's gradient reduce bucket in each backward phase. DeepSpeed allocates it as backward
+    starts and frees it before the optimizer step (stage_1_and_2.py, `setup_buckets`). CUDA holds
+    it whole from the start; on CPU only the pages written count: the gradients made so far, none
+    during the head's backward, all but the first layer's and the embedding's at the first layer."""
+    if stage not in (1, 2):
+        return {"log-probs": 0.0, "layer backward": 0.0, "embedding grad": 0.0}
+    width = 4 if stage == 1 else b  # ZeRO-1 reduces in fp32, ZeRO-2 in the model's dtype
+    if device == "cuda":
+        whole = width * float(DS_REDUCE_BUCKET)
+        return {"log-probs": whole, "layer backward": whole, "embedding grad": whole}
+    before_embedding = d.params() - d.vocab * d.hidden
+    return {"log-probs": 0.0,
+            "layer backward": width * float(min(DS_REDUCE_BUCKET, before_embedding - d.layer_params())),
+            "embedding grad": width * float(min(DS_REDUCE_BUCKET, before_embedding))}
 
 
 def beyond_previous(phases: dict[str, float]) -> dict[str, float]:
@@ -243,14 +263,16 @@ DS_PREFETCH_BUCKET = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
-def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int) -> dict[str, float]:
+def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int, device: str) -> dict[str, float]:
     """DeepSpeed's own buffers, counted on top of the phases: the fp32 gradients of its partition
-    (a 16-bit model; ZeRO-3 keeps that buffer whatever the dtype) and the gradient reduce bucket
-    (ZeRO-3 allocates it whole; on CPU only the pages written, at most the model, count)."""
+    (a 16-bit model; ZeRO-3 keeps that buffer whatever the dtype) and ZeRO-3's gradient reduce
+    bucket, allocated once and kept (CUDA holds it whole; on CPU only the pages written count, at
+    most the model). ZeRO-1/2's bucket lives in backward only (`backward_bucket`)."""
     out = {}
     if b == 2 or stage >= 3:
         out["fp32 gradient copy"] = 4.0 * d.params() / (n if stage >= 1 else 1)
-    out["reduce bucket"] = float(b * min(DS_REDUCE_BUCKET, d.params()))
+    if stage >= 3:
+        out["reduce bucket"] = float(b * (DS_REDUCE_BUCKET if device == "cuda" else min(DS_REDUCE_BUCKET, d.params())))
     return out
 
 
@@ -281,9 +303,9 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
     if not m.gradient_checkpointing:
         notes.append("no gradient checkpointing: every layer keeps its activations")
     parts = {"parameters": params, "gradients": grads, "optimizer": optimizer}
-    parts.update(beyond_previous(step_phases(recipe, d, act_b, b, n, deepspeed, device)))
+    parts.update(beyond_previous(step_phases(recipe, d, act_b, b, n, stage, device)))
     if deepspeed:
-        parts.update(deepspeed_buffers(d, b, n, stage))
+        parts.update(deepspeed_buffers(d, b, n, stage, device))
     if stage_of(recipe) == "rl" and recipe.rl.kl_coef > 0:
         # train/reference.py: every rank holds the whole frozen copy, not a ZeRO part of it; its
         # no-grad forward runs between updates, inside the room the activations leave then

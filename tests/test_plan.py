@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rlrecipe.modeling import build_char_tokenizer
-from rlrecipe.plan import GIB, TINY_TOKENIZER_SIZE, ModelDims, plan, rollout_budget, train_budget
+from rlrecipe.plan import GIB, TINY_TOKENIZER_SIZE, ModelDims, plan, rollout_budget, step_phases, train_budget
 from rlrecipe.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,7 +149,9 @@ def test_deepspeed_buffers_and_optimizer_temporaries_by_hand():
     parts = train_budget(recipe, d).parts
     assert parts["optimizer step"] == 0.0  # 4 P / 64 over its partition: freed activations cover it
     assert parts["fp32 gradient copy"] == pytest.approx(4 * p / 64)
-    assert parts["reduce bucket"] == 2 * min(DS_REDUCE_BUCKET, p)
+    # ZeRO-3's bucket is kept: CUDA allocates it whole, on CPU only the pages its gradients write count
+    assert parts["reduce bucket"] == 2 * DS_REDUCE_BUCKET
+    assert train_budget(recipe, d, device="cpu").parts["reduce bucket"] == 2 * p
     big = ModelDims(vocab=152064, hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, tied=False)
     # 7B under ZeRO-3: what stays gathered is bounded by stage3_max_live_parameters + the prefetch bucket
     assert train_budget(recipe, big).parts["parameters"] == pytest.approx(2 * big.params() / 64 + 2 * 1.05e9)
@@ -161,6 +163,16 @@ def test_deepspeed_buffers_and_optimizer_temporaries_by_hand():
     # ZeRO-3 keeps an fp32 gradient buffer for its partition whatever the dtype; ZeRO-2 only for 16 bits
     assert train_budget(fp32[3], d).parts["fp32 gradient copy"] == pytest.approx(4 * p / 64)
     assert "fp32 gradient copy" not in train_budget(fp32[2], d).parts
+    # ZeRO-2's bucket lives in backward only: none on top, and on CPU not during the head's backward
+    # but at the first layer (all gradients but its own and the embedding's) and at the embedding
+    assert "reduce bucket" not in train_budget(fp32[2], d).parts
+    phases = step_phases(fp32[2], d, 4, 4, 64, 2, "cpu")
+    no_bucket = step_phases(fp32[2], d, 4, 4, 64, 0, "cpu")
+    assert phases["log-probs"] == no_bucket["log-probs"]
+    assert phases["layer backward"] - no_bucket["layer backward"] == 4 * (p - 1000 * 64 - d.layer_params())
+    assert phases["embedding grad"] - no_bucket["embedding grad"] == 4 * (p - 1000 * 64)
+    on_cuda = step_phases(fp32[2], d, 4, 4, 64, 2, "cuda")
+    assert on_cuda["log-probs"] - step_phases(fp32[2], d, 4, 4, 64, 0, "cuda")["log-probs"] == 4 * DS_REDUCE_BUCKET
     torch_fp32 = recipe.model_copy(deep=True)
     torch_fp32.trainer.engine, torch_fp32.model.dtype = "torch", "float32"
     on_gpu = train_budget(torch_fp32, d).parts
@@ -200,3 +212,20 @@ def test_the_plan_is_within_10_percent_of_a_measured_step(config):
     plan_mib = sum(predicted(config).values()) / MIB
     assert abs(plan_mib / measured - 1) <= 0.10, (plan_mib, measured)
 
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(0 < __import__("torch").cuda.device_count() < 2, reason="two ranks need two GPUs where CUDA is visible")
+@pytest.mark.parametrize("config", [
+    (512, 1408, 4, 8, 2, 32768, 2048, True, 2),  # ZeRO-2: 1.13 when its bucket was counted as kept
+    (256, 704, 4, 4, 2, 32768, 1024, True, 3),
+])
+def test_the_plan_is_within_10_percent_of_a_measured_deepspeed_step_per_rank(config):
+    """Two DeepSpeed ranks on CPU (bench/plan_vs_measured_ds.py): the sharded gradients and optimizer
+    state, the fp32 master copy, ZeRO-2's reduce bucket in backward, ZeRO-3's kept bucket and
+    gathered weights, against each rank's peak."""
+    from bench.plan_vs_measured_ds import MIB, _measure, predicted
+
+    plan_mib = sum(predicted(config).values()) / MIB
+    for rank in _measure(config):
+        assert abs(plan_mib / rank["measured_mib"] - 1) <= 0.10, (plan_mib, rank)

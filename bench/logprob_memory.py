@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rlrecipe.algo.packing import pack
+from rlrecipe.modeling import enable_checkpointing
 from rlrecipe.train.logprobs import response_logprobs
 from rlrecipe.train.varlen_attention import NAME as VARLEN
 from rlrecipe.train.varlen_attention import register, training_attention
@@ -43,7 +44,7 @@ def build(shape: str, device: str, dtype: torch.dtype, attn: str):
                       tie_word_embeddings=False, use_sliding_window=False)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     return model
 

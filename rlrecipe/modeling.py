@@ -100,6 +100,13 @@ def load_model(path: str | Path, dtype: str = "float32", attn_implementation: st
     return model
 
 
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward. transformers 5 renamed the call (the old name warns,
+    and goes in v6); older releases have only the old one."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 def load_weights_into(model: torch.nn.Module, path: str | Path) -> None:
     """Copy an HF safetensors export (one file or shards) into an existing model, shard by shard.
 

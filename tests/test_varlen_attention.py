@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlrecipe.algo.packing import pack
-from rlrecipe.modeling import load_model
+from rlrecipe.modeling import enable_checkpointing, load_model
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
@@ -81,7 +81,7 @@ def test_document_lengths_are_found_once_per_forward_also_under_checkpointing(ti
     real = varlen.document_bounds
     monkeypatch.setattr(varlen, "document_bounds", lambda pos: searched.append(pos.tolist()) or real(pos))
     model = load_model(tiny_model_dir, "float32", register())
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     assert model.config.num_hidden_layers > 1
     ids, pos = pack([[5, 6, 7], [8, 9]])

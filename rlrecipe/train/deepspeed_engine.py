@@ -59,7 +59,7 @@ from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, balanced_bins
 from rlrecipe.dist import barrier
 from rlrecipe.errors import UserError
-from rlrecipe.modeling import load_model
+from rlrecipe.modeling import enable_checkpointing, load_model
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample, add_sums
 from rlrecipe.train.launch import init_distributed
@@ -153,7 +153,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.partitioned_load = False
         model = self._load_model(model_dir, dtype, training_attention(attn_implementation))
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_checkpointing(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
                                       weight_decay=cfg.weight_decay)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(

@@ -21,7 +21,7 @@ from transformers.optimization import (
 from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, pack, response_rows
 from rlrecipe.errors import UserError
-from rlrecipe.modeling import load_model, load_weights_into
+from rlrecipe.modeling import enable_checkpointing, load_model, load_weights_into
 from rlrecipe.recipe import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample, add_sums
 from rlrecipe.train.logprobs import response_logprobs
@@ -83,7 +83,7 @@ class TorchTrainEngine:
         # packed micro-batches attend per document (sdpa would mask a full T x T, on any device)
         self.model = load_model(model_dir, dtype, training_attention(attn_implementation)).to(self.device)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            enable_checkpointing(self.model)
         self.temperature = temperature
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
                                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)

@@ -18,6 +18,27 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
+def read_model_config(field: str, path: Path) -> dict:
+    """The model's config.json as transformers reads it; a RecipeError naming the field otherwise."""
+    if not path.is_dir():
+        raise RecipeError(f"{field}: no model directory at {path}")
+    config = path / "config.json"
+    if not config.is_file():
+        raise RecipeError(f"{field}: {path} has no config.json (not a Hugging Face model directory)")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise RecipeError(f"{config}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{config}: expected a JSON object")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path)).to_dict()
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RecipeError(f"{config}: transformers cannot read it: {err}") from None
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
@@ -142,8 +163,6 @@ def check_eval_context(loaded, context: int) -> None:
 
 def check_eval_model(loaded, label: str, path: str | Path) -> None:
     """A model directory `rlrecipe eval` is about to evaluate."""
-    from rlrecipe.preflight import read_model_config
-
     path = Path(path)
     config = read_model_config(label, path)
     check_model_dir(label, path, chat_template=templates_need_chat(loaded.recipe, training=False))

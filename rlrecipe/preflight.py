@@ -6,10 +6,10 @@ records, and with one line naming the field and file, not a traceback from deep 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rlrecipe.errors import UserError
+from rlrecipe.model_check import check_eval_context, check_model_dir, read_model_config, templates_need_chat
 from rlrecipe.recipe import LoadedRecipe, RecipeError
 from rlrecipe.runs import resolve_init
 
@@ -30,27 +30,6 @@ def _model_source(loaded: LoadedRecipe, init_from: str | None) -> tuple[str, Pat
     return None
 
 
-def read_model_config(field: str, path: Path) -> dict:
-    """The model's config.json as transformers reads it; a RecipeError naming the field otherwise."""
-    if not path.is_dir():
-        raise RecipeError(f"{field}: no model directory at {path}")
-    config = path / "config.json"
-    if not config.is_file():
-        raise RecipeError(f"{field}: {path} has no config.json (not a Hugging Face model directory)")
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise RecipeError(f"{config}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{config}: expected a JSON object")
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(path)).to_dict()
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise RecipeError(f"{config}: transformers cannot read it: {err}") from None
-
-
 def check_model(loaded: LoadedRecipe, init_from: str | None) -> dict | None:
     """The starting model's config: what it says of itself (None for a hub id, checked when loaded).
     `init_from` is `run.init_from` resolved."""
@@ -66,8 +45,6 @@ def check_model(loaded: LoadedRecipe, init_from: str | None) -> dict | None:
     if field == "model.path" and not path.exists() and _looks_like_hub_id(str(recipe.model.path)):
         return None
     config = read_model_config(field, path)
-    from rlrecipe.model_check import check_model_dir, templates_need_chat
-
     check_model_dir(field, path, chat_template=templates_need_chat(recipe, training=True))
     return config
 
@@ -77,8 +54,6 @@ def check_context(loaded: LoadedRecipe, config: dict | None, stage: str) -> None
     recipe = loaded.recipe
     context = (config or {}).get("max_position_embeddings")
     if isinstance(context, int) and recipe.eval.benchmarks:  # the stage ends by evaluating its model
-        from rlrecipe.model_check import check_eval_context
-
         check_eval_context(loaded, context)
     if not isinstance(context, int) or stage != "rl":
         return

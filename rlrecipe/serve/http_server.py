@@ -236,8 +236,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if not (Path(model) / "config.json").exists():
         raise UserError(f"{model}: no model there (an HF directory with config.json)")
-    from rlrecipe.model_check import check_model_dir
-    from rlrecipe.preflight import read_model_config
+    from rlrecipe.model_check import check_model_dir, read_model_config
 
     read_model_config("model", Path(model))
     check_model_dir("model", model)  # weights, architecture and tokenizer, before anything loads

@@ -225,6 +225,11 @@ def test_generate_logprobs_match_full_recompute(engine, tok, tiny_model_dir):
         assert torch.cat(gaps).max() < 1e-4
 
 
+# Long enough that the others are still running when the aborts land: one server's aborts come
+# about a 16-token chunk after the answer that reaches the budget, a router's two to three.
+BUDGETED_NEW_TOKENS = 192
+
+
 def _budgeted_call(engine, tok, params: SamplingParams) -> tuple[list[Trajectory], Trajectory]:
     """One trajectory that is nearly done (a forced partial 8 tokens short) among fresh ones, budget 1.
 
@@ -238,7 +243,7 @@ def _budgeted_call(engine, tok, params: SamplingParams) -> tuple[list[Trajectory
 
 
 def test_token_budget_aborts_in_flight_and_a_later_call_resumes(engine, tok, tiny_model_dir):
-    params = SamplingParams(max_new_tokens=64)
+    params = SamplingParams(max_new_tokens=BUDGETED_NEW_TOKENS)
     trajs, near = _budgeted_call(engine, tok, params)
     assert near.done
     running = [t for t in trajs if t.status == Status.RUNNING]
@@ -294,7 +299,7 @@ def test_refilled_groups_go_to_the_least_loaded_live_server():
 
 
 def test_weight_update_mid_run(engine, tok, tiny_model_dir, other_model_dir, server):
-    params = SamplingParams(max_new_tokens=64)
+    params = SamplingParams(max_new_tokens=BUDGETED_NEW_TOKENS)
     trajs, near = _budgeted_call(engine, tok, params)
     running = [t for t in trajs if t.status == Status.RUNNING and t.response_ids]
     assert running

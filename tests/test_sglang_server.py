@@ -35,6 +35,7 @@ from rlrecipe.rollout.sglang_server import (
 from rlrecipe.trajectory import SamplingParams, Status
 from tests.test_sglang_client import (
     BOOT_TIMEOUT_S,
+    BUDGETED_NEW_TOKENS,
     _budgeted_call,
     check_consistent,
     free_port,
@@ -290,10 +291,8 @@ def test_generation_through_the_router_and_weights_to_every_server(router, tiny_
         eng.update_weights_from_disk(other_model_dir, 1)
         for url in eng.urls:
             assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == "1"
-        # C3PO++ through the router: the servers abort what is in flight, a later call resumes it.
-        # The answer that reaches the budget and the aborts after it cross the router: they land
-        # two to three 16-token chunks late, so the others need many more chunks than that.
-        params = SamplingParams(max_new_tokens=192)
+        # C3PO++ through the router: the servers abort what is in flight, a later call resumes it
+        params = SamplingParams(max_new_tokens=BUDGETED_NEW_TOKENS)
         trajs, near = _budgeted_call(eng, tok, params)
         assert near.done
         running = [t for t in trajs if t.status == Status.RUNNING]

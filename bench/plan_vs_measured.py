@@ -86,7 +86,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def _model_dir(cfg, out: Path, vocab: int | None = None) -> Path:
+def _model_dir(cfg, out: Path, vocab: int | None = None, dtype: str = "float32") -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -95,7 +95,7 @@ def _model_dir(cfg, out: Path, vocab: int | None = None) -> Path:
                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
                      tie_word_embeddings=False, use_sliding_window=False)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(qc, dtype=torch.float32).save_pretrained(out)
+    AutoModelForCausalLM.from_config(qc, dtype=getattr(torch, dtype)).save_pretrained(out)
     return out
 
 

@@ -2,6 +2,7 @@
 
   python -m bench.plan_vs_measured_ds             # a table
   python -m bench.plan_vs_measured_ds --json out.json
+  python -m bench.plan_vs_measured_ds --device cuda   # on the GPUs here (make gpu-checks)
 
 As bench/plan_vs_measured.py, with the DeepSpeed engine in two ranks (torchrun, gloo): each rank
 first builds and steps a toy engine of the same ZeRO stage and drops it, so the libraries' code
@@ -10,6 +11,11 @@ configuration (float32, AdamW, DeepSpeed's default buckets), runs one step, rese
 mark and runs a second; measured = that step's peak RSS above the baseline, per rank, with malloc's
 mmap threshold fixed (see plan_vs_measured). Each rank trains two micro-batches of its own.
 Predicted: plan.train_budget for the same recipe on CPU, per rank, without the reserve.
+
+With --device cuda: one rank per visible GPU over nccl, bfloat16, R1-Distill-Qwen-7B's layer shapes
+and vocabulary with four layers (2.0B parameters) at 16,384 tokens a micro-batch, and measured =
+torch.cuda.max_memory_allocated over the second step above what is allocated before the engine
+is built; predicted: the plan on CUDA (where the reduce bucket is allocated whole).
 """
 
 from __future__ import annotations
@@ -43,29 +49,36 @@ CONFIGS = [
 ]
 
 
+# R1-Distill-Qwen-7B's layers and vocabulary, four layers: what one H100 holds under ZeRO-2 or -3 alone
+GPU_CONFIGS = [
+    (3584, 18944, 4, 28, 4, 152064, 16384, True, 3),
+    (3584, 18944, 4, 28, 4, 152064, 16384, True, 2),
+]
 TOY = (32, 64, 1, 2, 2, 512, 256, True)
+DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
 
 
-def recipe_of(cfg):
+def recipe_of(cfg, ranks: int = RANKS, dtype: str = "float32"):
     from rlrecipe.recipe import recipe_from_dict
 
     *_, tokens, ckpt, stage = cfg
-    return recipe_from_dict({"run": {"name": "bench"}, "model": {"tiny": {}, "gradient_checkpointing": ckpt},
-                             "trainer": {"engine": "deepspeed", "zero_stage": stage, "nproc": RANKS,
+    return recipe_from_dict({"run": {"name": "bench"},
+                             "model": {"tiny": {}, "gradient_checkpointing": ckpt, "dtype": dtype},
+                             "trainer": {"engine": "deepspeed", "zero_stage": stage, "nproc": ranks,
                                          "max_tokens_per_microbatch": tokens}})
 
 
-def predicted(cfg) -> dict[str, float]:
+def predicted(cfg, device: str = "cpu", ranks: int = RANKS) -> dict[str, float]:
     from rlrecipe.plan import ModelDims, train_budget
 
     h, inter, layers, heads, kv, vocab, *_ = cfg
     dims = ModelDims(vocab=vocab, hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, tied=False)
-    parts = dict(train_budget(recipe_of(cfg), dims, device="cpu").parts)
+    parts = dict(train_budget(recipe_of(cfg, ranks, DTYPE[device]), dims, device=device).parts)
     parts.pop("reserve")
     return parts
 
 
-def _engine_and_batch(model_dir: Path, cfg):
+def _engine_and_batch(model_dir: Path, cfg, ranks: int, dtype: str):
     import torch
 
     from rlrecipe.train.base import TrainSample
@@ -75,12 +88,13 @@ def _engine_and_batch(model_dir: Path, cfg):
     g = torch.Generator().manual_seed(0)
     n = tokens // 4  # 4 documents a micro-batch on each rank, all but the first token a response
     batch = [TrainSample(torch.randint(0, vocab, (n,), generator=g).tolist(), 1)
-             for _ in range(4 * MICROBATCHES * RANKS)]
-    engine = DeepSpeedTrainEngine(model_dir, recipe_of(cfg).trainer, total_steps=2, gradient_checkpointing=ckpt)
+             for _ in range(4 * MICROBATCHES * ranks)]
+    engine = DeepSpeedTrainEngine(model_dir, recipe_of(cfg, ranks, dtype).trainer, total_steps=2, dtype=dtype,
+                                  gradient_checkpointing=ckpt)
     return engine, batch
 
 
-def child(cfg, model_dir: Path, toy_dir: Path, out: Path) -> None:
+def child(cfg, model_dir: Path, toy_dir: Path, out: Path, device: str) -> None:
     """One rank, under torchrun."""
     import gc
 
@@ -90,50 +104,60 @@ def child(cfg, model_dir: Path, toy_dir: Path, out: Path) -> None:
     from rlrecipe.train.launch import init_distributed
 
     init_distributed()
-    rank = int(os.environ["RANK"])
+    rank, ranks, dtype = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), DTYPE[device]
+    cuda = device == "cuda"
     # DeepSpeed's and the model's code, loaded by a toy engine of the same stage and then dropped:
     # libraries are host memory the plan (a GPU budget) does not count (about 170 MiB at ZeRO-3)
-    toy, toy_batch = _engine_and_batch(toy_dir, TOY[:8] + cfg[8:])
+    toy, toy_batch = _engine_and_batch(toy_dir, TOY[:8] + cfg[8:], ranks, dtype)
     sft_step(toy, toy_batch)
     toy.engine.destroy()
     del toy, toy_batch
     gc.collect()
-    base = _status_kib("VmRSS")
-    engine, batch = _engine_and_batch(model_dir, cfg)
+    if cuda:
+        torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated() if cuda else _status_kib("VmRSS") * 1024
+    engine, batch = _engine_and_batch(model_dir, cfg, ranks, dtype)
     sft_step(engine, batch)  # the first step makes AdamW's state
-    reset = _reset_peak()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        reset = True
+    else:
+        reset = _reset_peak()
     sft_step(engine, batch)
-    peak = _status_kib("VmHWM")
-    (out / f"rank{rank}.json").write_text(json.dumps({"baseline_mib": base / 1024, "measured_mib": (peak - base) / 1024,
+    peak = torch.cuda.max_memory_allocated() if cuda else _status_kib("VmHWM") * 1024
+    (out / f"rank{rank}.json").write_text(json.dumps({"baseline_mib": base / MIB, "measured_mib": (peak - base) / MIB,
                                                       "peak_reset": reset}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def _measure(cfg) -> list[dict]:
+def _measure(cfg, device: str = "cpu", ranks: int = RANKS) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        model, toy = _model_dir(cfg[:8], Path(tmp) / "model"), _model_dir(TOY, Path(tmp) / "toy")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={RANKS}",
-               "-m", "bench.plan_vs_measured_ds", "--child", json.dumps(cfg), str(model), str(toy), tmp]
+        model = _model_dir(cfg[:8], Path(tmp) / "model", dtype=DTYPE[device])
+        toy = _model_dir(TOY, Path(tmp) / "toy")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={ranks}",
+               "-m", "bench.plan_vs_measured_ds", "--device", device,
+               "--child", json.dumps(cfg), str(model), str(toy), tmp]
         env = {**os.environ, **FIXED_MMAP_THRESHOLD, "OMP_NUM_THREADS": "1"}
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
         if res.returncode != 0:
             raise RuntimeError(f"config {cfg}: {res.stdout[-3000:]} {res.stderr[-3000:]}")
-        return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(RANKS)]
+        return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def run(configs=CONFIGS) -> list[dict]:
+def run(configs=CONFIGS, device: str = "cpu", ranks: int = RANKS) -> list[dict]:
     out = []
     for cfg in configs:
-        ranks = _measure(cfg)
-        parts = predicted(cfg)
+        by_rank = _measure(cfg, device, ranks)
+        parts = predicted(cfg, device, ranks)
         pred = sum(parts.values()) / MIB
-        measured = max(r["measured_mib"] for r in ranks)
+        measured = max(r["measured_mib"] for r in by_rank)
         h, inter, layers, heads, kv, vocab, tokens, ckpt, stage = cfg
-        out.append({"hidden": h, "layers": layers, "vocab": vocab, "tokens": tokens, "checkpointing": ckpt,
-                    "zero_stage": stage, "predicted_mib": pred,
-                    "predicted_parts_mib": {k: v / MIB for k, v in parts.items()},
-                    "measured_mib_by_rank": [r["measured_mib"] for r in ranks], "measured_mib": measured,
+        out.append({"device": device, "ranks": ranks, "dtype": DTYPE[device], "hidden": h, "layers": layers,
+                    "vocab": vocab, "tokens": tokens, "checkpointing": ckpt, "zero_stage": stage,
+                    "predicted_mib": pred, "predicted_parts_mib": {k: v / MIB for k, v in parts.items()},
+                    "measured_mib_by_rank": [r["measured_mib"] for r in by_rank], "measured_mib": measured,
                     "predicted_over_measured": pred / measured})
     return out
 
@@ -141,8 +165,10 @@ def run(configs=CONFIGS) -> list[dict]:
 def table(rows: list[dict]):
     from rich.table import Table
 
-    t = Table(title=f"rlrecipe plan vs a measured DeepSpeed step (CPU, float32, {RANKS} ranks, {MICROBATCHES} "
-                    "micro-batches each; peak RSS above baseline, the larger rank)")
+    first = rows[0] if rows else {"device": "cpu", "ranks": RANKS, "dtype": DTYPE["cpu"]}
+    peak = "peak allocated" if first["device"] == "cuda" else "peak RSS"
+    t = Table(title=f"rlrecipe plan vs a measured DeepSpeed step ({first['device']}, {first['dtype']}, "
+                    f"{first['ranks']} ranks, {MICROBATCHES} micro-batches each; {peak} above baseline, the larger rank)")
     for col in ("ZeRO", "hidden", "layers", "vocab", "tokens", "ckpt", "predicted MiB", "measured MiB",
                 "predicted / measured"):
         t.add_column(col, justify="right")
@@ -156,12 +182,21 @@ def table(rows: list[dict]):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", nargs=4, metavar=("CONFIG", "MODEL", "TOY", "DIR"))
+    ap.add_argument("--device", choices=sorted(DTYPE), default="cpu")
+    ap.add_argument("--ranks", type=int, help="ranks (default: 2 on CPU, every visible GPU on CUDA)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.child:
-        child(tuple(json.loads(args.child[0])), *(Path(a) for a in args.child[1:]))
+        child(tuple(json.loads(args.child[0])), *(Path(a) for a in args.child[1:]), args.device)
+    elif args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA GPU visible")
+        ranks = args.ranks or torch.cuda.device_count()
+        print_rows(run(GPU_CONFIGS, "cuda", ranks), table, args.json)
     else:
-        print_rows(run(), table, args.json)
+        print_rows(run(ranks=args.ranks or RANKS), table, args.json)
 
 
 if __name__ == "__main__":

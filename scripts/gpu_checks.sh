@@ -7,6 +7,8 @@
 #   2. the 7B micro-batch's memory (R1-Distill-Qwen-7B's shapes, V = 152,064): full logits vs chunked,
 #      then seconds and memory under sdpa's packed mask vs per-document varlen_sdpa, and the chunked
 #      peaks beside `rlrecipe plan`'s terms for them (bench/plan_7b_gpu.py);
+#   2a. `rlrecipe plan` under DeepSpeed ZeRO-3 and ZeRO-2 against a measured step on every visible GPU
+#      (7B's layers and vocabulary, four layers, bf16; bench/plan_vs_measured_ds.py --device cuda);
 #   2b. the weight-sync fingerprint against `rlrecipe serve` (a server that loads the wrong weights
 #      is named) and its cost per push;
 #   3. DeepSpeed ZeRO-3 in one process on the GPU (nccl), the test that runs without a launcher;
@@ -48,6 +50,7 @@ for recipe in recipes/7b_boba.yaml recipes/7b_boba_icepop_c3po.yaml recipes/32b_
 done
 step logprob-7b 240 "$PY" -m bench.logprob_memory --model 7b --tokens 4096,16384,30720 --json "$OUT/logprob_7b.json"
 step plan-vs-7b-peak 60 "$PY" -m bench.plan_7b_gpu "$OUT/logprob_7b.json"
+step plan-vs-deepspeed-gpu 420 "$PY" -m bench.plan_vs_measured_ds --device cuda --json "$OUT/plan_ds_gpu.json"
 step weight-fingerprint 300 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_weight_check.py && \
   $PY -m bench.weight_fingerprint --hidden 512 --layers 4"
 for attn in sdpa varlen_sdpa; do

@@ -231,23 +231,6 @@ def step_phases(recipe: Recipe, d: ModelDims, act_b: int, b: int, n: int, stage:
             "optimizer step": optimizer_step}
 
 
-def backward_bucket(d: ModelDims, b: int, stage: int, device: str) -> dict[str, float]:
-    """ZeRO-1/2's gradient reduce bucket in each backward phase. DeepSpeed allocates it as backward
-    starts and frees it before the optimizer step (stage_1_and_2.py, `setup_buckets`). CUDA holds
-    it whole from the start; on CPU only the pages written count: the gradients made so far, none
-    during the head's backward, all but the first layer's and the embedding's at the first layer."""
-    if stage not in (1, 2):
-        return {"log-probs": 0.0, "layer backward": 0.0, "embedding grad": 0.0}
-    width = 4 if stage == 1 else b  # ZeRO-1 reduces in fp32, ZeRO-2 in the model's dtype
-    if device == "cuda":
-        whole = width * float(DS_REDUCE_BUCKET)
-        return {"log-probs": whole, "layer backward": whole, "embedding grad": whole}
-    before_embedding = d.params() - d.vocab * d.hidden
-    return {"log-probs": 0.0,
-            "layer backward": width * float(min(DS_REDUCE_BUCKET, before_embedding - d.layer_params())),
-            "embedding grad": width * float(min(DS_REDUCE_BUCKET, before_embedding))}
-
-
 def beyond_previous(phases: dict[str, float]) -> dict[str, float]:
     """Each phase's bytes beyond the largest before it: the lines add up to the largest phase."""
     out, high = {}, 0.0
@@ -263,6 +246,26 @@ DS_PREFETCH_BUCKET = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
+def reduce_bucket_held(width: int, written: int, device: str) -> float:
+    """Bytes of DeepSpeed's gradient reduce bucket that count once `written` gradient elements are
+    in it: CUDA allocates the whole bucket at once; on CPU only the pages written are resident."""
+    return width * float(DS_REDUCE_BUCKET if device == "cuda" else min(DS_REDUCE_BUCKET, written))
+
+
+def backward_bucket(d: ModelDims, b: int, stage: int, device: str) -> dict[str, float]:
+    """ZeRO-1/2's gradient reduce bucket in each backward phase. DeepSpeed allocates it as backward
+    starts and frees it before the optimizer step (stage_1_and_2.py, `setup_buckets`); what it
+    holds by each phase: nothing during the head's backward, all but the first layer's and the
+    embedding's gradients at the first layer."""
+    if stage not in (1, 2):
+        return {"log-probs": 0.0, "layer backward": 0.0, "embedding grad": 0.0}
+    width = 4 if stage == 1 else b  # ZeRO-1 reduces in fp32, ZeRO-2 in the model's dtype
+    before_embedding = d.params() - d.vocab * d.hidden
+    return {"log-probs": reduce_bucket_held(width, 0, device),
+            "layer backward": reduce_bucket_held(width, before_embedding - d.layer_params(), device),
+            "embedding grad": reduce_bucket_held(width, before_embedding, device)}
+
+
 def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int, device: str) -> dict[str, float]:
     """DeepSpeed's own buffers, counted on top of the phases: the fp32 gradients of its partition
     (a 16-bit model; ZeRO-3 keeps that buffer whatever the dtype) and ZeRO-3's gradient reduce
@@ -272,7 +275,7 @@ def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int, device: str) -> 
     if b == 2 or stage >= 3:
         out["fp32 gradient copy"] = 4.0 * d.params() / (n if stage >= 1 else 1)
     if stage >= 3:
-        out["reduce bucket"] = float(b * (DS_REDUCE_BUCKET if device == "cuda" else min(DS_REDUCE_BUCKET, d.params())))
+        out["reduce bucket"] = reduce_bucket_held(b, d.params(), device)
     return out
 
 

@@ -38,6 +38,9 @@ from pathlib import Path
 MIB = 2**20
 MICROBATCHES = 2
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+# The toy that warms a step's code before the baseline: hidden, intermediate, layers, heads, kv heads,
+# vocab, micro-batch tokens (checkpointing as the configuration measured)
+TOY = (32, 64, 1, 2, 2, 512, 256)
 # hidden, intermediate, layers, heads, kv heads, vocab, micro-batch tokens, gradient checkpointing
 CONFIGS = [
     (64, 128, 2, 4, 2, 4096, 1024, False),
@@ -118,17 +121,23 @@ def _step(model_dir: Path, cfg, steps: int) -> None:
     return engine, batch
 
 
-def child(cfg, work: Path) -> dict:
+def warmed_baseline(cfg, work: Path) -> tuple[Path, int]:
+    """The configuration's model written, after a step of a toy with the same checkpointing has
+    loaded the step's code and warmed the allocator; the resident memory then (KiB), the baseline."""
     import gc
 
-    from rlrecipe.sft import sft_step
-
-    toy = (32, 64, 1, 2, 2, 512, 256, cfg[-1])
-    _step(_model_dir(toy, work / "toy"), toy, 2)  # the step's code and allocator, warmed on a toy
+    toy = TOY + (cfg[-1],)
+    _step(_model_dir(toy, work / "toy"), toy, 2)
     gc.collect()
     model = _model_dir(cfg, work / "model")
     gc.collect()
-    base = _status_kib("VmRSS")
+    return model, _status_kib("VmRSS")
+
+
+def child(cfg, work: Path) -> dict:
+    from rlrecipe.sft import sft_step
+
+    model, base = warmed_baseline(cfg, work)
     engine, batch = _step(model, cfg, 2)  # the first step makes AdamW's state
     reset = _reset_peak()
     sft_step(engine, batch)

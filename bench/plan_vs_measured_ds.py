@@ -32,6 +32,7 @@ from bench.plan_vs_measured import (
     FIXED_MMAP_THRESHOLD,
     MIB,
     MICROBATCHES,
+    TOY,
     _model_dir,
     _reset_peak,
     _status_kib,
@@ -54,7 +55,6 @@ GPU_CONFIGS = [
     (3584, 18944, 4, 28, 4, 152064, 16384, True, 3),
     (3584, 18944, 4, 28, 4, 152064, 16384, True, 2),
 ]
-TOY = (32, 64, 1, 2, 2, 512, 256, True)
 DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
 
 
@@ -108,7 +108,7 @@ def child(cfg, model_dir: Path, toy_dir: Path, out: Path, device: str) -> None:
     cuda = device == "cuda"
     # DeepSpeed's and the model's code, loaded by a toy engine of the same stage and then dropped:
     # libraries are host memory the plan (a GPU budget) does not count (about 170 MiB at ZeRO-3)
-    toy, toy_batch = _engine_and_batch(toy_dir, TOY[:8] + cfg[8:], ranks, dtype)
+    toy, toy_batch = _engine_and_batch(toy_dir, (*TOY, True, *cfg[8:]), ranks, dtype)
     sft_step(toy, toy_batch)
     toy.engine.destroy()
     del toy, toy_batch
@@ -135,7 +135,7 @@ def child(cfg, model_dir: Path, toy_dir: Path, out: Path, device: str) -> None:
 def _measure(cfg, device: str = "cpu", ranks: int = RANKS) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model = _model_dir(cfg[:8], Path(tmp) / "model", dtype=DTYPE[device])
-        toy = _model_dir(TOY, Path(tmp) / "toy")
+        toy = _model_dir((*TOY, True), Path(tmp) / "toy")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={ranks}",
                "-m", "bench.plan_vs_measured_ds", "--device", device,
                "--child", json.dumps(cfg), str(model), str(toy), tmp]

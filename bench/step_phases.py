@@ -18,12 +18,11 @@ head's weight gradient already present (a later micro-batch); the peak in [chunk
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 from pathlib import Path
 
-from bench.plan_vs_measured import _model_dir, _reset_peak, _status_kib, _step
+from bench.plan_vs_measured import _reset_peak, _status_kib, _step, warmed_baseline
 
 HEAD_SHAPES = [(32768, 256, 1024, 2048), (152064, 512, 1024, 2048), (152064, 768, 1024, 1024),
                (65536, 384, 1024, 4096)]  # vocab, hidden, chunk, rows
@@ -32,12 +31,7 @@ HEAD_SHAPES = [(32768, 256, 1024, 2048), (152064, 512, 1024, 2048), (152064, 768
 def step_phases(cfg, work: Path) -> list[tuple[str, float]]:
     from rlrecipe.sft import sft_step
 
-    toy = (32, 64, 1, 2, 2, 512, 256, cfg[-1])
-    _step(_model_dir(toy, work / "toy"), toy, 2)
-    gc.collect()
-    model_dir = _model_dir(cfg, work / "model")
-    gc.collect()
-    base = _status_kib("VmRSS")
+    model_dir, base = warmed_baseline(cfg, work)
     engine, batch = _step(model_dir, cfg, 2)
     log: list[tuple[str, float]] = []
 

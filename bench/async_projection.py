@@ -162,8 +162,8 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
     `splits`: rollout GPU counts to try for async (default: the node grid around the balance).
     `cache`: simulated rollout steps by engine count, shared by calls that differ only in the
     training model (`train_scale`, `load_s`, `etas`)."""
-    from rlrecipe.plan import kv_cache_tokens, rollout_engines
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.checks.plan import kv_cache_tokens, rollout_engines
+    from rlrecipe.recipe.schema import load_recipe
 
     loaded = load_recipe(str(recipe_path), overrides or [])
     recipe = loaded.recipe
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "forward); comma-separated for several tables over the same simulated rollouts")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.recipe.schema import load_recipe
 
     max_new = load_recipe(args.recipe, args.set).recipe.rollout.max_new_tokens
     samples = load_recipe(args.recipe, args.set).recipe.rl.samples_per_prompt

@@ -28,8 +28,8 @@ import time
 import tracemalloc
 
 from bench.pool_checkpoint import synthetic
-from rlrecipe.trajectory import Status, Trajectory
-from rlrecipe.trajectory_arrays import TrajectoryBatch
+from rlrecipe.trajectory.arrays import TrajectoryBatch
+from rlrecipe.trajectory.record import Status, Trajectory
 
 RECIPE_TRAJECTORIES = 8192  # the 7B recipe's batch a step
 
@@ -92,7 +92,7 @@ def compare(n: int) -> dict:
 def _gloo_rank(rank: int, n: int, store: str, results) -> None:
     import torch.distributed as dist
 
-    from rlrecipe.dist import broadcast_batch_from_rank_zero
+    from rlrecipe.trajectory.arrays import broadcast_batch_from_rank_zero
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     trajs = graded(n) if rank == 0 else None

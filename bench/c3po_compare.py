@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rlrecipe.c3po import PromptStream, RolloutPool
-from rlrecipe.recipe import RLSection
+from rlrecipe.recipe.training import RLSection
+from rlrecipe.rl.pool import PromptStream, RolloutPool
 from rlrecipe.rollout.base import RolloutEngine
-from rlrecipe.trajectory import SamplingParams, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 QUESTIONS = [  # used when no prompt file is given: short math questions with long-tail answers
     "What is 17 * 23?", "How many positive divisors does 360 have?", "Solve for x: 3x + 7 = 25.",
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from rlrecipe.data.io import load_rows
     from rlrecipe.modeling import load_tokenizer
-    from rlrecipe.recipe import SGLangServer
+    from rlrecipe.recipe.systems import SGLangServer
     from rlrecipe.rollout.sglang import SGLangEngine
 
     tok = load_tokenizer(args.model)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from rlrecipe.runs import read_metrics
+from rlrecipe.run.record import read_metrics
 
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
         "max_position_embeddings": 256}
@@ -148,7 +148,7 @@ def write_golden(path: Path, ref: dict, table: dict) -> None:
     GOLDEN_MARGIN x the largest difference between kernel paths here (at least 1e-6), since
     another CPU's kernels differ from this one's at least as much as this one's differ among
     themselves, and differences grow over steps."""
-    from rlrecipe.run_env import cpu_record
+    from rlrecipe.run.env import cpu_record
 
     worst = max([c["sft_loss_max_rel"] for c in table.values()] + [c["rl_loss_max_rel"] for c in table.values()]
                 + [0.0])

@@ -54,7 +54,7 @@ CONFIGS = [
 
 
 def dims_of(cfg) -> tuple:
-    from rlrecipe.plan import ModelDims
+    from rlrecipe.checks.plan import ModelDims
 
     h, inter, layers, heads, kv, vocab, _, _ = cfg
     return ModelDims(vocab=vocab, hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, tied=False)
@@ -62,8 +62,8 @@ def dims_of(cfg) -> tuple:
 
 def predicted(cfg) -> dict[str, float]:
     """plan.train_budget's parts (bytes) for this configuration, on CPU, without the GPU reserve."""
-    from rlrecipe.plan import train_budget
-    from rlrecipe.recipe import recipe_from_dict
+    from rlrecipe.checks.plan import train_budget
+    from rlrecipe.recipe.schema import recipe_from_dict
 
     *_, tokens, ckpt = cfg
     recipe = recipe_from_dict({"run": {"name": "bench"}, "model": {"tiny": {}, "gradient_checkpointing": ckpt},
@@ -105,8 +105,8 @@ def _model_dir(cfg, out: Path, vocab: int | None = None, dtype: str = "float32")
 def _step(model_dir: Path, cfg, steps: int) -> None:
     import torch
 
-    from rlrecipe.recipe import TrainerSection
-    from rlrecipe.sft import sft_step
+    from rlrecipe.recipe.systems import TrainerSection
+    from rlrecipe.stages.sft import sft_step
     from rlrecipe.train.base import TrainSample
     from rlrecipe.train.torch_engine import TorchTrainEngine
 
@@ -135,7 +135,7 @@ def warmed_baseline(cfg, work: Path) -> tuple[Path, int]:
 
 
 def child(cfg, work: Path) -> dict:
-    from rlrecipe.sft import sft_step
+    from rlrecipe.stages.sft import sft_step
 
     model, base = warmed_baseline(cfg, work)
     engine, batch = _step(model, cfg, 2)  # the first step makes AdamW's state

@@ -59,7 +59,7 @@ DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
 
 
 def recipe_of(cfg, ranks: int = RANKS, dtype: str = "float32"):
-    from rlrecipe.recipe import recipe_from_dict
+    from rlrecipe.recipe.schema import recipe_from_dict
 
     *_, tokens, ckpt, stage = cfg
     return recipe_from_dict({"run": {"name": "bench"},
@@ -69,7 +69,7 @@ def recipe_of(cfg, ranks: int = RANKS, dtype: str = "float32"):
 
 
 def predicted(cfg, device: str = "cpu", ranks: int = RANKS) -> dict[str, float]:
-    from rlrecipe.plan import ModelDims, train_budget
+    from rlrecipe.checks.plan import ModelDims, train_budget
 
     h, inter, layers, heads, kv, vocab, *_ = cfg
     dims = ModelDims(vocab=vocab, hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, tied=False)
@@ -100,7 +100,7 @@ def child(cfg, model_dir: Path, toy_dir: Path, out: Path, device: str) -> None:
 
     import torch
 
-    from rlrecipe.sft import sft_step
+    from rlrecipe.stages.sft import sft_step
     from rlrecipe.train.launch import init_distributed
 
     init_distributed()

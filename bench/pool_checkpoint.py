@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlrecipe.trajectory import Status, Trajectory
-from rlrecipe.trajectory_store import load_trajectories, save_trajectories
+from rlrecipe.trajectory.record import Status, Trajectory
+from rlrecipe.trajectory.store import load_trajectories, save_trajectories
 
 
 def synthetic(n: int, seed: int = 0, prompt_tokens: int = 1024) -> list[Trajectory]:

@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from rlrecipe.atomic_io import atomic_write_text
+from rlrecipe.core.atomic_io import atomic_write_text
 
 RESULTS = Path("bench/results.json")
 OUT = Path("docs/bench-results.md")

@@ -138,8 +138,8 @@ def recipe_trace(recipe, *, steps: int = 5, max_batch: int | None = None, prompt
     """A `simulate` input (settings, no recorded trajectories) for one rollout engine's share of a
     recipe's step: prompts per step, C3PO++ pool capacity and token budget divided by the number of
     engines (servers x dp, or rollout.urls), its staleness and max_new_tokens as they are; with
-    `kv_tokens` (`rlrecipe.plan.kv_cache_tokens`), the engine's KV cache bounds what it runs at once."""
-    from rlrecipe.plan import rollout_engines
+    `kv_tokens` (`rlrecipe.checks.plan.kv_cache_tokens`), the engine's KV cache bounds what it runs at once."""
+    from rlrecipe.checks.plan import rollout_engines
 
     ro, rl = recipe.rollout, recipe.rl
     engines = rollout_engines(recipe)
@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.recipe:
         if args.calibrate or not (args.lengths or args.lognormal):
             ap.error("--recipe projects lengths given by --lengths or --lognormal, and has no run to calibrate on")
-        from rlrecipe.plan import kv_cache_tokens
-        from rlrecipe.recipe import load_recipe
+        from rlrecipe.checks.plan import kv_cache_tokens
+        from rlrecipe.recipe.schema import load_recipe
 
         loaded = load_recipe(args.recipe, args.set)
         kv = kv_cache_tokens(loaded) if args.kv_tokens is None else args.kv_tokens or None

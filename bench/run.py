@@ -30,12 +30,12 @@ from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches
 from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import load_model, load_tokenizer
-from rlrecipe.recipe import TrainerSection
+from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.rollout.inprocess import InProcessEngine
-from rlrecipe.run_env import cpu_record
-from rlrecipe.sft import build_sft_samples, sft_loss
+from rlrecipe.run.env import cpu_record
+from rlrecipe.stages.sft import build_sft_samples, sft_loss
 from rlrecipe.train.torch_engine import TorchTrainEngine
-from rlrecipe.trajectory import SamplingParams, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 OUT = Path("bench/results.json")
 
@@ -65,8 +65,8 @@ def bench_demo_steps(end_to_end: dict, steps: int = 5) -> dict:
     """Where one step of the demo's two stages spends its time: an SFT step of tiny_sft.yaml (batch
     assembly, then train_step: forward, backward, optimizer) and a synchronous RL step of tiny_rl.yaml
     (rollout, grading, training: from the end-to-end runs above)."""
-    from rlrecipe.recipe import load_recipe
-    from rlrecipe.sft import batch_for_step, sft_step
+    from rlrecipe.recipe.schema import load_recipe
+    from rlrecipe.stages.sft import batch_for_step, sft_step
 
     recipe = load_recipe("recipes/tiny_sft.yaml").recipe
     tok = load_tokenizer(MODEL)
@@ -237,7 +237,7 @@ def bench_logprob_memory() -> dict:
     """Peak memory per token of one micro-batch at V = 152,064: full logits (before) vs chunked (the
     trainer's path), measured beside the plan's estimate of the chunked log-prob term."""
     from bench.logprob_memory import SHAPES, VOCAB, run
-    from rlrecipe.plan import ModelDims, logprob_bytes
+    from rlrecipe.checks.plan import ModelDims, logprob_bytes
 
     tokens, chunk = [2048, 4096], 1024
     res = run("tiny", tokens, "cpu", chunk)

@@ -17,7 +17,7 @@ from bench.inputs import DATA, MODEL
 from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.rollout.inprocess import InProcessEngine
-from rlrecipe.trajectory import SamplingParams
+from rlrecipe.trajectory.record import SamplingParams
 
 
 def bench_c3po(steps: int = 6, surplus: str = "carry") -> dict:
@@ -40,8 +40,8 @@ def bench_prefill(budget: int = 25_000, repeats: int = 3) -> dict:
     prefills first after a weight update (the pool's unfinished rollouts, prompt + partial
     response, plus fresh groups up to capacity; settings of bench_c3po, two steps in), and of a
     synchronous step's fresh prompts (8 samples of each)."""
-    from rlrecipe.c3po import PromptStream, RolloutPool
-    from rlrecipe.recipe import RLSection
+    from rlrecipe.recipe.training import RLSection
+    from rlrecipe.rl.pool import PromptStream, RolloutPool
 
     tok = load_tokenizer(MODEL)
     engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="bfloat16", max_batch=1024)
@@ -83,8 +83,8 @@ def bench_c3po_end_to_end(steps: int = 5) -> dict:
     step by step, and this machine drifts between speeds for minutes (one bench run found C3PO++'s
     training 30% slower a token than sync's when the two ran one after the other); the mirrored
     order cancels a steady drift, and the two pairs' ratios show what is left."""
-    from rlrecipe.recipe import load_recipe
-    from rlrecipe.rl import run_rl
+    from rlrecipe.recipe.schema import load_recipe
+    from rlrecipe.stages.rl import run_rl
 
     runs: list[tuple[str, list[dict]]] = []
     for i, mode in enumerate(("sync", "c3po", "c3po", "sync")):
@@ -158,8 +158,8 @@ def bench_recipe_projection() -> dict:
         project,
         recipe_trace,
     )
-    from rlrecipe.plan import kv_cache_tokens
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.checks.plan import kv_cache_tokens
+    from rlrecipe.recipe.schema import load_recipe
 
     loaded = load_recipe(RECIPE_PROJECTED)
     trace = recipe_trace(loaded.recipe, kv_tokens=kv_cache_tokens(loaded))

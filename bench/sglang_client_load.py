@@ -11,9 +11,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rlrecipe.recipe import SGLangServer
+from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.trajectory import SamplingParams, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
 from tests.test_sglang_hang import STAND_IN, free_ports
 
 

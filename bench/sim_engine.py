@@ -21,12 +21,12 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from bench.c3po_compare import run_steps
-from rlrecipe.c3po_budget import TokenBudget, admit
-from rlrecipe.recipe import RLSection
+from rlrecipe.recipe.training import RLSection
 from rlrecipe.rollout.base import Refill, RolloutEngine
+from rlrecipe.rollout.c3po_budget import TokenBudget, admit
 from rlrecipe.rollout.inprocess import EngineCounters
 from rlrecipe.rollout.packed_attention import band_cells, decode_bands
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 
 @dataclass

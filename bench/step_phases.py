@@ -29,7 +29,7 @@ HEAD_SHAPES = [(32768, 256, 1024, 2048), (152064, 512, 1024, 2048), (152064, 768
 
 
 def step_phases(cfg, work: Path) -> list[tuple[str, float]]:
-    from rlrecipe.sft import sft_step
+    from rlrecipe.stages.sft import sft_step
 
     model_dir, base = warmed_baseline(cfg, work)
     engine, batch = _step(model_dir, cfg, 2)

@@ -3,7 +3,7 @@
 Each (setting, load) pair runs in its own process, because the OpenMP runtime reads how its threads
 wait once, when torch loads: `spin` is the runtime's default (torch imported before the package, as
 a process that never imports rlrecipe first would), `passive` sleeps at once, `short_spin` is what
-the package sets (rlrecipe/threads.py). The load is one busy Python loop per core, started before
+the package sets (rlrecipe/core/threads.py). The load is one busy Python loop per core, started before
 and stopped after the measured steps. The reference for every ratio is `spin` on a quiet machine.
 
     python -m bench.thread_load            # prints a table and the ratios as JSON
@@ -25,8 +25,10 @@ import torch
 from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.data.io import load_rows
 from rlrecipe.modeling import create_tiny, load_tokenizer
-from rlrecipe.recipe import TinyModel, TrainerSection, load_recipe
-from rlrecipe.sft import batch_for_step, build_sft_samples, sft_loss
+from rlrecipe.recipe.schema import load_recipe
+from rlrecipe.recipe.systems import TrainerSection
+from rlrecipe.recipe.training import TinyModel
+from rlrecipe.stages.sft import batch_for_step, build_sft_samples, sft_loss
 from rlrecipe.train.torch_engine import TorchTrainEngine
 
 SFT_RECIPE = "recipes/tiny_sft.yaml"

@@ -49,7 +49,7 @@ def run(hidden: int = 256, layers: int = 4, pushes: int = 4) -> dict:
     import torch
 
     from rlrecipe.modeling import load_model
-    from rlrecipe.recipe import SGLangServer
+    from rlrecipe.recipe.systems import SGLangServer
     from rlrecipe.rollout.sglang import SGLangEngine
 
     out: dict[str, float] = {}

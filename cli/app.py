@@ -12,9 +12,9 @@ from rlrecipe.cli import plan as plan_cmd
 from rlrecipe.cli import servers as servers_cmd
 from rlrecipe.cli import stages
 
-from rlrecipe.console import console
-from rlrecipe.dist import is_launched_rank
-from rlrecipe.errors import UserError
+from rlrecipe.core.console import console
+from rlrecipe.core.dist import is_launched_rank
+from rlrecipe.core.errors import UserError
 from rlrecipe.train.launch import end_process
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,

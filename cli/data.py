@@ -28,13 +28,13 @@ def make(name: Annotated[str, typer.Argument(help="synthetic task: tiny-arith")]
 
     cfg = TinyArithConfig(seed=seed, n_sft=n_sft, n_rl=n_rl, n_eval=n_eval, forget_prob=forget_prob)
     if name != "tiny-arith":
-        from rlrecipe.errors import UserError
+        from rlrecipe.core.errors import UserError
 
         raise UserError(f"unknown synthetic task {name!r}; available: tiny-arith")
     try:
         stats = write_tiny_arith(out, cfg)
     except OSError as err:
-        from rlrecipe.errors import UserError
+        from rlrecipe.core.errors import UserError
 
         raise UserError(f"--out {out}: cannot write there ({err.strerror or err})") from None
     for key, value in stats.items():

@@ -1,4 +1,4 @@
-"""`rlrecipe doctor [RECIPE]`: this machine against what a recipe needs, one table (rlrecipe/doctor.py)."""
+"""`rlrecipe doctor [RECIPE]`: this machine against what a recipe needs, one table (rlrecipe/checks/doctor.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from rlrecipe.console import console
-from rlrecipe.errors import UserError
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
 
 
 def doctor(recipe: Annotated[Path | None, typer.Argument(help="recipe YAML; without it, what the machine has")] = None,
@@ -17,8 +17,8 @@ def doctor(recipe: Annotated[Path | None, typer.Argument(help="recipe YAML; with
            ) -> None:
     """Check versions, GPUs, attention, SGLang, DeepSpeed, the model, disk, host memory and the output
     directory against the recipe; exit 1 if any check fails."""
-    from rlrecipe.doctor import FAIL, OK, run_checks
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.checks.doctor import FAIL, OK, run_checks
+    from rlrecipe.recipe.schema import load_recipe
 
     loaded = load_recipe(recipe, set_ or []) if recipe is not None else None
     rows = run_checks(loaded)

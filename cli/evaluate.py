@@ -8,12 +8,12 @@ from pathlib import Path
 from rlrecipe.eval.report import write_results_md
 from rlrecipe.eval.runner import evaluate_model_dir
 
-from rlrecipe.console import console
-from rlrecipe.errors import UserError
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import hub_snapshot, model_record
-from rlrecipe.recipe import LoadedRecipe, load_recipe
-from rlrecipe.run_env import record_model
-from rlrecipe.runs import Run, latest_run
+from rlrecipe.recipe.schema import LoadedRecipe, load_recipe
+from rlrecipe.run.env import record_model
+from rlrecipe.run.record import Run, latest_run
 
 
 def run_eval_command(recipe_path: Path | None, model: str | None, overrides: list[str]) -> dict[str, dict]:
@@ -30,7 +30,7 @@ def run_eval_command(recipe_path: Path | None, model: str | None, overrides: lis
             loaded = loaded.model_copy(update={"path": started_from})
     else:
         loaded = load_recipe(recipe_path, overrides)
-    from rlrecipe.model_check import check_eval_model
+    from rlrecipe.checks.model_check import check_eval_model
 
     if model is not None and Path(model).is_dir():  # before the eval records are started
         check_eval_model(loaded, "--model", model)

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.reward import DEFAULT_TIMEOUT
 
 
@@ -72,8 +72,8 @@ def grade_file(file: Path | str, out: Path | str | None = None, timeout: float =
 
     Each row gains `extracted`, `correct`, `timed_out` and `reward` (the RL defaults' values).
     """
-    from rlrecipe.atomic_io import atomic_write_text
-    from rlrecipe.recipe import RLSection
+    from rlrecipe.core.atomic_io import atomic_write_text
+    from rlrecipe.recipe.training import RLSection
     from rlrecipe.reward import Grader, reward_of
 
     if not (0 < timeout < math.inf):  # NaN fails this too

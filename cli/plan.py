@@ -8,17 +8,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from rlrecipe.console import console
-from rlrecipe.errors import UserError
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
 
 
 def plan(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")],
          set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override, e.g. trainer.nproc=4")] = None,
          ) -> None:
     """Print each recipe's expected peak memory per GPU (training and rollout); refuse one that cannot fit."""
-    from rlrecipe.plan import GIB, disk_parts, rank0_host_parts
-    from rlrecipe.plan import plan as make_plan
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.checks.plan import GIB, disk_parts, rank0_host_parts
+    from rlrecipe.checks.plan import plan as make_plan
+    from rlrecipe.recipe.schema import load_recipe
 
     refused = []
     for path in recipes:

@@ -28,8 +28,8 @@ from rlrecipe.eval.results_store import (
     save_study,
 )
 
-from rlrecipe.console import console as err_console
-from rlrecipe.errors import UserError
+from rlrecipe.core.console import console as err_console
+from rlrecipe.core.errors import UserError
 
 
 def record_local(runs_dir: str | Path = "runs", store: str | Path = STORE) -> int:

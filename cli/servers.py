@@ -25,7 +25,7 @@ def rollout_servers(
                                                                      "rollout.sglang.host=0.0.0.0")] = None,
 ) -> None:
     """Start node N's share of rollout.sglang.num_servers, print their URLs once healthy, serve until Ctrl-C."""
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.recipe.schema import load_recipe
     from rlrecipe.rollout.node_servers import run_node
 
     loaded = load_recipe(recipe, set_ or [])

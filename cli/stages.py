@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="dotted override, e.g. rl.steps=10")]
 ResumeOpt = Annotated[bool, typer.Option(help="continue from the newest complete checkpoint")]
@@ -22,13 +22,13 @@ def _adopt(adopt: bool) -> None:
     if adopt:  # an environment variable, so that the ranks torchrun starts see it too
         import os
 
-        from rlrecipe.runs import ADOPT_ENV
+        from rlrecipe.run.record import ADOPT_ENV
 
         os.environ[ADOPT_ENV] = "1"
 
 
 def _load(recipe: Path, overrides: list[str] | None):
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.recipe.schema import load_recipe
 
     return load_recipe(recipe, overrides or [])
 
@@ -52,7 +52,8 @@ def _relaunch(stage: str, loaded, resume: bool, overwrite: bool) -> None:
 def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")],
              set_: SetOpt = None) -> None:
     """Load and type-check recipes; print each one's sha256."""
-    from rlrecipe.recipe import RecipeError, load_recipe
+    from rlrecipe.recipe.base import RecipeError
+    from rlrecipe.recipe.schema import load_recipe
 
     failed = 0
     for path in recipes:
@@ -70,7 +71,7 @@ def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML fil
 def sft(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False,
         adopt_checkpoint: AdoptOpt = False) -> None:
     """Supervised fine-tuning (distillation), loss on response tokens only."""
-    from rlrecipe.sft import run_sft
+    from rlrecipe.stages.sft import run_sft
 
     loaded = _load(recipe, set_)
     _adopt(adopt_checkpoint)
@@ -81,7 +82,7 @@ def sft(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite:
 def rl(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False,
        adopt_checkpoint: AdoptOpt = False) -> None:
     """Critic-free PPO with IcePop and C3PO++."""
-    from rlrecipe.rl import run_rl
+    from rlrecipe.stages.rl import run_rl
 
     loaded = _load(recipe, set_)
     _adopt(adopt_checkpoint)
@@ -127,7 +128,7 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
 
 def plot(runs: list[Path], out: Annotated[Path, typer.Option()] = Path("plots")) -> None:
     """PNG curves of runs' metrics, several runs overlaid."""
-    from rlrecipe.plot import plot_runs
+    from rlrecipe.eval.plot import plot_runs
 
     for path in plot_runs(runs, out):
         typer.echo(str(path))

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlrecipe.eval.results_store import ASYNC_STUDY, STORE, load_records, load_stored_study, merge, read_study
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 REQUIRED = {"recipe": str, "model": str, "benchmark": str, "avg": (int, float)}
 
@@ -228,7 +228,7 @@ def seeds_table(groups: list[dict[str, Any]]) -> str:
 def published_references(recipes_dir: str | Path = "recipes") -> list[dict[str, Any]]:
     """The published numbers the shipped recipes declare (`eval.benchmarks[].reference.avg`),
     one entry per recipe that declares any: the recipes are their single source."""
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.recipe.schema import load_recipe
 
     out = []
     for path in sorted(Path(recipes_dir).rglob("*.yaml")):
@@ -367,7 +367,7 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
 def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, Any]] | None = None,
                      runs_dir: str | Path = "runs", store: str | Path = STORE) -> Path:
     """RESULTS.md from the kept results and study, and local runs for what is not kept."""
-    from rlrecipe.atomic_io import atomic_write_text
+    from rlrecipe.core.atomic_io import atomic_write_text
 
     path = Path(path)
     published = published_references() if Path("recipes").is_dir() else []

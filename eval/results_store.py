@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rlrecipe.atomic_io import atomic_write_text
-from rlrecipe.errors import UserError
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.errors import UserError
 
 STORE = Path("results")
 RECORDS = "records"

@@ -15,16 +15,16 @@ from pathlib import Path
 from rlrecipe.eval.metrics import summarize
 from rlrecipe.eval.samples import SampleJournal, digest, model_fingerprint, sample_seed
 
-from rlrecipe.atomic_io import atomic_write_text
-from rlrecipe.console import console
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import row_prompt_ids
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import LoadedRecipe, Recipe
+from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.reward import Grader, grade_trajectories, grader_name
 from rlrecipe.rollout.base import SEED_KEY, RolloutEngine
-from rlrecipe.run_env import git_state
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.run.env import git_state
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 
 def _sample_row(t: Trajectory, text: str) -> dict:

@@ -14,8 +14,8 @@ import json
 import os
 from pathlib import Path
 
-from rlrecipe.atomic_io import atomic_write_text
-from rlrecipe.errors import UserError
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.errors import UserError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".json")
 

@@ -1,7 +1,7 @@
 """rlrecipe: reproducible recipes for RL from verifiable rewards on reasoning LLMs."""
 
-from rlrecipe.library_notices import quiet_known_notices
-from rlrecipe.threads import default_wait_policy
+from rlrecipe.core.library_notices import quiet_known_notices
+from rlrecipe.core.threads import default_wait_policy
 
-default_wait_policy()  # before anything imports torch: see rlrecipe/threads.py
+default_wait_policy()  # before anything imports torch: see rlrecipe/core/threads.py
 quiet_known_notices()

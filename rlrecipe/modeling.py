@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as transformers_logging
 
-from rlrecipe.recipe import ModelSection, TinyModel
+from rlrecipe.recipe.training import ModelSection, TinyModel
 
 PAD, EOS, USER, ASSISTANT = "<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>"
 # `\boxed{` is one token so the tiny model spends no capacity spelling it.
@@ -50,7 +50,7 @@ def build_tiny_model(cfg: TinyModel, vocab_size: int, seed: int, pad_id: int, eo
     """Same config + seed -> bit-identical weights. `cfg.vocab_size` pads the embedding beyond
     the tokenizer's `vocab_size` rows."""
     if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
-        from rlrecipe.recipe import RecipeError
+        from rlrecipe.recipe.base import RecipeError
 
         raise RecipeError(f"model.tiny.vocab_size: {cfg.vocab_size} is smaller than the tokenizer ({vocab_size} tokens)")
     config = Qwen2Config(
@@ -116,7 +116,7 @@ def load_weights_into(model: torch.nn.Module, path: str | Path) -> None:
 
     from safetensors.torch import load_file
 
-    from rlrecipe.errors import UserError
+    from rlrecipe.core.errors import UserError
 
     path = Path(path)
     index = path / "model.safetensors.index.json"
@@ -169,7 +169,7 @@ def resolve_model_dir(section: ModelSection, init_from: str | None, work_dir: Pa
     if init_from:
         path = Path(init_from)
         if not (path / "config.json").exists():
-            from rlrecipe.recipe import RecipeError
+            from rlrecipe.recipe.base import RecipeError
 
             raise RecipeError(f"run.init_from: no model at {path} (run the stage that makes it first)")
         return path
@@ -195,7 +195,7 @@ def hub_snapshot(path: str, revision: str | None, cache_dir: str | Path | None =
     Resolving the hub id once, here, means the trainer, the rollout engines and the tokenizer all
     read one snapshot, and its directory name is the commit that env.json records.
     """
-    from rlrecipe.recipe import RecipeError
+    from rlrecipe.recipe.base import RecipeError
 
     local = Path(path)
     if local.is_dir():

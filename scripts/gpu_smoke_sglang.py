@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlrecipe.modeling import load_tokenizer
-    from rlrecipe.recipe import SGLangServer
+    from rlrecipe.recipe.systems import SGLangServer
     from rlrecipe.rollout.sglang import SGLangEngine
-    from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+    from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu-smoke-sglang-"))
     tok = load_tokenizer(args.model)

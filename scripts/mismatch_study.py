@@ -90,7 +90,7 @@ def _mean(xs: list[float]) -> float:
 
 
 def summarise_run(run_dir: Path, correction: str, dial: str, level: float, seed: int, status: str) -> dict:
-    from rlrecipe.runs import read_metrics  # skips a last line a kill cut short
+    from rlrecipe.run.record import read_metrics  # skips a last line a kill cut short
 
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r]
     first, last = rows[:WINDOW], rows[-WINDOW:]
@@ -152,7 +152,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def plot_level(dial: str, level: float, seed: int) -> None:
-    from rlrecipe.plot import plot_runs
+    from rlrecipe.eval.plot import plot_runs
 
     runs = [Path("runs") / run_name(c, dial, level, seed) for c in CORRECTIONS]
     runs = [r for r in runs if (r / "metrics.jsonl").exists()]
@@ -162,7 +162,7 @@ def plot_level(dial: str, level: float, seed: int) -> None:
 
 def write_study(rows: list[dict], plan: dict, study_dir: Path = STUDY_DIR) -> Path:
     study_dir.mkdir(parents=True, exist_ok=True)
-    from rlrecipe.atomic_io import atomic_write_text
+    from rlrecipe.core.atomic_io import atomic_write_text
 
     path = study_dir / "study.json"
     atomic_write_text(path, json.dumps({"plan": plan, "collapse_rule": (

@@ -33,7 +33,7 @@ def stage_done(step: list[str]) -> bool:
     """Whether a training or evaluation step already finished under the same recipe (sha256), so a
     re-run of the chain after a failure goes straight to what is left. Downloads re-check
     their files quickly; `results` always runs."""
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.recipe.schema import load_recipe
 
     if step[0] not in ("rl", "sft", "eval"):
         return False
@@ -58,7 +58,7 @@ def _sha_of(summary: Path) -> str | None:
 def command(step: list[str]) -> list[str]:
     """A training step that was started before resumes (from its last checkpoint, if it has one);
     one never started starts (`--resume` refuses a run that never ran)."""
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.recipe.schema import load_recipe
 
     if step[0] in ("rl", "sft") and (load_recipe(step[1]).recipe.run.dir / "env.json").is_file():
         return [*step, "--resume"]

@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model_dir(tmp_path_factory):
     """A tiny Qwen2 + char tokenizer saved as an HF directory (shared by tests, never modified)."""
     from rlrecipe.modeling import create_tiny
-    from rlrecipe.recipe import TinyModel
+    from rlrecipe.recipe.training import TinyModel
 
     return create_tiny(TinyModel(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                                  max_position_embeddings=256), tmp_path_factory.mktemp("tiny") / "model", seed=3)

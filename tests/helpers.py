@@ -58,7 +58,7 @@ def kill_once_checkpointed(cmd: list[str], env: dict, checkpoint: Path, limit_s:
 
 def flat_recipe(name: str) -> dict:
     """A shipped recipe (recipes/NAME), resolved, as {"dotted.field": value}."""
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.recipe.schema import load_recipe
 
     def flat(d: dict, prefix: str) -> dict:
         out = {}

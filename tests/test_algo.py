@@ -149,7 +149,7 @@ def test_extreme_log_ratio_stays_finite():
 
 
 def test_minibatch_slices_are_exact():
-    from rlrecipe.rl import minibatch_slices
+    from rlrecipe.stages.rl import minibatch_slices
 
     sizes = [s.stop - s.start for s in minibatch_slices(9, 4)]
     assert sizes == [3, 2, 2, 2]
@@ -184,7 +184,7 @@ def test_pack_restarts_positions():
 
 
 def test_packed_logprobs_equal_one_by_one(tiny_model_dir):
-    from rlrecipe.recipe import TrainerSection
+    from rlrecipe.recipe.systems import TrainerSection
     from rlrecipe.train.base import TrainSample
     from rlrecipe.train.torch_engine import TorchTrainEngine
 

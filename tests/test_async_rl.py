@@ -14,12 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlrecipe.c3po import RolloutStats
-from rlrecipe.recipe import LoadedRecipe, RecipeError, load_recipe, recipe_from_dict
-from rlrecipe.rl import run_rl
-from rlrecipe.rollout_ahead import Collected, RolloutAhead, load_pending, save_pending, weights_version
-from rlrecipe.trajectory import Status, Trajectory
-from rlrecipe.trajectory_arrays import TrajectoryBatch
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import LoadedRecipe, load_recipe, recipe_from_dict
+from rlrecipe.rl.ahead import Collected, RolloutAhead, load_pending, save_pending, weights_version
+from rlrecipe.rl.pool import RolloutStats
+from rlrecipe.stages.rl import run_rl
+from rlrecipe.trajectory.arrays import TrajectoryBatch
+from rlrecipe.trajectory.record import Status, Trajectory
 
 from .conftest import REPO
 from .helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rlrecipe.atomic_io import atomic_open, atomic_write_bytes, atomic_write_text
+from rlrecipe.core.atomic_io import atomic_open, atomic_write_bytes, atomic_write_text
 
 
 def test_writes_and_replaces(tmp_path):

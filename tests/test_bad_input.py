@@ -4,9 +4,10 @@ import pytest
 from rlrecipe.cli.app import app
 from typer.testing import CliRunner
 
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.io import read_jsonl
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import RecipeError, load_recipe
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import load_recipe
 
 BASE = "run: {name: t}\nmodel: {tiny: {}}\n"
 

@@ -17,7 +17,7 @@ import yaml
 from rlrecipe.cli.app import app
 from typer.testing import CliRunner
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 from .helpers import TINY_MODEL, write_tiny_data
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlrecipe.trajectory import Status, Trajectory
-from rlrecipe.trajectory_arrays import TrajectoryBatch, pack_trajectories, unpack_trajectories
+from rlrecipe.trajectory.arrays import TrajectoryBatch, pack_trajectories, unpack_trajectories
+from rlrecipe.trajectory.record import Status, Trajectory
 from tests.helpers import run_bounded
 
 CHUNK_BYTES = 7  # a staging buffer that splits every array at odd byte offsets
@@ -81,8 +81,8 @@ def test_unpack_gives_the_trajectories_back():
 
 def test_rl_consumers_read_the_arrays():
     """rollout_metrics and attach_ppo_fields on the arrays give what the trajectories say, by hand."""
-    from rlrecipe.recipe import RLSection
-    from rlrecipe.rl import attach_ppo_fields, recompute_old_logprobs, rollout_metrics
+    from rlrecipe.recipe.training import RLSection
+    from rlrecipe.stages.rl import attach_ppo_fields, recompute_old_logprobs, rollout_metrics
 
     trajs = graded_trajectories()
     trajs = [t for t in trajs if t.response_ids]  # a trained batch has responses
@@ -110,7 +110,7 @@ def test_rl_consumers_read_the_arrays():
 
 def test_tensor_input_ids_train_as_lists_do(tiny_model_dir):
     """The engine's log-probs from int32 tensor input_ids are bit-identical to those from lists."""
-    from rlrecipe.recipe import TrainerSection
+    from rlrecipe.recipe.systems import TrainerSection
     from rlrecipe.train.base import TrainSample
     from rlrecipe.train.torch_engine import TorchTrainEngine
 
@@ -129,7 +129,8 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from rlrecipe import dist as ranks
+    from rlrecipe.core import dist as dist_ranks
+    from rlrecipe.trajectory import arrays as ranks
 
     dist.init_process_group("gloo")
     rank, out = dist.get_rank(), Path(spec["out"])
@@ -159,7 +160,7 @@ def worker(spec: dict) -> None:
                         "small": json.dumps(small), "types": json.dumps(types)})
     # the chunked path nccl takes, with a CPU staging buffer: rank 0's bytes arrive whole
     data = torch.arange(101, dtype=torch.int32) * 7919 if rank == 0 else torch.zeros(101, dtype=torch.int32)
-    ranks._broadcast_bytes(data.view(torch.uint8), torch.empty(CHUNK_BYTES, dtype=torch.uint8), rank == 0)
+    dist_ranks._broadcast_bytes(data.view(torch.uint8), torch.empty(CHUNK_BYTES, dtype=torch.uint8), rank == 0)
     (out / f"rank{rank}.chunked.json").write_text(json.dumps(data.tolist()))
     dist.destroy_process_group()
 

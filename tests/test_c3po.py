@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from rlrecipe.c3po import PromptStream, RolloutPool, within_budget
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import load_tokenizer
-from rlrecipe.recipe import RLSection
+from rlrecipe.recipe.training import RLSection
+from rlrecipe.rl.pool import PromptStream, RolloutPool, within_budget
 from rlrecipe.rollout.inprocess import InProcessEngine
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 
 def _setup(model_dir, **c3po):

@@ -1,7 +1,7 @@
 """C3PO++'s budget rule, the one both engines and the simulator call."""
 
-from rlrecipe.c3po_budget import TokenBudget, admit
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.rollout.c3po_budget import TokenBudget, admit
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 
 def _traj(uid: str, n: int, status: Status = Status.RUNNING) -> Trajectory:

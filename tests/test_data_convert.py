@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.convert import convert_file, convert_records, read_raw, strip_boxed, strip_template
 from rlrecipe.data.io import check_row
 from rlrecipe.data.templates import R1_INSTRUCTION
-from rlrecipe.errors import UserError
 
 BOS, USER, ASSISTANT, EOS = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

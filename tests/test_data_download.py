@@ -26,10 +26,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.download import check_reachable, download, import_file
 from rlrecipe.data.io import read_jsonl
 from rlrecipe.data.registry import load_lock
-from rlrecipe.errors import UserError
 
 RLRECIPE = Path(sys.executable).parent / "rlrecipe"
 COMMIT_A = "a" * 40

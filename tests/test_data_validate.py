@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.io import load_rows, read_jsonl, resolve_dataset_path, write_jsonl_atomic
 from rlrecipe.data.validate import validate_file
-from rlrecipe.errors import UserError
 
 RLRECIPE = Path(sys.executable).parent / "rlrecipe"
 

@@ -65,7 +65,7 @@ def nan_loss(logp, f):
 def worker(spec: dict) -> None:
     import torch.distributed as dist
 
-    from rlrecipe.recipe import TrainerSection
+    from rlrecipe.recipe.systems import TrainerSection
     from rlrecipe.train.deepspeed_engine import DeepSpeedTrainEngine
 
     cfg = TrainerSection(engine="deepspeed", zero_stage=spec["stage"], **TRAINER)
@@ -112,7 +112,7 @@ def torchrun(spec: dict, nproc: int = 2) -> dict:
 
 
 def torch_reference(model_dir: Path) -> dict:
-    from rlrecipe.recipe import TrainerSection
+    from rlrecipe.recipe.systems import TrainerSection
     from rlrecipe.train.torch_engine import TorchTrainEngine
 
     eng = TorchTrainEngine(model_dir, TrainerSection(engine="torch", **TRAINER), TOTAL_STEPS)
@@ -260,9 +260,9 @@ trainer: {{engine: {engine}, zero_stage: 2, nproc: {nproc}, lr: 1.0e-3, max_toke
 def test_torchrun_command(tmp_path, monkeypatch):
     from rlrecipe.cli.stages import relaunch_args
 
-    from rlrecipe import dist
-    from rlrecipe.errors import UserError
-    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
+    from rlrecipe.core import dist
+    from rlrecipe.core.errors import UserError
+    from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
     from rlrecipe.train import launch
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", dist.LAUNCHED_ENV, *launch.NODE_RANK_ENVS):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 ds_load = pytest.importorskip("rlrecipe.train.deepspeed_safe_load")
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from rlrecipe import doctor
-from rlrecipe.errors import UserError
-from rlrecipe.preflight import check_stage_inputs
-from rlrecipe.recipe import LoadedRecipe, load_recipe, recipe_from_dict
+from rlrecipe.checks import doctor
+from rlrecipe.checks.preflight import check_stage_inputs
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.schema import LoadedRecipe, load_recipe, recipe_from_dict
 from tests.helpers import write_tiny_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def test_every_shipped_recipe_gets_a_full_table_on_cpu(path, monkeypatch):
 
 
 def test_disk_need_counts_two_kept_checkpoints_and_one_being_written():
-    from rlrecipe.plan import BYTES, checkpoint_bytes, disk_parts, model_dims
+    from rlrecipe.checks.plan import BYTES, checkpoint_bytes, disk_parts, model_dims
 
     ld = load_recipe(REPO / "recipes/7b_boba.yaml")
     d, r = model_dims(ld), ld.recipe
@@ -61,7 +61,7 @@ def test_disk_need_counts_two_kept_checkpoints_and_one_being_written():
 
 
 def test_host_memory_of_the_c3po_recipe_on_rank_0():
-    from rlrecipe.plan import GIB, model_dims, rank0_host_parts
+    from rlrecipe.checks.plan import GIB, model_dims, rank0_host_parts
 
     ld = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml")
     total = sum(rank0_host_parts(ld.recipe, model_dims(ld)).values()) / GIB

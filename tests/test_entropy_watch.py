@@ -1,7 +1,7 @@
 """Entropy alarms: flags per step and one warning as each alarm starts."""
 
 from rlrecipe.algo.entropy_watch import EntropyWatch
-from rlrecipe.recipe import EntropyWatch as EntropyWatchSection
+from rlrecipe.recipe.training import EntropyWatch as EntropyWatchSection
 
 
 def _run(watch, entropies):
@@ -36,7 +36,7 @@ def test_boundary_values_do_not_count_and_no_bounds_means_no_flags():
 
 
 def test_the_default_warning_is_one_console_line_and_quiet_prints_none():
-    from rlrecipe.runs import console
+    from rlrecipe.run.record import console
 
     watch = EntropyWatch.from_config(EntropyWatchSection(low=1.0, patience=2))
     with console.capture() as captured:
@@ -64,8 +64,8 @@ def test_resume_restores_a_streak_without_warning_again():
 def test_the_bad_step_guard_resumes_its_count():
     import pytest
 
-    from rlrecipe.errors import UserError
-    from rlrecipe.rl import BadStepGuard
+    from rlrecipe.core.errors import UserError
+    from rlrecipe.stages.rl import BadStepGuard
 
     bad, good = {"skipped_minibatches": 2.0, "minibatches": 2.0}, {"skipped_minibatches": 1.0, "minibatches": 2.0}
     guard = BadStepGuard(limit=3)

@@ -13,13 +13,13 @@ import pytest
 from rlrecipe.eval.runner import evaluate_benchmarks
 from rlrecipe.eval.samples import SampleJournal, sample_seed
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import load_tokenizer
-from rlrecipe.recipe import recipe_from_dict
+from rlrecipe.recipe.schema import recipe_from_dict
 from rlrecipe.reward import Grader
 from rlrecipe.rollout.base import SEED_KEY
 from rlrecipe.rollout.inprocess import InProcessEngine
-from rlrecipe.trajectory import SamplingParams, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 from .helpers import write_recipe, write_tiny_data
 
@@ -183,8 +183,8 @@ def test_killed_eval_resumes_to_the_uninterrupted_numbers(tmp_path, tiny_model_d
 def test_samples_graded_by_another_grader_are_not_resumed(monkeypatch):
     from rlrecipe.eval import runner
 
-    from rlrecipe.recipe import recipe_from_dict
-    from rlrecipe.trajectory import SamplingParams
+    from rlrecipe.recipe.schema import recipe_from_dict
+    from rlrecipe.trajectory.record import SamplingParams
 
     recipe = recipe_from_dict({"run": {"name": "r"}, "model": {"tiny": {}}})
     rows = [{"id": 1, "problem": "1+1", "answer": "2"}]

@@ -12,7 +12,7 @@ from rlrecipe.cli.app import app
 from rlrecipe.cli.grade import grade_file
 from typer.testing import CliRunner
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,9 @@ import torch
 
 from rlrecipe.algo.packing import pack
 from rlrecipe.modeling import build_tiny_model
-from rlrecipe.recipe import RecipeError, TinyModel, TrainerSection
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.systems import TrainerSection
+from rlrecipe.recipe.training import TinyModel
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.logprobs import chunk_sizes, response_logprobs, token_logprobs
 

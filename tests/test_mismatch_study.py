@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from rlrecipe.recipe import RecipeError, recipe_from_dict
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import recipe_from_dict
 
 from .helpers import flat_recipe, recipe_changes, rl_recipe, write_tiny_data
 
@@ -16,7 +17,7 @@ def test_noisy_sample_records_the_perturbed_distribution():
     """logp_infer is the log-prob under softmax((logits + sigma * eps) / T), eps drawn from the
     noise generator, computed here by hand from the same draws."""
     from rlrecipe.rollout.inprocess import InProcessEngine
-    from rlrecipe.trajectory import SamplingParams
+    from rlrecipe.trajectory.record import SamplingParams
 
     logits = torch.tensor([[4.0, 1.0, 0.0, -2.0], [0.5, 0.5, 3.0, 0.0]])
     params = SamplingParams(temperature=0.7, logit_noise=1.5)
@@ -35,7 +36,7 @@ def test_noise_leaves_the_sampling_stream_alone_and_opens_a_real_gap(tiny_model_
     from rlrecipe.modeling import load_tokenizer
     from rlrecipe.rollout.inprocess import InProcessEngine
     from rlrecipe.train.base import TrainSample
-    from rlrecipe.trajectory import SamplingParams, Trajectory
+    from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
     tok = load_tokenizer(tiny_model_dir)
     engine = InProcessEngine(tiny_model_dir, tok.eos_token_id, tok.pad_token_id, dtype="float32", max_batch=8)
@@ -47,7 +48,8 @@ def test_noise_leaves_the_sampling_stream_alone_and_opens_a_real_gap(tiny_model_
 
     plain, zero = roll(0.0), roll(0.0)
     assert [t.response_ids for t in plain] == [t.response_ids for t in zero]
-    from rlrecipe.recipe import ModelSection, TrainerSection
+    from rlrecipe.recipe.systems import TrainerSection
+    from rlrecipe.recipe.training import ModelSection
     from rlrecipe.train import make_train_engine
 
     train = make_train_engine(TrainerSection(), ModelSection(dtype="float32"), tiny_model_dir, 1)
@@ -86,8 +88,8 @@ def test_noise_is_refused_outside_the_inprocess_engine(tmp_path):
 def test_weight_update_lag_shows_as_staleness(tmp_path, tiny_model_dir):
     """Synchronous rollout, weights pushed after every 2nd step: steps 2 and 4 train on rollouts of
     the weights one update old (staleness 1), steps 1 and 3 on current ones (0)."""
-    from rlrecipe.recipe import LoadedRecipe
-    from rlrecipe.rl import run_rl
+    from rlrecipe.recipe.schema import LoadedRecipe
+    from rlrecipe.stages.rl import run_rl
 
     data = write_tiny_data(tmp_path / "data")
     spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=4, save_every=2, c3po={"enabled": False})

@@ -9,9 +9,11 @@ import huggingface_hub.constants as hub_constants
 import pytest
 
 from rlrecipe.modeling import create_tiny, resolve_model_dir
-from rlrecipe.recipe import LoadedRecipe, RecipeError, TinyModel, recipe_from_dict
-from rlrecipe.runs import Run
-from rlrecipe.stage import starting_model
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+from rlrecipe.recipe.training import TinyModel
+from rlrecipe.run.record import Run
+from rlrecipe.stages.lifecycle import starting_model
 
 from .helpers import DATA, build_r1_tokenizer
 

@@ -3,9 +3,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import build_char_tokenizer, create_tiny, load_weights_into
-from rlrecipe.recipe import TinyModel
+from rlrecipe.recipe.training import TinyModel
 
 
 def test_tiny_model_is_a_normal_hf_directory_and_seeded(tmp_path):

@@ -10,13 +10,14 @@ import pytest
 from rlrecipe.cli.app import app
 from typer.testing import CliRunner
 
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.io import read_jsonl
-from rlrecipe.errors import UserError
 from rlrecipe.modeling import load_tokenizer
-from rlrecipe.recipe import LoadedRecipe, RecipeError, load_recipe, recipe_from_dict
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import LoadedRecipe, load_recipe, recipe_from_dict
 from rlrecipe.rollout.inprocess import InProcessEngine, cache_keyword
-from rlrecipe.runs import Run
-from rlrecipe.trajectory import SamplingParams, Trajectory
+from rlrecipe.run.record import Run
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 from .conftest import REPO
 from .helpers import write_recipe

@@ -7,9 +7,17 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from rlrecipe.checks.plan import (
+    GIB,
+    TINY_TOKENIZER_SIZE,
+    ModelDims,
+    plan,
+    rollout_budget,
+    step_phases,
+    train_budget,
+)
 from rlrecipe.modeling import build_char_tokenizer
-from rlrecipe.plan import GIB, TINY_TOKENIZER_SIZE, ModelDims, plan, rollout_budget, step_phases, train_budget
-from rlrecipe.recipe import load_recipe
+from rlrecipe.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -25,7 +33,7 @@ def test_parameter_count_matches_transformers(tied):
 
 
 def test_shipped_model_dims_give_the_published_sizes():
-    from rlrecipe.plan import _hub_config
+    from rlrecipe.checks.plan import _hub_config
 
     d32 = ModelDims.from_config(_hub_config("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", None))
     assert d32.params() == 32_763_876_352  # Qwen2.5-32B's count, as published
@@ -67,7 +75,7 @@ def test_train_budget_by_hand(tmp_path):
 
 
 def test_the_step_peak_is_its_largest_phase():
-    from rlrecipe.plan import beyond_previous
+    from rlrecipe.checks.plan import beyond_previous
 
     assert beyond_previous({"a": 5.0, "b": 3.0, "c": 9.0, "d": 1.0}) == {"a": 5.0, "b": 0.0, "c": 4.0, "d": 0.0}
     d = ModelDims(vocab=50_000, hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2, tied=False)
@@ -141,7 +149,7 @@ def test_c3po_pool_host_memory_and_checkpoint_size_by_hand():
 
 
 def test_deepspeed_buffers_and_optimizer_temporaries_by_hand():
-    from rlrecipe.plan import DS_REDUCE_BUCKET
+    from rlrecipe.checks.plan import DS_REDUCE_BUCKET
 
     recipe = load_recipe(REPO / "recipes/7b_boba.yaml", []).recipe  # DeepSpeed ZeRO-3, 64 ranks, fp16
     d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
@@ -188,7 +196,7 @@ def test_deepspeed_buffers_and_optimizer_temporaries_by_hand():
 
 
 def test_disk_plan_counts_the_exports_an_async_lag_keeps_waiting():
-    from rlrecipe.plan import disk_parts
+    from rlrecipe.checks.plan import disk_parts
 
     d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
     sync = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml", []).recipe

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from rlrecipe.recipe import RecipeError, load_recipe
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import load_recipe
 
 from .conftest import REPO
 from .helpers import recipe_changes

@@ -16,7 +16,7 @@ from rlrecipe.eval.report import (
 )
 from typer.testing import CliRunner
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 from .conftest import REPO
 

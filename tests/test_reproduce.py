@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from rlrecipe.recipe import load_recipe
+from rlrecipe.recipe.schema import load_recipe
 from scripts import reproduce
 
 from .conftest import REPO

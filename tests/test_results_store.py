@@ -11,7 +11,7 @@ from rlrecipe.cli.results import results_command
 from rlrecipe.eval.report import write_results_md
 from rlrecipe.eval.results_store import load_records, load_stored_study, save_record, save_study
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 from .test_report import _summary
 

@@ -82,8 +82,8 @@ def test_a_resumed_run_keeps_counting_an_entropy_streak(tmp_path, tiny_model_dir
     checkpoint: the count is restored from the metrics kept, not restarted."""
     import shutil
 
-    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
-    from rlrecipe.rl import run_rl
+    from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+    from rlrecipe.stages.rl import run_rl
 
     data = write_tiny_data(tmp_path / "data")
     spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=3, ppo_minibatches=1, c3po={"enabled": False},
@@ -104,8 +104,8 @@ def test_remedies_that_need_the_loop_run_through_it(tmp_path, tiny_model_dir):
     """KL to a reference (the policy starts at the reference and step 1's single minibatch is taken
     before any update, so its KL is 0 up to rounding; later steps move away) and the entropy watch (a low bound no entropy can pass: alarm from the
     first step with patience 1), on the plain loop, in one process."""
-    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
-    from rlrecipe.rl import run_rl
+    from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+    from rlrecipe.stages.rl import run_rl
 
     data = write_tiny_data(tmp_path / "data")
     spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=3, ppo_minibatches=1, kl_coef=0.5, kl_estimator="k3",

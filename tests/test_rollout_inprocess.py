@@ -4,7 +4,7 @@ import torch
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.rollout import inprocess, packed_attention
 from rlrecipe.rollout.inprocess import InProcessEngine, filter_logits
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 
 def _engine(model_dir, dtype="float32", max_batch=16):

@@ -20,8 +20,10 @@ import requests
 import yaml
 from typer.testing import CliRunner
 
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import RecipeError, SGLangServer, TrainerSection, load_recipe, recipe_from_dict
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import load_recipe, recipe_from_dict
+from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.rollout.node_servers import plan_node, read_urls, update_urls
 from rlrecipe.rollout.sglang import SGLangEngine
@@ -165,7 +167,7 @@ def test_the_run_launches_no_servers_when_they_are_spread_over_nodes(tmp_path):
 
 
 def test_an_rl_run_without_the_urls_of_servers_spread_over_nodes_stops_before_it_starts():
-    from rlrecipe.preflight import check_stage_inputs
+    from rlrecipe.checks.preflight import check_stage_inputs
 
     with pytest.raises(RecipeError) as err:
         check_stage_inputs(load_recipe(BOBA), "rl")

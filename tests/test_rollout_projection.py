@@ -16,12 +16,12 @@ from bench.rollout_projection import (
     project,
     simulate,
 )
-from rlrecipe.c3po import PromptStream, RolloutPool
 from rlrecipe.modeling import load_tokenizer
-from rlrecipe.recipe import RLSection
+from rlrecipe.recipe.training import RLSection
+from rlrecipe.rl.pool import PromptStream, RolloutPool
 from rlrecipe.rollout.base import SEED_KEY
 from rlrecipe.rollout.inprocess import InProcessEngine
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 WORK = ("forward_passes", "decode_steps", "decode_rows", "decode_cells", "prefill_calls", "prefill_rows",
         "prefill_tokens", "prefill_cells", "reprefill_tokens", "refill_cells")
@@ -239,7 +239,7 @@ def test_calibration_of_some_parameters_holds_the_others():
 
 def test_recipe_trace_is_one_rollout_engines_share_of_a_step():
     from bench.rollout_projection import recipe_trace
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.recipe.schema import load_recipe
 
     recipe = load_recipe("recipes/7b_boba_icepop_c3po.yaml").recipe  # 64 servers, 512 x 16, pool 16384, budget 1e8
     s = recipe_trace(recipe, steps=3)["settings"]
@@ -357,8 +357,8 @@ def test_a_kv_reserve_admits_fewer_rows_and_retracts_none():
 
 
 def test_the_plans_kv_cache_bounds_the_7b_recipes_projection():
-    from rlrecipe.plan import kv_cache_tokens
-    from rlrecipe.recipe import load_recipe
+    from rlrecipe.checks.plan import kv_cache_tokens
+    from rlrecipe.recipe.schema import load_recipe
 
     # 0.80 x 80 GiB of SGLang pool, less the bf16 weights of R1-Distill-Qwen-7B's 7,615,616,512
     # parameters, in tokens of K and V over 28 layers x 4 kv heads x 128 dims in bf16

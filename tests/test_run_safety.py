@@ -14,10 +14,10 @@ from rlrecipe.cli.app import app
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from rlrecipe.errors import UserError
-from rlrecipe.manifest import write_manifest
-from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
-from rlrecipe.runs import ADOPT_ENV, Run
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+from rlrecipe.run.manifest import write_manifest
+from rlrecipe.run.record import ADOPT_ENV, Run
 
 from .helpers import TINY_MODEL, write_tiny_data
 from .test_bad_inputs import BROKEN_MODELS
@@ -103,7 +103,7 @@ def test_a_start_that_fails_after_the_old_run_was_set_aside_gets_it_back(tmp_pat
         assert (run / ".replaced" / "final" / "model.safetensors").is_file()  # set aside, not deleted
         raise RuntimeError("out of memory while building the engine")
 
-    monkeypatch.setattr("rlrecipe.sft.make_train_engine", no_engine)
+    monkeypatch.setattr("rlrecipe.stages.sft.make_train_engine", no_engine)
     rec = write(tmp_path / "new.yaml", sft_recipe(tmp_path, data, trainer={"lr": 2e-3}))
     result = CliRunner().invoke(app, ["sft", str(rec), "--overwrite"])
     assert isinstance(result.exception, RuntimeError)
@@ -191,7 +191,7 @@ def test_an_edited_progress_file_is_refused_even_with_its_manifest_rewritten(tmp
     """progress.json says step 999, and the manifest was re-listed so sizes and sha256s check out: the
     step recorded at write time still disagrees."""
     from rlrecipe.algo.entropy_watch import EntropyWatch
-    from rlrecipe.rl import BadStepGuard, resume_rl
+    from rlrecipe.stages.rl import BadStepGuard, resume_rl
 
     monkeypatch.delenv(ADOPT_ENV, raising=False)
     loaded = LoadedRecipe(recipe=recipe_from_dict({"run": {"name": "r", "output_dir": str(tmp_path / "runs")},

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlrecipe.algo.columns import TokenColumns
-from rlrecipe.recipe import TrainerSection
+from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
 

@@ -10,12 +10,13 @@ import pytest
 from rlrecipe.cli.app import app
 from typer.testing import CliRunner
 
-from rlrecipe.errors import UserError
-from rlrecipe.manifest import check_manifest
-from rlrecipe.recipe import LoadedRecipe, RecipeError, recipe_from_dict
-from rlrecipe.runlock import RunDirBusy
-from rlrecipe.runs import Run, read_metrics
-from rlrecipe.stage import start_stage
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+from rlrecipe.run.lock import RunDirBusy
+from rlrecipe.run.manifest import check_manifest
+from rlrecipe.run.record import Run, read_metrics
+from rlrecipe.stages.lifecycle import start_stage
 
 from .helpers import write_recipe, write_tiny_data
 
@@ -64,7 +65,7 @@ def test_a_second_run_in_the_same_directory_is_refused_while_the_first_lives(tmp
 def test_the_stale_lock_of_a_killed_process_is_taken_over_and_said(tmp_path, capsys):
     run_dir = tmp_path / "runs" / "r"
     run_dir.mkdir(parents=True)
-    code = ("import os, signal, sys; from rlrecipe.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
+    code = ("import os, signal, sys; from rlrecipe.run.lock import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print(os.getpid(), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from rlrecipe.data.templates import prompt_token_ids
 from rlrecipe.modeling import load_tokenizer
-from rlrecipe.sft import batch_for_step, build_sft_samples
+from rlrecipe.stages.sft import batch_for_step, build_sft_samples
 
 from .helpers import TINY_MODEL, kill_once_checkpointed, write_recipe, write_tiny_data
 

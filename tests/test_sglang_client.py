@@ -15,13 +15,14 @@ import pytest
 import requests
 import torch
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import load_model, load_tokenizer
-from rlrecipe.recipe import SGLangServer, recipe_from_dict
+from rlrecipe.recipe.schema import recipe_from_dict
+from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang import SGLangEngine
 from rlrecipe.rollout.sglang_api import sglang_sampling_params
 from rlrecipe.rollout.sglang_server import probe_health
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 BOOT_TIMEOUT_S = 90
 

@@ -16,11 +16,11 @@ import urllib.request
 
 import pytest
 
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import SGLangServer
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang import SGLangEngine
 from rlrecipe.rollout.sglang_server import probe_health
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 GUARD_S = 120  # only a guard against a stalled test; the assertions are on the errors
 

@@ -20,9 +20,11 @@ import pytest
 import requests
 import torch
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import load_model, load_tokenizer
-from rlrecipe.recipe import RecipeError, SGLangServer, load_recipe, recipe_from_dict
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import load_recipe, recipe_from_dict
+from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang import SGLangEngine
 from rlrecipe.rollout.sglang_server import (
     check_gpus,
@@ -32,7 +34,7 @@ from rlrecipe.rollout.sglang_server import (
     start_router,
     wait_until_healthy,
 )
-from rlrecipe.trajectory import SamplingParams, Status
+from rlrecipe.trajectory.record import SamplingParams, Status
 from tests.test_sglang_client import (
     BOOT_TIMEOUT_S,
     BUDGETED_NEW_TOKENS,

@@ -4,8 +4,8 @@ import math
 import shutil
 from pathlib import Path
 
-from rlrecipe.plan import SHIPPED_CONFIGS, kv_cache_tokens
-from rlrecipe.recipe import load_recipe
+from rlrecipe.checks.plan import SHIPPED_CONFIGS, kv_cache_tokens
+from rlrecipe.recipe.schema import load_recipe
 from rlrecipe.rollout.sglang import SGLangEngine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_launched_servers_get_the_same_allowance_as_attached_ones(tiny_model_dir
     """The 32B evaluation launches its one tp-8 server: the engine the recipe launches is sized from
     the plan as an attached one is (and its servers are checked against the starting model)."""
     from rlrecipe.modeling import load_tokenizer
-    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
+    from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
     from tests.test_sglang_client import BOOT_TIMEOUT_S, free_ports, rlrecipe_cmd
 
     spec = {"run": {"name": "t", "output_dir": str(tmp_path)}, "model": {"path": str(tiny_model_dir)},

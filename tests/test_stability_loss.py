@@ -13,8 +13,9 @@ from rlrecipe.algo.cov import clip_cov_tokens, kl_cov_tokens, token_covariance
 from rlrecipe.algo.gspo import sequence_log_ratio
 from rlrecipe.algo.kl import kl_to_reference
 from rlrecipe.algo.ppo import LossSettings, Remedies, policy_loss
-from rlrecipe.recipe import RecipeError, load_recipe
-from rlrecipe.trajectory_arrays import TrajectoryBatch
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import load_recipe
+from rlrecipe.trajectory.arrays import TrajectoryBatch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -232,10 +233,10 @@ def test_negative_advantage_scale_after_normalisation():
 
 
 def test_attach_ppo_fields_scales_negatives_and_reports_it():
-    from rlrecipe.recipe import RLSection
-    from rlrecipe.rl import attach_ppo_fields
+    from rlrecipe.recipe.training import RLSection
+    from rlrecipe.stages.rl import attach_ppo_fields
     from rlrecipe.train.base import TrainSample
-    from rlrecipe.trajectory import Trajectory
+    from rlrecipe.trajectory.record import Trajectory
 
     trajs = [Trajectory("a", [1, 2], "g", response_ids=[3], logp_infer=[-1.0], reward=5.0),
              Trajectory("b", [1, 2], "g", response_ids=[4, 5, 6], logp_infer=[-1.0] * 3, reward=-5.0)]
@@ -253,10 +254,10 @@ def test_attach_ppo_fields_scales_negatives_and_reports_it():
 
 
 def test_kl_without_reference_logprobs_is_refused():
-    from rlrecipe.recipe import RLSection
-    from rlrecipe.rl import attach_ppo_fields
+    from rlrecipe.recipe.training import RLSection
+    from rlrecipe.stages.rl import attach_ppo_fields
     from rlrecipe.train.base import TrainSample
-    from rlrecipe.trajectory import Trajectory
+    from rlrecipe.trajectory.record import Trajectory
 
     batch = TrajectoryBatch.from_trajectories([Trajectory("a", [1], "g", response_ids=[3], logp_infer=[-1.0],
                                                           reward=5.0)])

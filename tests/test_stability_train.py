@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlrecipe.algo.columns import TokenColumns
-from rlrecipe.recipe import TrainerSection
+from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
 
@@ -152,7 +152,7 @@ def test_loss_scaler_state_survives_a_checkpoint(tiny_model_dir, tmp_path):
 
 
 def test_float16_weights_are_refused_by_the_torch_engine(tiny_model_dir):
-    from rlrecipe.errors import UserError
+    from rlrecipe.core.errors import UserError
 
     with pytest.raises(UserError, match="fp16_autocast"):
         TorchTrainEngine(tiny_model_dir, TrainerSection(), total_steps=1, dtype="float16")
@@ -169,7 +169,7 @@ def test_deepspeed_fp16_block_uses_areals_loss_scaling():
 
 def _graded_batch(eng, n=6, seed=0):
     """Trajectories sampled 'by' the trainer itself (logp_infer = its log-probs), half right."""
-    from rlrecipe.trajectory import Status, Trajectory
+    from rlrecipe.trajectory.record import Status, Trajectory
 
     g = torch.Generator().manual_seed(seed)
     batch = []
@@ -181,14 +181,14 @@ def _graded_batch(eng, n=6, seed=0):
     out = eng.compute_logprobs([TrainSample(t.prompt_ids + t.response_ids, len(t.prompt_ids)) for t in batch])
     for t, (lp, _) in zip(batch, out, strict=True):
         t.logp_infer = lp.tolist()
-    from rlrecipe.trajectory_arrays import TrajectoryBatch
+    from rlrecipe.trajectory.arrays import TrajectoryBatch
 
     return TrajectoryBatch.from_trajectories(batch)
 
 
 def test_ppo_update_does_not_count_loss_scale_overflows_as_bad_steps(tiny_model_dir):
-    from rlrecipe.recipe import RLSection
-    from rlrecipe.rl import attach_ppo_fields, ppo_update, recompute_old_logprobs
+    from rlrecipe.recipe.training import RLSection
+    from rlrecipe.stages.rl import attach_ppo_fields, ppo_update, recompute_old_logprobs
 
     eng = TorchTrainEngine(tiny_model_dir, TrainerSection(lr=1e-3, fp16_autocast=True), total_steps=4)
     cfg = RLSection(ppo_minibatches=2)
@@ -202,8 +202,8 @@ def test_ppo_update_does_not_count_loss_scale_overflows_as_bad_steps(tiny_model_
 
 
 def test_ppo_update_reports_the_remedies_that_are_on(tiny_model_dir):
-    from rlrecipe.recipe import RLSection
-    from rlrecipe.rl import attach_ppo_fields, ppo_update, recompute_old_logprobs
+    from rlrecipe.recipe.training import RLSection
+    from rlrecipe.stages.rl import attach_ppo_fields, ppo_update, recompute_old_logprobs
 
     eng = TorchTrainEngine(tiny_model_dir, TrainerSection(lr=1e-3), total_steps=4)
     batch = _graded_batch(eng)
@@ -250,7 +250,7 @@ def test_reference_policy_is_a_frozen_copy_of_the_initial_weights(tiny_model_dir
 
 
 def test_reference_is_built_only_with_a_kl_coefficient(tiny_model_dir):
-    from rlrecipe.recipe import recipe_from_dict
+    from rlrecipe.recipe.schema import recipe_from_dict
     from rlrecipe.train.reference import ReferencePolicy, make_reference
 
     base = {"run": {"name": "r"}, "model": {"tiny": {}}}
@@ -260,8 +260,8 @@ def test_reference_is_built_only_with_a_kl_coefficient(tiny_model_dir):
 
 
 def test_kl_to_the_reference_through_ppo_update(tiny_model_dir):
-    from rlrecipe.recipe import RLSection
-    from rlrecipe.rl import attach_ppo_fields, ppo_update, recompute_old_logprobs
+    from rlrecipe.recipe.training import RLSection
+    from rlrecipe.stages.rl import attach_ppo_fields, ppo_update, recompute_old_logprobs
     from rlrecipe.train.reference import ReferencePolicy
 
     eng = TorchTrainEngine(tiny_model_dir, TrainerSection(lr=1e-2), total_steps=4)

@@ -14,11 +14,11 @@ import json
 
 import pytest
 
-from rlrecipe.c3po import PromptStream
 from rlrecipe.data.convert import convert_file
 from rlrecipe.data.templates import prompt_token_ids, row_prompt_ids
-from rlrecipe.recipe import load_recipe
-from rlrecipe.sft import build_sft_samples
+from rlrecipe.recipe.schema import load_recipe
+from rlrecipe.rl.pool import PromptStream
+from rlrecipe.stages.sft import build_sft_samples
 
 from .conftest import REPO
 from .helpers import DATA, build_r1_tokenizer

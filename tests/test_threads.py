@@ -7,9 +7,9 @@ import sys
 
 import torch
 
-from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
-from rlrecipe.runs import Run
-from rlrecipe.threads import thread_change, thread_record
+from rlrecipe.core.threads import thread_change, thread_record
+from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+from rlrecipe.run.record import Run
 
 PROBE = ("import os, rlrecipe, torch; "
          "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
@@ -32,9 +32,9 @@ def test_a_wait_setting_the_user_made_is_kept_and_nothing_added():
 
 
 def test_torch_imported_first_is_recorded_as_the_runtime_default():
-    code = "import torch, rlrecipe; from rlrecipe.threads import thread_record; print(thread_record()['wait_policy'])"
+    code = "import torch, rlrecipe; from rlrecipe.core.threads import thread_record; print(thread_record()['wait_policy'])"
     assert _probe({}, code) == ["None"]
-    code = "import rlrecipe; from rlrecipe.threads import thread_record; print(thread_record()['wait_policy'])"
+    code = "import rlrecipe; from rlrecipe.core.threads import thread_record; print(thread_record()['wait_policy'])"
     assert _probe({}, code) == ["GOMP_SPINCOUNT=1000"]
 
 

@@ -3,7 +3,7 @@
 import torch
 
 from rlrecipe.algo.columns import TokenColumns
-from rlrecipe.recipe import TrainerSection
+from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
 

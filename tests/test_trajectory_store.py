@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from rlrecipe.errors import UserError
-from rlrecipe.trajectory import Status, Trajectory
-from rlrecipe.trajectory_store import load_trajectories, save_trajectories
+from rlrecipe.core.errors import UserError
+from rlrecipe.trajectory.record import Status, Trajectory
+from rlrecipe.trajectory.store import load_trajectories, save_trajectories
 
 
 def _trajs():

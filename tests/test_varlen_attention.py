@@ -5,7 +5,7 @@ import torch
 
 from rlrecipe.algo.packing import pack
 from rlrecipe.modeling import enable_checkpointing, load_model
-from rlrecipe.recipe import TrainerSection
+from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
 from rlrecipe.train.varlen_attention import (

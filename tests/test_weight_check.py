@@ -13,7 +13,7 @@ import requests
 import torch
 
 from rlrecipe.modeling import load_model, load_tokenizer
-from rlrecipe.recipe import SGLangServer
+from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout import weight_check
 from rlrecipe.rollout.sglang import SGLangEngine
 from tests.test_sglang_client import BOOT_TIMEOUT_S, free_port, rlrecipe_cmd, stop_process
@@ -143,7 +143,7 @@ def test_attached_servers_that_do_not_serve_the_starting_model_are_named_before_
         servers, tok, tiny_model_dir, other_model_dir):
     """A server asked to load the stage's model answers 200 and keeps other weights: the engine
     refuses at construction, before a rollout samples from the wrong model; a faithful one passes."""
-    from rlrecipe.recipe import recipe_from_dict
+    from rlrecipe.recipe.schema import recipe_from_dict
     from rlrecipe.rollout.factory import make_rollout_engine
 
     def recipe(url):
@@ -167,9 +167,9 @@ def test_an_rl_run_whose_attached_server_cannot_read_the_export_stops_before_its
     """weight_sync: disk with attached servers: the starting weights go through run.dir once at start,
     so a server that cannot read there (another node without the mount) stops the run at once, with
     the server named, instead of at the end of step 1's rollouts."""
-    from rlrecipe.errors import UserError
-    from rlrecipe.recipe import LoadedRecipe, recipe_from_dict
-    from rlrecipe.rl import run_rl
+    from rlrecipe.core.errors import UserError
+    from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+    from rlrecipe.stages.rl import run_rl
     from tests.helpers import rl_recipe, serving_in_thread, write_tiny_data
 
     data = write_tiny_data(tmp_path / "data")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 
 def _console_warning(message: str) -> None:
-    from rlrecipe.console import console
+    from rlrecipe.core.console import console
 
     console.print(f"[bold yellow]warning:[/] {message}")
 

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.io import answer_text, check_row
-from rlrecipe.errors import UserError
 
 ID_KEYS = ("id", "query_id", "ID", "Id", "unique_id", "problem_id", "qid", "idx")
 PROMPT_KEYS = ("prompt", "problem", "question", "query", "Problem", "Question", "instruction")

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from rlrecipe.atomic_io import atomic_write_text
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.convert import ConversionReport, convert_file
 from rlrecipe.data.io import write_jsonl_atomic
 from rlrecipe.data.registry import (
@@ -38,7 +39,6 @@ from rlrecipe.data.registry import (
     lock_path,
     record_lock,
 )
-from rlrecipe.errors import UserError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 3.0

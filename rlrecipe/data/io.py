@@ -16,9 +16,9 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
-from rlrecipe.atomic_io import atomic_open
+from rlrecipe.core.atomic_io import atomic_open
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.registry import is_registered
-from rlrecipe.errors import UserError
 
 REQUIRED = {"rl": ("id", "prompt", "answers"), "sft": ("id", "prompt", "response"), "eval": ("id", "problem", "answer")}
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from rlrecipe.atomic_io import atomic_write_text
-from rlrecipe.errors import UserError
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.errors import UserError
 
 REGISTRY_PATH = Path(__file__).resolve().parents[2] / "data" / "registry.yaml"
 DATA_DIR = REGISTRY_PATH.parent

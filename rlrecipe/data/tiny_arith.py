@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlrecipe.atomic_io import atomic_write_text
+from rlrecipe.core.atomic_io import atomic_write_text
 
 # Short on purpose: on a CPU, prompt tokens are most of what training computes.
 PHRASINGS = [

@@ -6,8 +6,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.io import read_jsonl
-from rlrecipe.errors import UserError
 
 
 @dataclass

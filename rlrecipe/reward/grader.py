@@ -408,7 +408,7 @@ def grade_trajectories(trajs: list, tokenizer, grader: Grader) -> list[str]:
     The one path RL rewards, training-time validation and evaluation share. A response that did
     not end with eos (truncated, or still running) is wrong.
     """
-    from rlrecipe.trajectory import Status
+    from rlrecipe.trajectory.record import Status
 
     texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajs]
     results = grader.grade(texts, [t.answers for t in trajs], [t.status != Status.FINISHED for t in trajs])

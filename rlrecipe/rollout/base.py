@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 
-from rlrecipe.trajectory import SamplingParams, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 # `generate(..., refill=f)`: f(k) is called after k trajectories finished in the call (none once the
 # budget is reached) and returns new trajectories to start in the same call, possibly none.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlrecipe.recipe import Recipe
+from rlrecipe.recipe.schema import Recipe
 from rlrecipe.rollout.base import RolloutEngine
 
 

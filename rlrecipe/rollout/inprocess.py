@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from rlrecipe.c3po_budget import TokenBudget, admit
 from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
+from rlrecipe.rollout.c3po_budget import TokenBudget, admit
 from rlrecipe.rollout.kv_cache import GrowingCache
 from rlrecipe.rollout.packed_attention import band_cells, decode_bands, register_attention
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

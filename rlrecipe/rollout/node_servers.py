@@ -30,10 +30,11 @@ from urllib.parse import urlsplit
 import yaml
 from filelock import FileLock, Timeout
 
-from rlrecipe.atomic_io import atomic_write_text
-from rlrecipe.console import console
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import LoadedRecipe, Recipe, SGLangServer
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.schema import LoadedRecipe, Recipe
+from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang_server import (
     LOG_NAME,
     ServerProcess,
@@ -89,7 +90,7 @@ def server_model(recipe: Recipe) -> tuple[str, str | None]:
     directory); the run also loads its own exact snapshot into them on attach, but until then
     the tokenizer and config they serve with are the model.revision the trainer reads."""
     if recipe.run.init_from:
-        from rlrecipe.runs import resolve_init  # local: runs pulls in the run machinery
+        from rlrecipe.run.record import resolve_init  # local: runs pulls in the run machinery
 
         return model_arg(resolve_init(recipe.run.init_from, recipe.run.output_dir)), None
     if recipe.model.path:

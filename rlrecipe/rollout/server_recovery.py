@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from rlrecipe.console import console
+from rlrecipe.core.console import console
 from rlrecipe.rollout.sglang_server import ServerProcess, probe_health
 
 STOP_S = 5.0  # a server given up on needs no long goodbye: SIGKILL follows SIGTERM after this

@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from rlrecipe.c3po_budget import TokenBudget, admit
-from rlrecipe.console import console
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import Recipe, RolloutSection, SGLangServer
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.schema import Recipe
+from rlrecipe.recipe.systems import RolloutSection, SGLangServer
 from rlrecipe.rollout.api_key import auth_headers
 from rlrecipe.rollout.base import Refill, RolloutEngine
+from rlrecipe.rollout.c3po_budget import TokenBudget, admit
 from rlrecipe.rollout.http_pool import HttpPool
 from rlrecipe.rollout.server_recovery import ServerRecovery
 from rlrecipe.rollout.sglang_api import apply_output, context_length
@@ -54,7 +55,7 @@ from rlrecipe.rollout.sglang_server import (
     wait_until_healthy,
 )
 from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
-from rlrecipe.trajectory import SamplingParams, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
     from rlrecipe.rollout.weight_broadcast import WeightBroadcast
@@ -151,11 +152,11 @@ class SGLangEngine(RolloutEngine):
 
     def size_queue_allowance(self, recipe: Recipe, model_dir: str | Path) -> None:
         """Size the read timeout's queueing allowance from the KV cache `rlrecipe plan` gives each
-        server (rlrecipe/plan.py) and say what it comes to for the recipe's longest request."""
+        server (rlrecipe/checks/plan.py) and say what it comes to for the recipe's longest request."""
         config = Path(model_dir) / "config.json"
         if not config.is_file():
             return
-        from rlrecipe.plan import ModelDims, sglang_memory
+        from rlrecipe.checks.plan import ModelDims, sglang_memory
 
         _, _, kv, kv_token = sglang_memory(recipe, ModelDims.from_config(json.loads(config.read_text())))
         self.kv_tokens, self.prompt_tokens = int(kv // kv_token), recipe.data.max_prompt_tokens

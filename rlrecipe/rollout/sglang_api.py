@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlrecipe.errors import UserError
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.core.errors import UserError
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 # Our stand-in for a -inf log-prob, which SGLang's JSON carries as null.
 NEG_INF_LOGP = -999999999.0

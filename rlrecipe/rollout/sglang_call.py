@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from rlrecipe.c3po_budget import TokenBudget
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.base import SEED_KEY, Refill
+from rlrecipe.rollout.c3po_budget import TokenBudget
 from rlrecipe.rollout.http_pool import Post, PostFailed
 from rlrecipe.rollout.sglang_api import generate_payload, sglang_sampling_params
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 if TYPE_CHECKING:
     from rlrecipe.rollout.sglang import SGLangEngine

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import requests
 
-from rlrecipe.console import console
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import SGLangServer, TrainerSection
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.api_key import ENV as API_KEY_ENV
 from rlrecipe.rollout.api_key import api_key
 

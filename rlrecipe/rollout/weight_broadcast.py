@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.weight_sync import (
     DEFAULT_GROUP,
     broadcast,
@@ -27,7 +27,7 @@ from rlrecipe.rollout.weight_sync import (
 )
 
 if TYPE_CHECKING:
-    from rlrecipe.recipe import SGLangServer
+    from rlrecipe.recipe.systems import SGLangServer
 
 
 class LiveServers(Protocol):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 TRUNCATE_ROWS = 2
 SAMPLES = 4
@@ -118,7 +118,7 @@ def check_servers(engine, expected: dict[str, torch.Tensor], version: int, serve
     the update to `version`). A server that does not answer /get_weights_by_name (an SGLang model
     without it) is said once and not asked again."""
     when = when or f"after the update to weight version {version}"
-    from rlrecipe.console import console
+    from rlrecipe.core.console import console
 
     rows = max((t.shape[0] for t in expected.values() if t.dim()), default=TRUNCATE_ROWS)
     for i in list(engine.live):

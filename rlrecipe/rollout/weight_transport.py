@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from rlrecipe.recipe import SGLangServer
+from rlrecipe.recipe.systems import SGLangServer
 
 
 class WeightTransport(Enum):

@@ -9,7 +9,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.api_key import is_authorized
 from rlrecipe.serve.protocol import BadRequest, GenRequest, build_requests, health_probe, response_body
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
@@ -236,7 +236,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if not (Path(model) / "config.json").exists():
         raise UserError(f"{model}: no model there (an HF directory with config.json)")
-    from rlrecipe.model_check import check_model_dir, read_model_config
+    from rlrecipe.checks.model_check import check_model_dir, read_model_config
 
     read_model_config("model", Path(model))
     check_model_dir("model", model)  # weights, architecture and tokenizer, before anything loads

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rlrecipe.modeling import read_export_for
 from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
 from rlrecipe.serve.protocol import BadRequest, GenRequest, health_probe
-from rlrecipe.trajectory import SamplingParams, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 # /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
 # weight broadcast may take: an unreachable address must not hold the request that long.

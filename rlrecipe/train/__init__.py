@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlrecipe.recipe import ModelSection, TrainerSection
+from rlrecipe.recipe.systems import TrainerSection
+from rlrecipe.recipe.training import ModelSection
 
 
 def make_train_engine(trainer: TrainerSection, model: ModelSection, model_dir: str | Path, total_steps: int,

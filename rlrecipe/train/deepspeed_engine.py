@@ -57,10 +57,10 @@ import torch.distributed as dist
 
 from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, balanced_bins
-from rlrecipe.dist import barrier
-from rlrecipe.errors import UserError
+from rlrecipe.core.dist import barrier
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import enable_checkpointing, load_model
-from rlrecipe.recipe import TrainerSection
+from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample, add_sums
 from rlrecipe.train.launch import init_distributed
 from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, load_state, make_scheduler, restore_rng
@@ -143,7 +143,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.ds_config = build_ds_config(cfg, dtype, self.world, ds_config_overrides)
         fp16 = self.ds_config.get("fp16", {})
         if fp16.get("enabled") and self.rank == 0:
-            from rlrecipe.console import console
+            from rlrecipe.core.console import console
 
             console.print(f"fp16: the dynamic loss scale starts at 2^{fp16.get('initial_scale_power')} and is halved "
                           f"on each overflow (raised after {fp16.get('loss_scale_window')} clean steps): the first "

@@ -17,7 +17,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 ALLOWED_TYPES = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 

@@ -17,9 +17,11 @@ import sys
 from datetime import timedelta
 from typing import NoReturn
 
-from rlrecipe.dist import LAUNCHED_ENV, is_rank_zero, under_launcher
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import LoadedRecipe, RecipeError, TrainerSection
+from rlrecipe.core.dist import LAUNCHED_ENV, is_rank_zero, under_launcher
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import LoadedRecipe
+from rlrecipe.recipe.systems import TrainerSection
 
 NODE_RANK_ENVS = ("RLRECIPE_NODE_RANK", "NODE_RANK", "SLURM_NODEID")
 # Collectives wait this long for a slow rank (e.g. rank 0 evaluating while the others wait).
@@ -81,7 +83,7 @@ def _destroy_process_group() -> None:
 
 def quiet_other_ranks() -> None:
     """Only rank 0 prints: the shared rich console goes silent on the others."""
-    from rlrecipe.console import console
+    from rlrecipe.core.console import console
 
     if not is_rank_zero():
         console.quiet = True

@@ -20,9 +20,9 @@ from transformers.optimization import (
 
 from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, pack, response_rows
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import enable_checkpointing, load_model, load_weights_into
-from rlrecipe.recipe import TrainerSection
+from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import LossFn, TrainSample, add_sums
 from rlrecipe.train.logprobs import response_logprobs
 from rlrecipe.train.loss_scale import DynamicLossScaler

@@ -12,15 +12,16 @@ from typing import Any
 
 import yaml
 
-from rlrecipe.atomic_io import atomic_write_text
-from rlrecipe.console import console
-from rlrecipe.errors import UserError
-from rlrecipe.manifest import check_manifest, read_identity, write_manifest
-from rlrecipe.metrics_file import metric_lines, read_metrics
-from rlrecipe.recipe import LoadedRecipe, RecipeError, _digest, recipe_from_dict
-from rlrecipe.run_env import environment
-from rlrecipe.runlock import RunLock
-from rlrecipe.threads import thread_change, thread_record
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
+from rlrecipe.core.threads import thread_change, thread_record
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import LoadedRecipe, _digest, recipe_from_dict
+from rlrecipe.run.env import environment
+from rlrecipe.run.lock import RunLock
+from rlrecipe.run.manifest import check_manifest, read_identity, write_manifest
+from rlrecipe.run.metrics_file import metric_lines, read_metrics
 
 # `--overwrite` moves the earlier run here and deletes it only once the new run has written its
 # first checkpoint; a start that fails (or is killed) before that gets the earlier run back.

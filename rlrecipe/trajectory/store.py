@@ -15,9 +15,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from rlrecipe.errors import UserError
-from rlrecipe.trajectory import Trajectory
-from rlrecipe.trajectory_arrays import pack_trajectories, unpack_trajectories
+from rlrecipe.core.errors import UserError
+from rlrecipe.trajectory.arrays import pack_trajectories, unpack_trajectories
+from rlrecipe.trajectory.record import Trajectory
 
 
 def save_trajectories(path: str | Path, trajs: list[Trajectory], extra: dict | None = None) -> None:

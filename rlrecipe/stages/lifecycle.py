@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from rlrecipe.console import console
-from rlrecipe.dist import broadcast_from_rank_zero, is_rank_zero
-from rlrecipe.errors import UserError
+from rlrecipe.checks.preflight import check_stage_inputs
+from rlrecipe.core.console import console
+from rlrecipe.core.dist import broadcast_from_rank_zero, is_rank_zero
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import load_tokenizer, model_record, resolve_model_dir
-from rlrecipe.preflight import check_stage_inputs
-from rlrecipe.rank_run import make_run
-from rlrecipe.recipe import LoadedRecipe, Recipe
-from rlrecipe.run_env import record_model
-from rlrecipe.runs import Run
+from rlrecipe.recipe.schema import LoadedRecipe, Recipe
+from rlrecipe.run.env import record_model
+from rlrecipe.run.rank_run import make_run
+from rlrecipe.run.record import Run
 
 
 @dataclass

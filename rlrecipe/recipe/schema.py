@@ -6,9 +6,8 @@ sha256 over the canonical resolved form so that every reported number can be pin
 configuration that produced it.
 
 The sections live beside this module, each with its cross-field checks: what is trained and how in
-`recipe_training.py`, where it runs in `recipe_systems.py`, their common base in `recipe_base.py`.
-Every one of them is importable from here, as it always was; the sha256 covers exactly what the
-three define.
+`training.py`, where it runs in `systems.py`, their common base in `base.py`; import each from
+where it is defined. The sha256 covers exactly what the three define.
 """
 
 from __future__ import annotations
@@ -21,35 +20,19 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from rlrecipe.recipe_base import HASHED_WHEN_SET, RecipeError, Section
-from rlrecipe.recipe_systems import (
-    Benchmark,
+from rlrecipe.recipe.base import HASHED_WHEN_SET, RecipeError, Section
+from rlrecipe.recipe.systems import (
     EvalSection,
     RolloutSection,
     RunSection,
-    SGLangServer,
-    Tracking,
     TrainerSection,
 )
-from rlrecipe.recipe_training import (
-    C3PO,
-    Cov,
+from rlrecipe.recipe.training import (
     DataSection,
-    EntropyWatch,
-    IcePop,
     ModelSection,
     RLSection,
     SFTSection,
-    TinyModel,
 )
-
-# The schema's names, importable from this module whichever file defines them.
-__all__ = [
-    "C3PO", "Benchmark", "Cov", "DataSection", "EntropyWatch", "EvalSection", "IcePop", "LoadedRecipe",
-    "ModelSection", "RLSection", "Recipe", "RecipeError", "RolloutSection", "RunSection", "SFTSection",
-    "SGLangServer", "Section", "TinyModel", "Tracking", "TrainerSection", "apply_overrides", "load_recipe",
-    "recipe_from_dict",
-]
 
 
 def _digest(data: dict) -> str:

@@ -10,7 +10,7 @@ trajectories only.
 
 from __future__ import annotations
 
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 
 def admit(trajs: list[Trajectory], params: SamplingParams) -> list[Trajectory]:

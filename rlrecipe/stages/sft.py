@@ -10,15 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from rlrecipe.algo.columns import Sums, TokenColumns
-from rlrecipe.console import console
+from rlrecipe.core.console import console
+from rlrecipe.core.dist import is_rank_zero
+from rlrecipe.core.errors import UserError
+from rlrecipe.core.seeds import SFT_EPOCH, mix_seed
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import sft_token_ids
-from rlrecipe.dist import is_rank_zero
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import LoadedRecipe
-from rlrecipe.runs import Run, check_resume_step, read_metrics
-from rlrecipe.seeds import SFT_EPOCH, mix_seed
-from rlrecipe.stage import Stage, finish_stage, start_stage
+from rlrecipe.recipe.schema import LoadedRecipe
+from rlrecipe.run.record import Run, check_resume_step, read_metrics
+from rlrecipe.stages.lifecycle import Stage, finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 PANELS = [
     ("reward_mean", "reward"), ("accuracy", "train accuracy"), ("response_len_mean", "response length"),
@@ -33,7 +33,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
         else:
             bad.append(lineno)
     if bad:  # a run killed mid-write leaves its last line cut short: the complete ones are plotted
-        from rlrecipe.console import console
+        from rlrecipe.core.console import console
 
         console.print(f"{path}: skipped {len(bad)} unreadable line(s) (line {bad[0]}{' ...' if len(bad) > 1 else ''})",
                       highlight=False, soft_wrap=True)

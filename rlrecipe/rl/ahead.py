@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlrecipe.c3po import RolloutStats
-from rlrecipe.errors import UserError
-from rlrecipe.trajectory_arrays import TrajectoryBatch
+from rlrecipe.core.errors import UserError
+from rlrecipe.rl.pool import RolloutStats
+from rlrecipe.trajectory.arrays import TrajectoryBatch
 
 PENDING_PREFIX = "pending_step_"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 LOCK_NAME = ".lock"
 OWNER_NAME = ".lock.owner"

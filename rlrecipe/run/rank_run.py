@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
-from rlrecipe.dist import barrier, broadcast_from_rank_zero, is_rank_zero, world_size
-from rlrecipe.recipe import LoadedRecipe
-from rlrecipe.runs import Run
+from rlrecipe.core.dist import barrier, broadcast_from_rank_zero, is_rank_zero, world_size
+from rlrecipe.recipe.schema import LoadedRecipe
+from rlrecipe.run.record import Run
 
 
 class RankAwareRun(Run):

@@ -56,8 +56,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import LoadedRecipe, ModelSection, Recipe, load_recipe
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.schema import LoadedRecipe, Recipe, load_recipe
+from rlrecipe.recipe.training import ModelSection
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -397,7 +398,7 @@ LIST_BYTES_PER_RESPONSE_TOKEN = 76
 def c3po_pool_note(pool_capacity: int, max_prompt_tokens: int, max_new_tokens: int) -> str:
     """What C3PO++'s in-flight rollouts can take outside the GPUs, at most (every one at full length):
     the RL driver holds them between steps, and each checkpoint saves them as arrays."""
-    from rlrecipe.trajectory_arrays import TOKEN_FIELDS
+    from rlrecipe.trajectory.arrays import TOKEN_FIELDS
 
     array = {name: dtype.itemsize for name, dtype in TOKEN_FIELDS.items()}
     per_response_array = array["response_ids"] + array["logp_infer"] + array["versions"]
@@ -420,7 +421,7 @@ def plan(loaded: LoadedRecipe) -> tuple[ModelDims, str, list[Budget]]:
 def rollout_record_bytes(n: int, max_prompt_tokens: int, max_new_tokens: int) -> tuple[float, float]:
     """n rollouts at full length: as Trajectory lists in memory, and as the arrays a batch or a
     checkpoint holds them in (trajectory_arrays.py)."""
-    from rlrecipe.trajectory_arrays import TOKEN_FIELDS
+    from rlrecipe.trajectory.arrays import TOKEN_FIELDS
 
     size = {name: dtype.itemsize for name, dtype in TOKEN_FIELDS.items()}
     per_response = size["response_ids"] + size["logp_infer"] + size["versions"]

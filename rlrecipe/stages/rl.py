@@ -16,25 +16,27 @@ import torch
 from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
 from rlrecipe.algo.entropy_watch import EntropyWatch, trailing_run
 from rlrecipe.algo.ppo import LossSettings, Remedies, aggregation_scale, mismatch_weights, policy_loss
-from rlrecipe.atomic_io import atomic_write_text
-from rlrecipe.c3po import PromptStream, RolloutPool
-from rlrecipe.console import console
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.console import console
+from rlrecipe.core.dist import broadcast_from_rank_zero, is_rank_zero
+from rlrecipe.core.errors import UserError
 from rlrecipe.data.io import load_rows
-from rlrecipe.dist import broadcast_from_rank_zero, is_rank_zero
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import LoadedRecipe, Recipe, RLSection, RolloutSection
+from rlrecipe.recipe.schema import LoadedRecipe, Recipe
+from rlrecipe.recipe.systems import RolloutSection
+from rlrecipe.recipe.training import RLSection
 from rlrecipe.reward import Grader, grade_trajectories
+from rlrecipe.rl.ahead import Collected, load_pending, save_pending
+from rlrecipe.rl.pool import PromptStream, RolloutPool
+from rlrecipe.rl.schedule import StepRollout, WeightsOut
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.rollout.weight_transport import weight_transport
-from rlrecipe.rollout_ahead import Collected, load_pending, save_pending
-from rlrecipe.rollout_schedule import StepRollout, WeightsOut
-from rlrecipe.runs import Run, check_resume_step, read_metrics
-from rlrecipe.stage import finish_stage, start_stage
+from rlrecipe.run.record import Run, check_resume_step, read_metrics
+from rlrecipe.stages.lifecycle import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample, add_sums
 from rlrecipe.train.reference import make_reference
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
-from rlrecipe.trajectory_arrays import TrajectoryBatch
+from rlrecipe.trajectory.arrays import TrajectoryBatch
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 POOL_FILE = "pool.safetensors"
 

@@ -10,12 +10,17 @@ correct are small arrays. About 12 bytes a response token, against ~88 bytes as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from rlrecipe.trajectory import Status, Trajectory
+from rlrecipe.core.dist import broadcast_arrays_from_rank_zero
+from rlrecipe.trajectory.record import Status, Trajectory
+
+T = TypeVar("T")
 
 STATUSES = list(Status)
 TOKEN_FIELDS = {"prompt_ids": torch.int32, "response_ids": torch.int32, "logp_infer": torch.float32,
@@ -123,3 +128,14 @@ class TrajectoryBatch:
     @property
     def statuses(self) -> list[Status]:
         return [STATUSES[s] for s in self.arrays["status"].tolist()]
+
+
+def broadcast_batch_from_rank_zero(fn: Callable[[], tuple[TrajectoryBatch, T]]) -> tuple[TrajectoryBatch, T]:
+    """Rank 0's `(batch, small)` from `fn` on every rank: the batch's arrays by tensor broadcast, its
+    uids and group ids and `small` pickled. No rank unpickles per-token Python lists."""
+    def parts():
+        batch, small = fn()
+        return batch.arrays, (batch.uids, batch.group_ids, small)
+
+    arrays, (uids, group_ids, small) = broadcast_arrays_from_rank_zero(parts)
+    return TrajectoryBatch(arrays, uids, group_ids), small

@@ -1,7 +1,7 @@
 """Recipe sections for what is trained and how: the model, the data, SFT, and RL's algorithm.
 
 Each section holds its fields and the cross-field checks a reader of a recipe looks up beside them;
-`rlrecipe.recipe` assembles them into `Recipe`, whose sha256 covers every field defined here.
+`rlrecipe.recipe.schema` assembles them into `Recipe`, whose sha256 covers every field defined here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlrecipe.recipe_base import HASHED_WHEN_SET, Section
+from rlrecipe.recipe.base import HASHED_WHEN_SET, Section
 
 
 class TinyModel(Section):

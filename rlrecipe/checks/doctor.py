@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rlrecipe.recipe import LoadedRecipe, Recipe
+from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 
 OK, FAIL, UNKNOWN = "ok", "FAIL", "cannot check here"
 GB = 1e9
@@ -182,7 +182,7 @@ def check_model_source(loaded: LoadedRecipe, timeout_s: float = 5.0) -> Check:
     recipe = loaded.recipe
     m, run = recipe.model, recipe.run
     if run.init_from:
-        from rlrecipe.runs import resolve_init
+        from rlrecipe.run.record import resolve_init
 
         path = Path(resolve_init(run.init_from, run.output_dir))
         ok = (path / "config.json").is_file()
@@ -234,7 +234,7 @@ def _dir_bytes(path: Path) -> int:
 
 
 def check_disk(recipe: Recipe, dims) -> Check:
-    from rlrecipe.plan import disk_parts
+    from rlrecipe.checks.plan import disk_parts
 
     parts = disk_parts(recipe, dims)
     run_dir = recipe.run.dir
@@ -262,7 +262,7 @@ def meminfo() -> tuple[float | None, float | None]:
 
 
 def check_host_memory(recipe: Recipe, dims) -> Check | None:
-    from rlrecipe.plan import rank0_host_parts
+    from rlrecipe.checks.plan import rank0_host_parts
 
     parts = rank0_host_parts(recipe, dims)
     if not parts:
@@ -366,8 +366,8 @@ def check_fp16_start(recipe: Recipe) -> Check | None:
 
 # -- all of them ----------------------------------------------------------------------------------
 def _dims(loaded: LoadedRecipe):
-    from rlrecipe.errors import UserError
-    from rlrecipe.plan import model_dims
+    from rlrecipe.checks.plan import model_dims
+    from rlrecipe.core.errors import UserError
 
     try:
         return model_dims(loaded)
@@ -409,11 +409,11 @@ def run_checks(loaded: LoadedRecipe | None, hub_timeout_s: float = 5.0) -> list[
     dims = _dims(loaded)
     train_gib = None
     if dims is not None:
-        from rlrecipe.plan import plan, stage_of
+        from rlrecipe.checks.plan import plan, stage_of
 
         budgets = plan(loaded)[2] if stage_of(recipe) != "eval" else []
         train_gib = next((b.total / GIB for b in budgets if b.side == "train"), None)
-    from rlrecipe.plan import stage_of
+    from rlrecipe.checks.plan import stage_of
 
     stage = stage_of(recipe)
     rows = check_torch(recipe) + [check_gpus(recipe, train_gib), check_attention(recipe)]

@@ -21,13 +21,13 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlrecipe.core.errors import UserError
+from rlrecipe.core.seeds import GENERATE_ROUND, PROMPT_EPOCH, mix_seed
 from rlrecipe.data.templates import row_prompt_ids
-from rlrecipe.errors import UserError
-from rlrecipe.recipe import RLSection
+from rlrecipe.recipe.training import RLSection
 from rlrecipe.rollout.base import RolloutEngine
-from rlrecipe.seeds import GENERATE_ROUND, PROMPT_EPOCH, mix_seed
-from rlrecipe.trajectory import SamplingParams, Status, Trajectory
-from rlrecipe.trajectory_store import load_trajectories, save_trajectories
+from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
+from rlrecipe.trajectory.store import load_trajectories, save_trajectories
 
 
 class PromptStream:

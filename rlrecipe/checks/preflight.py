@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlrecipe.errors import UserError
-from rlrecipe.model_check import check_eval_context, check_model_dir, read_model_config, templates_need_chat
-from rlrecipe.recipe import LoadedRecipe, RecipeError
-from rlrecipe.runs import resolve_init
+from rlrecipe.checks.model_check import (
+    check_eval_context,
+    check_model_dir,
+    read_model_config,
+    templates_need_chat,
+)
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import LoadedRecipe
+from rlrecipe.run.record import resolve_init
 
 TRAIN_DATA = {"sft": "an SFT dataset", "rl": "an RL prompt set"}
 
@@ -88,7 +94,7 @@ def check_rollout_servers(loaded: LoadedRecipe, stage: str) -> None:
 def check_machine(loaded: LoadedRecipe, stage: str) -> None:
     """What `rlrecipe doctor` can already see will stop the stage (attention that cannot load, an
     output directory it cannot write, a disk too small, ...): one line each."""
-    from rlrecipe.doctor import failures, fatal_checks
+    from rlrecipe.checks.doctor import failures, fatal_checks
 
     lines = failures(fatal_checks(loaded, stage))
     if lines:

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
-
-if TYPE_CHECKING:
-    from rlrecipe.trajectory_arrays import TrajectoryBatch
+from typing import TypeVar
 
 # Set in the processes a relaunch starts, so that they do not launch again.
 LAUNCHED_ENV = "RLRECIPE_LAUNCHED"
@@ -134,16 +131,3 @@ def _broadcast_bytes(data, staging, lead: bool) -> None:
         d.broadcast(chunk, src=0)
         if not lead:
             data[start:start + n].copy_(chunk)
-
-
-def broadcast_batch_from_rank_zero(fn: Callable[[], tuple[TrajectoryBatch, T]]) -> tuple[TrajectoryBatch, T]:
-    """Rank 0's `(batch, small)` from `fn` on every rank: the batch's arrays by tensor broadcast, its
-    uids and group ids and `small` pickled. No rank unpickles per-token Python lists."""
-    from rlrecipe.trajectory_arrays import TrajectoryBatch
-
-    def parts():
-        batch, small = fn()
-        return batch.arrays, (batch.uids, batch.group_ids, small)
-
-    arrays, (uids, group_ids, small) = broadcast_arrays_from_rank_zero(parts)
-    return TrajectoryBatch(arrays, uids, group_ids), small

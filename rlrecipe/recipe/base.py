@@ -10,7 +10,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from rlrecipe.errors import UserError
+from rlrecipe.core.errors import UserError
 
 
 class RecipeError(UserError):

@@ -13,11 +13,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from rlrecipe.dist import broadcast_batch_from_rank_zero, is_rank_zero
-from rlrecipe.recipe import Recipe
+from rlrecipe.core.dist import is_rank_zero
+from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
+from rlrecipe.recipe.schema import Recipe
+from rlrecipe.rl.ahead import Collected, RolloutAhead, weights_version
 from rlrecipe.rollout.weight_transport import WeightTransport
-from rlrecipe.rollout_ahead import Collected, RolloutAhead, weights_version
-from rlrecipe.seeds import ROLLOUT_STEP, mix_seed
+from rlrecipe.trajectory.arrays import broadcast_batch_from_rank_zero
 
 ROLLOUT_EXPORTS = "weights_for_rollout"
 

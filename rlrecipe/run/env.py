@@ -15,8 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rlrecipe.atomic_io import atomic_write_text
-from rlrecipe.threads import thread_record
+from rlrecipe.core.atomic_io import atomic_write_text
+from rlrecipe.core.threads import thread_record
 
 KEY_PACKAGES = ["torch", "transformers", "tokenizers", "datasets", "math-verify", "deepspeed", "pydantic", "sglang"]
 

@@ -62,7 +62,7 @@ from rlrecipe.recipe.training import ModelSection
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
+SHIPPED_CONFIGS = Path(__file__).parent.parent / "model_configs"
 TINY_TOKENIZER_SIZE = 261  # the character tokenizer: 4 specials + 256 bytes + `\boxed{`
 
 

@@ -22,7 +22,7 @@ KEY_PACKAGES = ["torch", "transformers", "tokenizers", "datasets", "math-verify"
 
 
 def git_state(cwd: str | Path | None = None) -> dict[str, Any]:
-    cwd = str(cwd or Path(__file__).resolve().parent.parent)
+    cwd = str(cwd or Path(__file__).resolve().parents[2])
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10

@@ -21,6 +21,7 @@ from rlrecipe.recipe.schema import recipe_from_dict
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang import SGLangEngine
 from rlrecipe.rollout.sglang_api import sglang_sampling_params
+from rlrecipe.rollout.sglang_call import apply_answer, to_least_loaded
 from rlrecipe.rollout.sglang_server import probe_health
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
@@ -113,19 +114,19 @@ def test_sampling_params_and_response_mapping():
         params = SamplingParams(max_new_tokens=4)
         # the shapes SGLang returns: [logprob, token_id, text|null]; -inf arrives as null
         t = Trajectory(uid="a", prompt_ids=[5])
-        eng._apply(t, {"output_ids": [7, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1},
+        apply_answer(eng.fleet, t, {"output_ids": [7, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1},
                                                            "output_token_logprobs": [[-0.5, 7, None], [None, 1, None]]}},
                    params, 3, 0)
         assert t.status == Status.FINISHED and t.response_ids == [7, 1] and t.versions == [3, 3]
         assert t.logp_infer[0] == -0.5 and t.logp_infer[1] < -1e6
         t = Trajectory(uid="b", prompt_ids=[5])
-        eng._apply(t, {"meta_info": {"finish_reason": {"type": "abort", "message": "x"},
+        apply_answer(eng.fleet, t, {"meta_info": {"finish_reason": {"type": "abort", "message": "x"},
                                      "output_token_logprobs": [[-1.0, 9, None]]}}, params, 0, 0)
         assert t.status == Status.RUNNING and t.response_ids == [9]
-        eng._apply(t, {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}},
+        apply_answer(eng.fleet, t, {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}},
                        "output_ids": []}, params, 1, 0)  # aborted while waiting: nothing new
         assert t.status == Status.RUNNING and t.response_ids == [9]
-        eng._apply(t, {"meta_info": {"finish_reason": {"type": "length", "length": 3},
+        apply_answer(eng.fleet, t, {"meta_info": {"finish_reason": {"type": "length", "length": 3},
                                      "output_token_logprobs": [[-1.0, 9, None]] * 3}}, params, 1, 0)
         assert t.status == Status.TRUNCATED and t.versions == [0, 1, 1, 1]
     finally:
@@ -290,13 +291,12 @@ def test_refill_sends_new_trajectories_within_the_call(engine, tok):
 def test_refilled_groups_go_to_the_least_loaded_live_server():
     """A new group goes where fewest requests are in flight (where rollouts just ended), skipping
     a server left out; its samples stay together. Only the assignment is exercised here."""
-    eng = object.__new__(SGLangEngine)
-    eng.router, eng.live = None, [0, 2]  # server 1 is left out
+    live = [0, 2]  # server 1 is left out
     groups = {"a": 0}
     fresh = [Trajectory(uid=f"{g}{j}", group_id=g, prompt_ids=[1]) for g in ("n", "m") for j in range(2)]
-    eng._to_least_loaded(fresh, [0, 0, 0, 2], groups)
+    to_least_loaded(live, fresh, [0, 0, 0, 2], groups)
     # n: server 2 (1 in flight against 3), which then has 3 too; m: the first of the two, server 0
-    assert eng.live[groups["n"] % 2] == 2 and eng.live[groups["m"] % 2] == 0 and groups["a"] == 0
+    assert live[groups["n"] % 2] == 2 and live[groups["m"] % 2] == 0 and groups["a"] == 0
 
 
 def test_weight_update_mid_run(engine, tok, tiny_model_dir, other_model_dir, server):
@@ -379,7 +379,7 @@ def test_distributed_weight_sync_broadcasts_into_the_server(server, tok, tiny_mo
         # the server refuses a tensor it has no place for, at once and by name; the group is dropped
         with pytest.raises(UserError, match="not_a_weight"):
             eng.update_weights_from_state({"not_a_weight": torch.zeros(3)}, 9)
-        assert eng._broadcast.group is None and eng.version == 3
+        assert eng.weights.broadcast.group is None and eng.version == 3
     finally:
         eng.close()
 

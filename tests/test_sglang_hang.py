@@ -131,7 +131,7 @@ def test_a_server_that_accepts_and_never_answers_fails_its_request_by_the_read_t
     cfg = SGLangServer(request_timeout_s=1.0, request_timeout_per_token_s=0.02)
     eng = SGLangEngine([url], eos_token_id=1, cfg=cfg)
     try:
-        eng._server_infos[0] = {}  # the silent server would not answer /server_info either
+        eng.fleet.server_infos[0] = {}  # the silent server would not answer /server_info either
         assert eng.read_timeout(50) == pytest.approx(2.0)  # 1 s floor + 50 tokens x 0.02 s
         with pytest.raises(UserError) as err:
             within_guard(lambda: eng.generate(trajs(3), SamplingParams(max_new_tokens=50)))
@@ -249,7 +249,7 @@ def test_a_dead_server_is_started_again_and_taken_back_at_the_next_weight_update
         assert eng.servers[1].proc.pid != first
         assert eng.live == [0, 2]  # answering is not enough: it waits for weights
         within_guard(lambda: eng.update_weights_from_disk(tmp_path, 1))
-        assert eng.live == [0, 1, 2] and eng._weight_version == ["1", "1", "1"]
+        assert eng.live == [0, 1, 2] and eng.fleet.weight_version == ["1", "1", "1"]
         assert {k: eng.fleet_metrics()[k] for k in ("rollout_servers_live", "rollout_server_restarts")} == {
             "rollout_servers_live": 3.0, "rollout_server_restarts": 1.0}
         again = within_guard(lambda: eng.generate(trajs(6), SamplingParams(max_new_tokens=8)))

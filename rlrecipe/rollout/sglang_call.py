@@ -1,4 +1,4 @@
-"""One `SGLangEngine.generate` call: its requests in flight until they all answer, or the budget stops them.
+"""One generate call on an SGLang fleet: its requests in flight until they all answer, or the budget stops them.
 
 Each running trajectory becomes one /generate request, a group's samples on one server (which then
 shares their prompt's prefix cache). A request whose server is left out (retry_on_other_servers)
@@ -17,10 +17,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import requests
 
@@ -28,11 +27,9 @@ from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.base import SEED_KEY, Refill
 from rlrecipe.rollout.c3po_budget import TokenBudget
 from rlrecipe.rollout.http_pool import Post, PostFailed
-from rlrecipe.rollout.sglang_api import generate_payload, sglang_sampling_params
+from rlrecipe.rollout.sglang_api import apply_output, generate_payload, sglang_sampling_params
+from rlrecipe.rollout.sglang_fleet import ServerFleet
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
-
-if TYPE_CHECKING:
-    from rlrecipe.rollout.sglang import SGLangEngine
 
 ABORT_RESEND_S = 1.0
 
@@ -47,14 +44,42 @@ class Request:
     lost: bool = False  # its server was left out before it answered: send it again elsewhere
 
 
+def apply_answer(fleet: ServerFleet, t: Trajectory, out: dict, params: SamplingParams, version: int,
+                 endpoint: int) -> None:
+    """Append endpoint's answer to `t`, once its weight_version is the one this engine last set."""
+    meta = out.get("meta_info") or {}
+    expected, got = fleet.expected_version(endpoint), meta.get("weight_version")
+    if expected is not None and got is not None and str(got) != expected:
+        raise UserError(f"SGLang server {fleet.gen_urls[endpoint]} answered with weight_version {got!r}, but this "
+                        f"engine last set {expected!r}: someone else updated its weights (rollout.urls "
+                        "servers must serve this run only)")
+    apply_output(t, out, params, version)
+
+
+def to_least_loaded(live: list[int], fresh: list[Trajectory], busy: list[int], groups: dict[str, int]) -> None:
+    """Send each new group to the live server with the fewest requests in flight (where rollouts
+    just finished), by entering it in `groups` as `GenerateCall._requests` reads it."""
+    load = {e: 0 for e in live}
+    for e in busy:
+        if e in load:
+            load[e] += 1
+    for t in fresh:
+        gid = t.group_id or t.uid
+        if gid not in groups:
+            groups[gid] = live.index(min(live, key=load.__getitem__))
+        load[live[groups[gid] % len(live)]] += 1
+
+
 class GenerateCall:
     """The requests of one call and what becomes of each: answered, sent again elsewhere, withdrawn
     unsent or aborted once the budget is reached."""
 
-    def __init__(self, engine: SGLangEngine, params: SamplingParams, budget: TokenBudget, refill: Refill | None):
-        self.engine, self.params, self.budget, self.refill = engine, params, budget, refill
-        self.version = engine.version
-        self.groups: dict[str, int] = {}  # a group's server (see SGLangEngine._to_least_loaded)
+    def __init__(self, fleet: ServerFleet, params: SamplingParams, budget: TokenBudget, refill: Refill | None, *,
+                 stop_token_ids: Sequence[int], read_timeout: Callable[[int], float]):
+        self.fleet, self.params, self.budget, self.refill = fleet, params, budget, refill
+        self.stop_token_ids, self.read_timeout = list(stop_token_ids), read_timeout
+        self.version = fleet.version
+        self.groups: dict[str, int] = {}  # a group's server (see to_least_loaded)
         self.contexts: dict[int, int | None] = {}  # each endpoint's context length, asked once
         self.futures: dict[Future, Request] = {}
         self.pending: set[Future] = set()
@@ -70,17 +95,17 @@ class GenerateCall:
                 if not self.stopping and self.budget.reached:
                     self.stopping = True
                     # not sent yet: withdrawn, the trajectory stays as it is
-                    self.pending = {f for f in self.pending if not self.engine._http.withdraw(self.futures[f].post)}
+                    self.pending = {f for f in self.pending if not self.fleet.http.withdraw(self.futures[f].post)}
                 elif not self.stopping and self.refill is not None and ended:
                     self._refill(ended)
                 if self.stopping and self.pending and time.monotonic() - self.last_abort > ABORT_RESEND_S:
                     self._abort([self.futures[f] for f in self.pending if self.futures[f].post.sent],
                                 all_on_own_servers=self.abort_rounds > 0)
                     self.last_abort, self.abort_rounds = time.monotonic(), self.abort_rounds + 1
-                self.engine._check_alive()
+                self.fleet.check_alive()
         except BaseException:
             sent = [self.futures[f] for f in self.pending
-                    if not self.engine._http.withdraw(self.futures[f].post) and not f.done()]
+                    if not self.fleet.http.withdraw(self.futures[f].post) and not f.done()]
             self._abort(sent)  # servers left out are among the failed: none is asked
             raise
 
@@ -97,11 +122,11 @@ class GenerateCall:
             req = self.futures.pop(fut)
             out = self._answer(req, fut)
             if out is not None:
-                self.engine._apply(req.traj, out, self.params, self.version, req.endpoint)
+                apply_answer(self.fleet, req.traj, out, self.params, self.version, req.endpoint)
                 ended += self.budget.count(req.traj)
             elif req.lost and not self.stopping:
                 # its server was left out: the same request, from the start, on another
-                live = self.engine.live
+                live = self.fleet.live
                 req.endpoint = live[hash(req.rid) % len(live)]
                 req.payload = {**req.payload, "rid": uuid.uuid4().hex}
                 req.rid, req.lost = req.payload["rid"], False
@@ -112,7 +137,9 @@ class GenerateCall:
         """New groups for the `ended` trajectories' slots, each to the least loaded server."""
         fresh = self.refill(ended)
         while fresh:
-            self.engine._to_least_loaded(fresh, [self.futures[f].endpoint for f in self.pending], self.groups)
+            if self.fleet.router is None:
+                to_least_loaded(self.fleet.live, fresh, [self.futures[f].endpoint for f in self.pending],
+                                self.groups)
             self._send(self._requests(fresh))
             # a prompt that fills the server's context ends unsent: its slot is free again
             full = sum(t.done for t in fresh)
@@ -121,7 +148,7 @@ class GenerateCall:
     def _requests(self, todo: list[Trajectory]) -> list[Request]:
         """One request per running trajectory, each group's samples to one server (which then
         shares their prompt's prefix cache)."""
-        eng, params = self.engine, self.params
+        eng, params = self.fleet, self.params
         reqs: list[Request] = []
         for t in todo:
             if eng.router is not None:
@@ -131,7 +158,7 @@ class GenerateCall:
             input_ids = list(t.prompt_ids) + list(t.response_ids)
             max_new = params.max_new_tokens - len(t.response_ids)
             if endpoint not in self.contexts:
-                self.contexts[endpoint] = eng._endpoint_context(endpoint)
+                self.contexts[endpoint] = eng.endpoint_context(endpoint)
             ctx = self.contexts[endpoint]
             if ctx is not None:
                 max_new = min(max_new, ctx - len(input_ids))
@@ -140,26 +167,26 @@ class GenerateCall:
                     t.meta["truncated_by_server"] = True
                     continue
             rid = uuid.uuid4().hex  # fixed length: SGLang matches abort rids by prefix
-            sp = sglang_sampling_params(params, max_new, eng.stop_token_ids)
+            sp = sglang_sampling_params(params, max_new, self.stop_token_ids)
             if SEED_KEY in t.meta:  # honoured by SGLang >= 0.5.3 (exactly so with --enable-deterministic-inference)
                 sp["sampling_seed"] = int(t.meta[SEED_KEY])
             reqs.append(Request(t, endpoint, generate_payload(input_ids, sp, rid), rid))
         return reqs
 
     def _submit(self, req: Request) -> Future:
-        eng = self.engine
+        eng = self.fleet
         max_new = req.payload["sampling_params"]["max_new_tokens"]
-        req.post = Post(req.endpoint, eng._gen_urls[req.endpoint] + "/generate", req.payload,
-                        eng.read_timeout(max_new))
-        return eng._http.submit(req.post)
+        req.post = Post(req.endpoint, eng.gen_urls[req.endpoint] + "/generate", req.payload,
+                        self.read_timeout(max_new))
+        return eng.http.submit(req.post)
 
     def _answer(self, req: Request, fut: Future) -> dict | None:
         """The server's JSON for a finished request; None when it went unsent or must go elsewhere."""
-        eng = self.engine
+        eng = self.fleet
         try:
             result = fut.result()
         except PostFailed as err:
-            if req.endpoint in eng._failed and eng.cfg.retry_on_other_servers:
+            if req.endpoint in eng.failed and eng.cfg.retry_on_other_servers:
                 req.lost = True  # its server was reported and left out already
                 return None
             if err.timed_out:
@@ -169,16 +196,16 @@ class GenerateCall:
             else:
                 what = "failed during /generate"
             if eng.router is not None:  # nothing to retry on here: the router spreads and retries itself
-                raise eng._down_error(0, err, f"{what}; servers behind it: {', '.join(eng.urls)}",
+                raise eng.down_error(0, err, f"{what}; servers behind it: {', '.join(eng.urls)}",
                                       may_exit=not err.timed_out, server=eng.router) from None
-            eng._leave_out(req.endpoint, eng._down_error(req.endpoint, err, what, may_exit=not err.timed_out))
+            eng.leave_out(req.endpoint, eng.down_error(req.endpoint, err, what, may_exit=not err.timed_out))
             req.lost = True
             return None
         if result is None:
             return None
         status, text = result
         if status != 200:
-            raise UserError(f"SGLang server {eng._gen_urls[req.endpoint]} /generate: HTTP {status}: {text[:500]}")
+            raise UserError(f"SGLang server {eng.gen_urls[req.endpoint]} /generate: HTTP {status}: {text[:500]}")
         return json.loads(text)
 
     def _abort(self, reqs: Sequence[Request], all_on_own_servers: bool = False) -> None:
@@ -186,14 +213,14 @@ class GenerateCall:
         abort everything instead (SGLang acts on a rid's first abort only, and may miss it). Behind
         the router, which forwards no aborts and does not tell where a request went, every server
         aborts everything (its servers serve this run only)."""
-        eng = self.engine
+        eng = self.fleet
         bodies: list[tuple[int, dict]] = []
         if eng.router is not None:
             if reqs:
-                bodies = [(server, {"abort_all": True}) for server in eng.live if server not in eng._failed]
+                bodies = [(server, {"abort_all": True}) for server in eng.live if server not in eng.failed]
         else:
-            for server in sorted({r.endpoint for r in reqs} - eng._failed):
-                if all_on_own_servers and eng._server(server) is not None:
+            for server in sorted({r.endpoint for r in reqs} - eng.failed):
+                if all_on_own_servers and eng.server(server) is not None:
                     bodies.append((server, {"abort_all": True}))
                 else:
                     bodies += [(server, {"rid": r.rid}) for r in reqs if r.endpoint == server]
@@ -202,6 +229,6 @@ class GenerateCall:
             if server in failed:
                 continue  # one unanswered abort is enough: don't wait on it once per request
             try:
-                eng._session().post(eng.urls[server] + "/abort_request", json=body, timeout=10)
+                eng.session().post(eng.urls[server] + "/abort_request", json=body, timeout=10)
             except requests.RequestException:
                 failed.add(server)  # the /generate call reports a dead server

@@ -1,0 +1,234 @@
+"""The SGLang servers an engine talks to: launched or attached, which are in use, and requests to one.
+
+The fleet launches its servers (`sglang_server.py`) or attaches to running ones (`rollout.urls`),
+with sglang-router in front of them where asked (every /generate then goes to the router; weight
+updates, aborts and server info still go to each server, since the router forwards none of
+them). It keeps which servers are still in use: a server that dies or stays silent stops the call
+with an error naming it, or (retry_on_other_servers) it is left out until it answers again
+(`server_recovery.py`: with `max_restarts` a launched one is started again; any one answering
+again is taken back at the next weight update). It also keeps what each server was last told to
+serve (`weight_version`), which the generation side checks every answer against.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import requests
+
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.systems import RolloutSection, SGLangServer
+from rlrecipe.rollout.api_key import auth_headers
+from rlrecipe.rollout.http_pool import HttpPool
+from rlrecipe.rollout.server_recovery import ServerRecovery
+from rlrecipe.rollout.sglang_api import context_length
+from rlrecipe.rollout.sglang_server import ServerProcess, launch_servers, start_router, wait_until_healthy
+
+
+class ServerFleet:
+    """SGLang servers (and the router, if any): their URLs, which are live, and one request to each."""
+
+    def __init__(self, urls: Sequence[str], *, cfg: SGLangServer | None = None, max_concurrency: int = 512,
+                 servers: Sequence[ServerProcess] | None = None, router: ServerProcess | None = None):
+        if not urls:
+            raise UserError("rollout.urls: no SGLang server to talk to")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.cfg = cfg or SGLangServer()
+        self.servers: list[ServerProcess] = list(servers or [])
+        self.router = router  # sglang-router in front of the servers: every /generate goes to it
+        self.gen_urls = [router.url] if router is not None else self.urls
+        # every /generate goes through one asyncio thread, at most max_concurrency open per server
+        self.http = HttpPool(len(self.gen_urls), max_concurrency * (len(self.urls) if router else 1))
+        self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
+        self.failed: set[int] = set()  # servers that died or hung under this engine (until taken back)
+        self.recovery = ServerRecovery(self.servers, self.cfg.max_restarts)
+        self.server_infos: dict[int, dict] = {}
+        self.version = 0  # the policy version new tokens are labelled with
+        self.weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
+        # called when the set of live servers changes (the broadcast group counts the old set)
+        self.on_members_changed: Callable[[], None] | None = None
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._sessions_lock = threading.Lock()
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, ro: RolloutSection, run_dir: Path | None) -> ServerFleet:
+        """A fleet over rollout.urls, with the router in front of them where asked."""
+        urls = [u.rstrip("/") for u in ro.urls]
+        # attached servers may still be starting (or restarting): the same bounded wait as launched ones
+        wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
+        router = start_router(urls, ro.sglang, run_dir) if ro.sglang.router else None
+        try:
+            return cls(urls, cfg=ro.sglang, max_concurrency=ro.sglang.max_concurrency, router=router)
+        except BaseException:
+            if router is not None:
+                router.stop()
+            raise
+
+    @classmethod
+    def launch(cls, model_dir: str | Path, cfg: SGLangServer, *, dtype: str, run_dir: str | Path | None, seed: int,
+               launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None,
+               env: dict[str, str] | None, trainer_gpus: int) -> ServerFleet:
+        """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
+        front of them; wait until they generate."""
+        servers = launch_servers(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
+                                 env=env, trainer_gpus=trainer_gpus)
+        router = None
+        try:
+            wait_until_healthy([(s.url, s) for s in servers], cfg.startup_timeout_s)
+            if cfg.router:
+                router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env)
+            return cls([s.url for s in servers], cfg=cfg, max_concurrency=cfg.max_concurrency, servers=servers,
+                       router=router)
+        except BaseException:
+            for s in [router, *servers]:
+                if s is not None:
+                    s.stop()
+            raise
+
+    # -- health ----------------------------------------------------------------------------------
+    def server(self, i: int) -> ServerProcess | None:
+        """The process of server i where this fleet launched it."""
+        return self.servers[i] if i < len(self.servers) else None
+
+    def check_alive(self) -> None:
+        if self.router is not None and self.router.proc is not None and not self.router.alive():
+            raise self.router.crash_error()
+        for i, s in enumerate(self.servers):
+            if i in self.live and s.proc is not None and not s.alive():
+                self.leave_out(i, s.crash_error())
+
+    def leave_out(self, i: int, error: UserError) -> None:
+        """Server i died or hung: raise `error`, or with retry_on_other_servers, stop using it."""
+        self.failed.add(i)  # nothing more is asked of it on the way out (aborts)
+        if not self.cfg.retry_on_other_servers:
+            raise error
+        if i not in self.live:
+            return  # left out already (its other requests fail the same way)
+        self.live.remove(i)
+        self.http.mark_down(i)
+        if not self.live:
+            raise UserError(f"{error}; no SGLang server left to retry on") from None
+        console.print(f"[yellow]warning[/]: {error}; its requests go to the {len(self.live)} other servers, "
+                      "and it is left out until it answers again")
+        if self.on_members_changed is not None:
+            self.on_members_changed()
+        self.recovery.restart(i)
+
+    def take_back(self, version: int) -> list[int]:
+        """Servers left out that answer /health_generate again join the live ones now, at a weight
+        update, which gives them the weights of `version` (see server_recovery.py)."""
+        back = self.recovery.answering(sorted(self.failed - set(self.live)), self.urls)
+        for i in back:
+            self.failed.discard(i)
+            self.http.mark_up(i)
+            self.server_infos.pop(i, None)  # a restarted server is asked again
+            console.print(f"SGLang server {i} ({self.urls[i]}) answers again: taken back with the weights of "
+                          f"version {version}", highlight=False, soft_wrap=True)
+        if back:
+            self.live = sorted(self.live + back)
+            if self.on_members_changed is not None:
+                self.on_members_changed()
+        return back
+
+    def down_error(self, i: int, err: Exception, what: str, may_exit: bool = True,
+                   server: ServerProcess | None = None) -> UserError:
+        """The error for server i (or the process given: the router) that failed a request."""
+        server = server or self.server(i)
+        if server is not None:
+            # the socket closes a moment before the process can be reaped (a hung one will not exit)
+            deadline = time.monotonic() + (3.0 if may_exit else 0.0)
+            while server.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not server.alive():
+                return server.crash_error()
+            return UserError(f"{server.label} ({server.url}) {what}: {err}; log: {server.log_path}")
+        return UserError(f"SGLang server {self.urls[i]} {what}: {err} (is it running? rollout.urls)")
+
+    def metrics(self) -> dict[str, float]:
+        """Servers in use and the restarts spent so far: a run losing servers shows in its metrics."""
+        spent = sum(self.cfg.max_restarts - left for left in self.recovery.restarts_left.values())
+        return {"rollout_servers_live": float(len(self.live)), "rollout_server_restarts": float(spent)}
+
+    # -- requests to one server ------------------------------------------------------------------
+    def session(self) -> requests.Session:
+        """This thread's HTTP session (keep-alive), with the API key."""
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = self._local.session = requests.Session()
+            s.headers.update(auth_headers())
+            with self._sessions_lock:
+                self._sessions.append(s)
+        return s
+
+    def post(self, i: int, path: str, body: dict, timeout: float | tuple | None = 30.0) -> requests.Response:
+        """POST to server i; an error naming it when it cannot be reached."""
+        try:
+            return self.session().post(self.urls[i] + path, json=body, timeout=timeout)
+        except requests.RequestException as err:
+            raise self.down_error(i, err, f"unreachable on {path}") from None
+
+    def control(self, i: int, path: str, body: dict, read_timeout: float) -> None:
+        """POST a control request that answers {success, message}; raise unless it succeeded."""
+        r = self.post(i, path, body, timeout=(30.0, read_timeout))
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"success": False, "message": r.text[:500]}
+        if r.status_code != 200 or not body.get("success", False):
+            raise UserError(f"SGLang server {self.urls[i]} {path} failed: {body.get('message', f'HTTP {r.status_code}')}")
+
+    def get_info(self, i: int, path: str) -> dict:
+        """GET /<path>, or its pre-0.5 name /get_<path> where the server does not know the new one."""
+        r = self.session().get(self.urls[i] + "/" + path, timeout=30)
+        if r.status_code == 404:
+            r = self.session().get(self.urls[i] + "/get_" + path, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def model_info(self, i: int = 0) -> dict:
+        return self.get_info(i, "model_info")
+
+    def server_info(self, i: int) -> dict:
+        """Server i's /server_info, asked once ({} where it does not answer it)."""
+        if i not in self.server_infos:
+            try:
+                self.server_infos[i] = self.get_info(i, "server_info")
+            except (requests.RequestException, ValueError):
+                self.server_infos[i] = {}
+        return self.server_infos[i]
+
+    def context_len(self, i: int) -> int | None:
+        """Server i's context length; None where /server_info does not say."""
+        return context_length(self.server_info(i))
+
+    def endpoint_context(self, e: int) -> int | None:
+        """The context a request sent to endpoint e must fit: behind the router, the smallest one."""
+        if self.router is None:
+            return self.context_len(e)
+        known = [c for c in (self.context_len(i) for i in self.live) if c is not None]
+        return min(known) if known else None
+
+    def expected_version(self, e: int) -> str | None:
+        """The weight_version answers from endpoint e must carry (None: not set by this engine)."""
+        if self.router is None:
+            return self.weight_version[e]
+        versions = {self.weight_version[i] for i in self.live}
+        return versions.pop() if len(versions) == 1 else None
+
+    def close(self) -> None:
+        """Stop what this fleet started: restarts, the request thread, the servers and the router."""
+        self.recovery.close()
+        self.http.close()
+        for server in [self.router, *self.servers]:
+            if server is not None:
+                server.stop()
+        with self._sessions_lock:
+            for s in self._sessions:
+                s.close()
+            self._sessions.clear()

@@ -1,0 +1,138 @@
+"""Weights into an SGLang fleet: loads from an HF export or a broadcast, each verified after it lands.
+
+`weight_sync: disk` asks every live server to `/update_weights_from_disk`; `distributed` broadcasts
+the trainer's tensors (`weight_broadcast.py`). Either way, servers left out that answer again are
+taken back first, so they get this push's weights, and afterwards every live server's weights are
+checked against the trainer's (`weight_check.py`), since an update that answers 200 has run a load,
+not necessarily loaded the trainer's weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import requests
+
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.rollout.sglang_fleet import ServerFleet
+from rlrecipe.rollout.sglang_server import model_arg
+from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
+
+if TYPE_CHECKING:
+    from rlrecipe.rollout.weight_broadcast import WeightBroadcast
+
+
+def same_model(a: str | Path, b: str | Path) -> bool:
+    pa, pb = Path(a), Path(b)
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return str(a).rstrip("/") == str(b).rstrip("/")
+
+
+class WeightPusher:
+    """Pushes the trainer's weights into a fleet's live servers and verifies what they then serve."""
+
+    def __init__(self, fleet: ServerFleet, cfg: SGLangServer, served_dtype: str | None):
+        self.fleet = fleet
+        self.transport = weight_transport("sglang", cfg)
+        # the dtype the servers hold weights in (rollout.dtype; None: as sent): the fingerprint after
+        # each push compares in it (weight_check.py); servers without /get_weights_by_name are skipped
+        self.served_dtype = served_dtype
+        self.broadcast: WeightBroadcast | None = None  # weight_sync: distributed, made on first use
+        self.no_weight_check: set[int] = set()
+        self.weight_check_s = 0.0
+        fleet.on_members_changed = self._members_changed
+
+    # what weight_check.check_servers asks of the servers it checks
+    @property
+    def live(self) -> list[int]:
+        return self.fleet.live
+
+    @property
+    def urls(self) -> list[str]:
+        return self.fleet.urls
+
+    def post(self, i: int, path: str, body: dict, timeout: float | tuple | None = 30.0) -> requests.Response:
+        return self.fleet.post(i, path, body, timeout)
+
+    def _members_changed(self) -> None:
+        if self.broadcast is not None:
+            self.broadcast.members_changed()
+
+    def ensure_model(self, model_dir: str | Path, version: int) -> None:
+        """Attached servers must serve `model_dir`: reload it where /model_info says otherwise."""
+        for i in range(len(self.fleet.urls)):
+            try:
+                current = self.fleet.model_info(i).get("model_path")
+            except (requests.RequestException, ValueError) as err:
+                raise self.fleet.down_error(i, err, "did not answer /model_info") from None
+            if current is None or not same_model(current, model_dir):
+                self._update_one(i, model_arg(model_dir), version)
+
+    def _update_one(self, i: int, model_path: str, version: int) -> None:
+        self.fleet.control(i, "/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)},
+                           3600.0)
+        self.fleet.weight_version[i] = str(version)  # the update flushed the server's prefix cache too
+
+    def update_from_disk(self, model_dir: str | Path, version: int) -> None:
+        fleet = self.fleet
+        fleet.check_alive()
+        model_path = model_arg(model_dir)
+        back = set(fleet.take_back(version))
+        with ThreadPoolExecutor(max_workers=min(len(fleet.live), 32)) as pool:
+            futures = {i: pool.submit(self._update_one, i, model_path, version) for i in fleet.live}
+            for i, fut in futures.items():
+                try:
+                    fut.result()
+                except UserError as err:
+                    if i not in back:
+                        raise
+                    fleet.leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
+        fleet.version = version
+        self.verify_export(model_dir, version)
+
+    def update_from_state(self, state_dict: dict, version: int) -> None:
+        """Broadcast the weights into the servers (weight_sync: distributed); nothing touches disk."""
+        if self.transport is not WeightTransport.BROADCAST:
+            raise NotImplementedError("SGLangEngine takes weights from disk unless rollout.sglang.weight_sync "
+                                      "is distributed")
+        fleet = self.fleet
+        fleet.check_alive()
+        fleet.take_back(version)
+        if self.broadcast is None:
+            # imported here: the broadcast path needs torch, the HTTP client does not
+            from rlrecipe.rollout.weight_broadcast import WeightBroadcast
+
+            self.broadcast = WeightBroadcast(fleet)
+        self.broadcast.push(state_dict, version)
+        for i in fleet.live:
+            fleet.weight_version[i] = str(version)
+        fleet.version = version
+        self.verify_weights(lambda wc: wc.state_slices(state_dict, version), version)
+
+    def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
+        """Each server serves the weights of the HF directory `model_dir` (the trainer's export, or
+        the stage's starting model); a hub id has no local rows to compare."""
+        if Path(model_dir).is_dir():
+            self.verify_weights(lambda wc: wc.export_slices(model_dir, version), version, when)
+
+    def verify_weights(self, expected: Callable, version: int, when: str | None = None) -> None:
+        """The fingerprint after a push: each live server serves the trainer's weights (weight_check.py;
+        imported here: it needs torch, the HTTP client does not)."""
+        import torch
+
+        from rlrecipe.rollout import weight_check
+
+        served = getattr(torch, self.served_dtype) if self.served_dtype else None
+        t0 = time.perf_counter()
+        weight_check.check_servers(self, expected(weight_check), version, served, when)
+        self.weight_check_s = time.perf_counter() - t0  # the trainer's rows read, every server asked
+
+    def close(self) -> None:
+        if self.broadcast is not None:
+            self.broadcast.close()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from rlrecipe.run.record import read_metrics
+from rlrecipe.run.metrics_file import read_metrics
 
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
         "max_position_embeddings": 256}

@@ -22,7 +22,7 @@ def _adopt(adopt: bool) -> None:
     if adopt:  # an environment variable, so that the ranks torchrun starts see it too
         import os
 
-        from rlrecipe.run.record import ADOPT_ENV
+        from rlrecipe.run.checkpoints import ADOPT_ENV
 
         os.environ[ADOPT_ENV] = "1"
 

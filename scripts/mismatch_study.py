@@ -90,7 +90,7 @@ def _mean(xs: list[float]) -> float:
 
 
 def summarise_run(run_dir: Path, correction: str, dial: str, level: float, seed: int, status: str) -> dict:
-    from rlrecipe.run.record import read_metrics  # skips a last line a kill cut short
+    from rlrecipe.run.metrics_file import read_metrics  # skips a last line a kill cut short
 
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r]
     first, last = rows[:WINDOW], rows[-WINDOW:]

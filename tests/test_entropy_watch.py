@@ -36,7 +36,7 @@ def test_boundary_values_do_not_count_and_no_bounds_means_no_flags():
 
 
 def test_the_default_warning_is_one_console_line_and_quiet_prints_none():
-    from rlrecipe.run.record import console
+    from rlrecipe.core.console import console
 
     watch = EntropyWatch.from_config(EntropyWatchSection(low=1.0, patience=2))
     with console.capture() as captured:

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+from rlrecipe.run.checkpoints import ADOPT_ENV
 from rlrecipe.run.manifest import write_manifest
-from rlrecipe.run.record import ADOPT_ENV, Run
+from rlrecipe.run.record import Run
 
 from .helpers import TINY_MODEL, write_tiny_data
 from .test_bad_inputs import BROKEN_MODELS

@@ -15,7 +15,8 @@ from rlrecipe.recipe.base import RecipeError
 from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
 from rlrecipe.run.lock import RunDirBusy
 from rlrecipe.run.manifest import check_manifest
-from rlrecipe.run.record import Run, read_metrics
+from rlrecipe.run.metrics_file import read_metrics
+from rlrecipe.run.record import Run
 from rlrecipe.stages.lifecycle import start_stage
 
 from .helpers import write_recipe, write_tiny_data

@@ -30,7 +30,9 @@ from rlrecipe.rl.pool import PromptStream, RolloutPool
 from rlrecipe.rl.schedule import StepRollout, WeightsOut
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.rollout.weight_transport import weight_transport
-from rlrecipe.run.record import Run, check_resume_step, read_metrics
+from rlrecipe.run.checkpoints import check_resume_step
+from rlrecipe.run.metrics_file import read_metrics
+from rlrecipe.run.record import Run
 from rlrecipe.stages.lifecycle import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample, add_sums

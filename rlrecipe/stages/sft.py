@@ -17,7 +17,9 @@ from rlrecipe.core.seeds import SFT_EPOCH, mix_seed
 from rlrecipe.data.io import load_rows
 from rlrecipe.data.templates import sft_token_ids
 from rlrecipe.recipe.schema import LoadedRecipe
-from rlrecipe.run.record import Run, check_resume_step, read_metrics
+from rlrecipe.run.checkpoints import check_resume_step
+from rlrecipe.run.metrics_file import read_metrics
+from rlrecipe.run.record import Run
 from rlrecipe.stages.lifecycle import Stage, finish_stage, start_stage
 from rlrecipe.train import make_train_engine
 from rlrecipe.train.base import TrainSample

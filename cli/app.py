@@ -7,6 +7,7 @@ import sys
 import typer
 from rlrecipe.cli import data as data_cmd
 from rlrecipe.cli import doctor as doctor_cmd
+from rlrecipe.cli import fit as fit_cmd
 from rlrecipe.cli import grade as grade_cmd
 from rlrecipe.cli import plan as plan_cmd
 from rlrecipe.cli import servers as servers_cmd
@@ -23,6 +24,7 @@ app.add_typer(data_cmd.app, name="data")
 stages.register(app)
 app.command()(plan_cmd.plan)
 app.command()(doctor_cmd.doctor)
+app.command()(fit_cmd.fit)
 app.command()(grade_cmd.grade)
 app.command(name="rollout-servers")(servers_cmd.rollout_servers)
 

@@ -51,7 +51,8 @@ def _relaunch(stage: str, loaded, resume: bool, overwrite: bool) -> None:
 
 def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")],
              set_: SetOpt = None) -> None:
-    """Load and type-check recipes; print each one's sha256."""
+    """Load and type-check recipes; print each one's sha256, then its algorithm sha256 (what is trained,
+    not where it runs: a recipe fitted to other GPUs keeps it)."""
     from rlrecipe.recipe.base import RecipeError
     from rlrecipe.recipe.schema import load_recipe
 
@@ -63,7 +64,7 @@ def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML fil
             typer.echo(f"error: {err}", err=True)
             failed += 1
             continue
-        typer.echo(f"ok  {loaded.sha256}  {path}")
+        typer.echo(f"ok  {loaded.sha256}  algorithm {loaded.recipe.algorithm_sha256()}  {path}")
     if failed:
         raise typer.Exit(2)
 

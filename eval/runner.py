@@ -115,7 +115,8 @@ def evaluate_benchmarks(recipe: Recipe, engine: RolloutEngine, tokenizer, grader
             summary["greedy_acc"] = sum(bool(r["correct"]) for r in greedy) / max(1, len(greedy))
         summary.update({
             "benchmark": bench.name, "model": model, "recipe": recipe_path, "recipe_sha256": recipe_sha256,
-            "experiment_sha256": recipe.experiment_sha256(), "seed": recipe.run.seed,
+            "experiment_sha256": recipe.experiment_sha256(), "algorithm_sha256": recipe.algorithm_sha256(),
+            "seed": recipe.run.seed,
             "run": recipe.run.name, "commit": git_state()["commit"], "date": datetime.now(UTC).isoformat(),
             "grader": grader_name(),
             "temperature": ev.temperature, "top_p": ev.top_p, "max_new_tokens": ev.max_new_tokens,

@@ -51,6 +51,52 @@ def _drop_unset_additions(section: BaseModel, dumped: dict) -> dict:
     return dumped
 
 
+# Which fields decide what is trained: the rule, per section, is "would a machine with exact
+# arithmetic compute something else?". In: the objective, the data, the sampling policy, the
+# optimizer, and the dtypes (they change the arithmetic itself: the precision of the weights that
+# train and of the policy that samples). Out: where it runs (GPUs, ranks, servers, ZeRO stage,
+# offload), how it is cut into work (micro-batch tokens, log-prob chunks, hence gradient
+# accumulation, as the loss averages over the whole minibatch), kernels (attention, gradient
+# checkpointing, the rollout engine), bookkeeping (names, seed, checkpoints, tracking) and the
+# evaluation, whose settings each RESULTS.md row shows on its own. "*" = the whole section.
+# tests/test_recipe.py holds every field of the schema to one of the two sets.
+ALGORITHM_FIELDS: dict[str, set[str]] = {
+    "run": {"init_from"},
+    "model": {"path", "revision", "tiny", "dtype"},
+    "data": {"*"},
+    "sft": {"epochs", "max_steps", "batch_size", "max_length"},
+    "rl": {"steps", "prompts_per_step", "samples_per_prompt", "ppo_minibatches", "eps_clip_low", "eps_clip_high",
+           "dual_clip", "adv_norm", "loss_agg", "reward_correct", "reward_wrong", "kl_coef", "kl_estimator",
+           "ratio_level", "gspo_eps_low", "gspo_eps_high", "cov", "entropy_coef", "entropy_watch",
+           "negative_adv_scale", "icepop", "offpolicy_seq_delta", "early_stop_imp_ratio", "c3po", "async_lag"},
+    "rollout": {"dtype", "temperature", "top_p", "top_k", "max_new_tokens", "weight_update_every",
+                "stress_logit_noise"},
+    "trainer": {"engine", "lr", "lr_schedule", "warmup_ratio", "warmup_steps", "min_lr_ratio", "weight_decay",
+                "adam_betas", "adam_eps", "grad_clip", "bf16_autocast", "fp16_autocast"},
+    "eval": set(),
+}
+LAYOUT_FIELDS: dict[str, set[str]] = {
+    "run": {"name", "output_dir", "seed", "keep_checkpoints", "tracking"},
+    "model": {"attn_implementation", "gradient_checkpointing"},
+    "data": set(),
+    "sft": {"eval_every", "save_every"},
+    "rl": {"eval_every", "save_every", "max_bad_steps"},
+    "rollout": {"engine", "max_batch", "refill_fraction", "urls", "sglang"},
+    "trainer": {"max_tokens_per_microbatch", "logprob_chunk_tokens", "gpu_memory_gib", "zero_stage",
+                "offload_optimizer", "offload_params", "nproc", "nodes", "master_addr", "master_port"},
+    "eval": {"*"},
+}
+
+
+def algorithm_fields(hashed: dict) -> dict:
+    """The part of a recipe's hashed form that ALGORITHM_FIELDS names."""
+    out = {}
+    for section, keep in ALGORITHM_FIELDS.items():
+        body = hashed.get(section) or {}
+        out[section] = dict(body) if "*" in keep else {k: v for k, v in body.items() if k in keep}
+    return out
+
+
 class Recipe(Section):
     run: RunSection
     model: ModelSection = ModelSection()
@@ -111,6 +157,11 @@ class Recipe(Section):
         for key in ("seed", "name", "output_dir"):
             d["run"].pop(key, None)
         return _digest(d)
+
+    def algorithm_sha256(self) -> str:
+        """The sha256 of what decides what is trained, without where and how fast it runs: every field
+        of ALGORITHM_FIELDS. A recipe fitted to other GPUs (`rlrecipe fit`) keeps it; so do seeds."""
+        return _digest(algorithm_fields(self.hashed()))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

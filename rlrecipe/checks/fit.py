@@ -1,0 +1,512 @@
+"""`rlrecipe fit`: lay a recipe out on the GPUs at hand without changing what it trains.
+
+Searched: the rollout/training split (whole nodes across nodes, GPUs inside one), SGLang's tensor
+parallelism and memory fraction, the ZeRO stage and CPU offload, micro-batch tokens (hence the
+gradient accumulation) and the log-prob chunk. Kept: the layouts whose `rlrecipe plan` budgets fit
+with FIT_MARGIN to spare (and the host memory, when given). Ranked: projected seconds per trained
+token (`step_time.py`). Every field fit changes is outside the recipe's algorithm sha256, so the
+fitted recipe trains the same thing (docs/gpu.md, "How fit decides").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rlrecipe.checks.plan import (
+    BYTES,
+    GIB,
+    ModelDims,
+    model_dims,
+    plan,
+    rank0_host_parts,
+    rollout_budget,
+    sglang_memory,
+    stage_of,
+    train_budget,
+)
+from rlrecipe.checks.step_time import (
+    Lengths,
+    Rates,
+    Rollout,
+    Training,
+    rollout_step,
+    training_step,
+    weight_load_s,
+)
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.schema import LoadedRecipe, Recipe, load_recipe, recipe_from_dict
+
+# Of each GPU's memory, what a layout leaves unplanned beyond the plan's own reserve (1 GiB + 5%):
+# the plan's figures are within a few percent of measured peaks (docs/gpu.md), not exact.
+FIT_MARGIN = 0.05
+# SGLang's activations, CUDA graphs and sampler live outside its static pool: at least this much
+# of a GPU stays outside it (an assumption; SGLang's own default leaves 10-20%).
+SGLANG_OUTSIDE_POOL_GIB = 6.0
+MEM_FRACTIONS = (0.9, 0.85, 0.8, 0.75, 0.7)
+TP_SIZES = (1, 2, 4, 8)
+ZERO = ((3, False, False), (2, False, False), (1, False, False), (3, True, False), (2, True, False),
+        (1, True, False), (3, True, True))
+CHUNK_DIVISORS = (1, 2, 4)
+# Card sizes and machines tried for "the smallest hardware that fits" (GiB; GPUs per node, nodes).
+CARDS_GIB = (24, 40, 48, 80, 96, 141)
+MACHINES = ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8), (8, 16))
+
+
+class FitError(UserError):
+    """Bad arguments to fit, or a recipe it cannot lay out: one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpus: int  # per node
+    nodes: int = 1
+    gpu_memory_gib: float = 80.0
+    host_memory_gib: float | None = None  # per node; None: not checked
+
+    @property
+    def total(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def label(self) -> str:
+        mem = f"{self.gpu_memory_gib:g} GB"
+        return f"{self.nodes} x {self.gpus} x {mem}" if self.nodes > 1 else f"{self.gpus} x {mem}"
+
+    @property
+    def slug(self) -> str:
+        nodes = f"{self.nodes}x" if self.nodes > 1 else ""
+        return f"{nodes}{self.gpus}x{self.gpu_memory_gib:g}gb".replace(".", "p")
+
+
+def check_machine(gpus: int, nodes: int, gpu_memory_gib: float, host_memory_gib: float | None) -> Machine:
+    if gpus < 1:
+        raise FitError(f"--gpus {gpus}: needs at least 1 GPU per node")
+    if nodes < 1:
+        raise FitError(f"--nodes {nodes}: needs at least 1 node")
+    if not (gpu_memory_gib > 0 and math.isfinite(gpu_memory_gib)):
+        raise FitError(f"--gpu-memory {gpu_memory_gib}: a GPU's memory in GiB must be a positive number")
+    if host_memory_gib is not None and not (host_memory_gib > 0 and math.isfinite(host_memory_gib)):
+        raise FitError(f"--host-memory {host_memory_gib}: a node's memory in GiB must be a positive number")
+    return Machine(gpus, nodes, gpu_memory_gib, host_memory_gib)
+
+
+@dataclass
+class TrainOption:
+    ranks: int
+    nodes: int
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    microbatch_tokens: int
+    chunk_tokens: int
+    peak: float  # bytes per GPU, as `rlrecipe plan` counts them
+    host: float  # bytes of host memory on node 0
+    time: Training
+
+    @property
+    def zero(self) -> str:
+        off = [name for name, on in (("optimizer", self.offload_optimizer), ("parameters", self.offload_params)) if on]
+        return f"ZeRO-{self.zero_stage}" + (f", {' and '.join(off)} offloaded" if off else "")
+
+    @property
+    def label(self) -> str:
+        """Compact: Z<stage>[+o offloaded optimizer][+p parameters] <micro-batch>k x <micro-batches
+        per rank per minibatch> c<chunk>."""
+        off = ("+o" if self.offload_optimizer else "") + ("+p" if self.offload_params else "")
+        return (f"Z{self.zero_stage}{off} {self.microbatch_tokens // 1024}k x {self.time.microbatches}"
+                f" c{self.chunk_tokens}")
+
+
+@dataclass
+class RolloutOption:
+    gpus: int
+    nodes: int
+    tp: int
+    mem_fraction: float
+    kv_tokens: int
+    pool: float  # bytes per GPU: SGLang's static pool
+    time: Rollout
+
+    @property
+    def servers(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def label(self) -> str:
+        return f"{self.servers} x tp{self.tp} @{self.mem_fraction:.2f}"
+
+
+@dataclass
+class Layout:
+    machine: Machine
+    train: TrainOption
+    rollout: RolloutOption
+    step_s: float
+    trained_tokens: float
+    steps: int
+
+    @property
+    def s_per_mtoken(self) -> float:
+        return 1e6 * self.step_s / self.trained_tokens
+
+    @property
+    def hours(self) -> float:
+        return self.step_s * self.steps / 3600
+
+    @property
+    def split(self) -> str:
+        if self.machine.nodes > 1:
+            return f"{self.train.nodes} + {self.rollout.nodes} nodes"
+        return f"{self.train.ranks} + {self.rollout.gpus}"
+
+
+@dataclass
+class Fit:
+    source: LoadedRecipe
+    machine: Machine
+    layouts: list[Layout]  # best first
+    refusal: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _with(recipe: Recipe, **sections: dict) -> Recipe:
+    """The recipe with some fields of some sections replaced, unvalidated (the search's variants)."""
+    update = {name: getattr(recipe, name).model_copy(update=fields) for name, fields in sections.items()}
+    return recipe.model_copy(update=update)
+
+
+def _needs(loaded: LoadedRecipe) -> None:
+    r = loaded.recipe
+    if stage_of(r) != "rl" or r.rollout.engine != "sglang" or r.trainer.engine != "deepspeed":
+        raise FitError(f"{loaded.path}: fit lays out RL recipes that train with DeepSpeed and roll out on SGLang "
+                       f"(this one: stage {stage_of(r)}, trainer.engine {r.trainer.engine}, "
+                       f"rollout.engine {r.rollout.engine})")
+
+
+class Search:
+    """The layouts of one recipe on one machine (see the module docstring)."""
+
+    def __init__(self, loaded: LoadedRecipe, machine: Machine, dims: ModelDims | None = None):
+        self.loaded, self.machine = loaded, machine
+        r = self.recipe = loaded.recipe
+        self.dims = dims or model_dims(loaded)
+        self.rates = Rates.of(self.dims, r.rollout.dtype, r.model.gradient_checkpointing)
+        self.lengths = Lengths.assumed(r.rollout.max_new_tokens, r.data.max_prompt_tokens)
+        self.c3po = r.rl.c3po.enabled
+        self.rollouts = r.rl.prompts_per_step * r.rl.samples_per_prompt
+        self.trained = (float(r.rl.c3po.token_budget) if self.c3po else self.rollouts * self.lengths.mean)
+        self.gpu = machine.gpu_memory_gib * GIB
+        self.limit = self.gpu * (1 - FIT_MARGIN)
+
+    # -- the two sides -----------------------------------------------------------------------------
+    def microbatch_candidates(self) -> list[int]:
+        """The source's micro-batch, and the smallest that holds one full-length sequence."""
+        r = self.recipe
+        seq = r.data.max_prompt_tokens + r.rollout.max_new_tokens
+        least = 1024 * math.ceil(seq / 1024)
+        return sorted({r.trainer.max_tokens_per_microbatch, least}, reverse=True)
+
+    def chunk_candidates(self) -> list[int]:
+        c = self.recipe.trainer.logprob_chunk_tokens
+        return sorted({max(128, c // k) for k in CHUNK_DIVISORS}, reverse=True)
+
+    def train_variant(self, ranks: int, nodes: int, stage: int, opt: bool, par: bool, micro: int,
+                      chunk: int) -> Recipe:
+        return _with(self.recipe, trainer={"nproc": ranks // nodes, "nodes": nodes, "zero_stage": stage,
+                                           "offload_optimizer": opt, "offload_params": par,
+                                           "max_tokens_per_microbatch": micro, "logprob_chunk_tokens": chunk,
+                                           "gpu_memory_gib": self.machine.gpu_memory_gib})
+
+    def train_option(self, ranks: int, nodes: int, stage: int, opt: bool, par: bool, micro: int,
+                     chunk: int) -> TrainOption:
+        variant = self.train_variant(ranks, nodes, stage, opt, par, micro, chunk)
+        peak = train_budget(variant, self.dims).total
+        host = sum(rank0_host_parts(variant, self.dims).values())
+        if par:  # ZeRO-3's offloaded parameters: a node's share of the 16-bit weights in host memory
+            host += BYTES[variant.model.dtype] * self.dims.params() / nodes
+        time = training_step(self.rates, self.dims, trained_tokens=self.trained, ranks=ranks, nodes=nodes,
+                             dtype=variant.model.dtype, zero_stage=stage, offload_optimizer=opt,
+                             offload_params=par, microbatch_tokens=micro, chunk_tokens=chunk,
+                             minibatches=variant.rl.ppo_minibatches)
+        return TrainOption(ranks, nodes, stage, opt, par, micro, chunk, peak, host, time)
+
+    def train_options(self, ranks: int, nodes: int) -> list[TrainOption]:
+        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk)
+                for stage, opt, par in ZERO
+                for micro in self.microbatch_candidates() for chunk in self.chunk_candidates()]
+
+    def train_fits(self, o: TrainOption) -> bool:
+        host = self.machine.host_memory_gib
+        return o.peak <= self.limit and (host is None or o.host <= host * GIB)
+
+    def tp_candidates(self, gpus: int) -> list[int]:
+        d = self.dims
+        return [tp for tp in TP_SIZES if tp <= self.machine.gpus and gpus % tp == 0
+                and d.heads % tp == 0 and d.kv_heads % tp == 0]
+
+    def rollout_variant(self, gpus: int, nodes: int, tp: int, frac: float) -> Recipe:
+        single = self.machine.nodes == 1
+        return _with(self.recipe, trainer={"gpu_memory_gib": self.machine.gpu_memory_gib},
+                     rollout=self._rollout_section(gpus, nodes, tp, frac, single))
+
+    def _rollout_section(self, gpus: int, nodes: int, tp: int, frac: float, single: bool) -> dict:
+        s = self.recipe.rollout.sglang.model_copy(update={
+            "tp_size": tp, "dp_size": 1, "num_servers": gpus // tp, "nodes": nodes, "mem_fraction_static": frac,
+            "host": "127.0.0.1" if single else "0.0.0.0"})
+        return {"sglang": s}
+
+    def rollout_option(self, gpus: int, nodes: int, tp: int, frac: float) -> RolloutOption | None:
+        variant = self.rollout_variant(gpus, nodes, tp, frac)
+        budget = rollout_budget(variant, self.dims, "rl")
+        if not budget.fits:
+            return None
+        pool, _, kv, kv_token = sglang_memory(variant, self.dims)
+        kv_tokens = int(kv // kv_token)
+        r = variant.rl
+        time = rollout_step(self.rates, self.lengths, engines=gpus // tp, tp=tp, kv_tokens=kv_tokens,
+                            rollouts=self.rollouts, max_concurrency=variant.rollout.sglang.max_concurrency,
+                            c3po_budget=r.c3po.token_budget if self.c3po else None,
+                            c3po_pool=r.c3po.pool_capacity)
+        return RolloutOption(gpus, nodes, tp, frac, kv_tokens, pool, time)
+
+    def fractions(self) -> list[float]:
+        room = SGLANG_OUTSIDE_POOL_GIB / self.machine.gpu_memory_gib
+        return [f for f in MEM_FRACTIONS if 1 - f >= room - 1e-9]
+
+    def rollout_options(self, gpus: int, nodes: int) -> list[RolloutOption]:
+        found = (self.rollout_option(gpus, nodes, tp, f) for tp in self.tp_candidates(gpus) for f in self.fractions())
+        return [o for o in found if o is not None]
+
+    # -- layouts -----------------------------------------------------------------------------------
+    def splits(self) -> list[tuple[int, int, int, int]]:
+        """(training GPUs, their nodes, rollout GPUs, their nodes): GPUs inside one node, whole
+        nodes across several (a launched server takes GPUs after the trainer's on its node)."""
+        m = self.machine
+        if m.nodes == 1:
+            return [(t, 1, m.gpus - t, 1) for t in range(1, m.gpus)]
+        return [(t * m.gpus, t, (m.nodes - t) * m.gpus, m.nodes - t) for t in range(1, m.nodes)]
+
+    def step_seconds(self, train: TrainOption, rollout: RolloutOption) -> float:
+        if self.recipe.rl.async_lag:
+            load = weight_load_s(self.dims, self.recipe.rollout.dtype)
+            return max(rollout.time.seconds + load, train.time.seconds)
+        return rollout.time.seconds + train.time.seconds
+
+    def layouts(self) -> list[Layout]:
+        out = []
+        for t_gpus, t_nodes, r_gpus, r_nodes in self.splits():
+            trains = [o for o in self.train_options(t_gpus, t_nodes) if self.train_fits(o)]
+            rollouts = self.rollout_options(r_gpus, r_nodes)
+            if not trains or not rollouts:
+                continue
+            train = min(trains, key=lambda o: (o.time.seconds, o.peak))
+            rollout = min(rollouts, key=lambda o: (o.time.seconds, o.tp, -o.mem_fraction))
+            out.append(Layout(self.machine, train, rollout, self.step_seconds(train, rollout), self.trained,
+                              self.recipe.rl.steps))
+        return sorted(out, key=lambda lay: lay.s_per_mtoken)
+
+    # -- saying no ---------------------------------------------------------------------------------
+    def first_failure(self) -> str:
+        m = self.machine
+        if m.total < 2:
+            return ("rollout and training need GPUs of their own: SGLang's servers start on the GPUs after the "
+                    "trainer's, and sharing one GPU would need the trainer's weights, gradients and optimizer "
+                    "state moved to host memory while SGLang generates, which rlrecipe does not do")
+        splits = self.splits()
+        trains = [o for t, tn, _, _ in splits for o in self.train_options(t, tn)]
+        if not any(o.peak <= self.limit for o in trains):
+            best = min(trains, key=lambda o: o.peak)
+            return (f"training does not fit: at least {best.peak / GIB:.1f} GiB per GPU ({best.label} on "
+                    f"{best.ranks} GPUs), of {self.limit / GIB:.1f} GiB usable ({FIT_MARGIN:.0%} kept free)")
+        if not any(self.train_fits(o) for o in trains):
+            best = min((o for o in trains if o.peak <= self.limit), key=lambda o: o.host)
+            return (f"host memory does not fit: at least {best.host / GIB:.0f} GiB on node 0 ({best.label}), "
+                    f"of {m.host_memory_gib:g}")
+        seq = self.recipe.data.max_prompt_tokens + self.recipe.rollout.max_new_tokens
+        return (f"rollout does not fit: no SGLang layout of the GPUs left holds the weights and one "
+                f"{seq}-token sequence's KV cache (memory fraction at most {max(self.fractions(), default=0):.2f})")
+
+
+def smallest_fitting(loaded: LoadedRecipe, dims: ModelDims, card_gib: float) -> list[Machine]:
+    """The fewest GPUs of this card size that fit, and the machine with the least GPU memory in all
+    (of MACHINES x CARDS_GIB), if that is another."""
+    def fits(machine: Machine) -> bool:
+        return bool(Search(loaded, machine, dims).layouts())
+
+    def first(cards) -> Machine | None:
+        tried = sorted((Machine(g, n, c) for c in cards for g, n in MACHINES), key=lambda m: (m.total * m.gpu_memory_gib,
+                                                                                             m.total))
+        return next((m for m in tried if fits(m)), None)
+
+    found = [m for m in (first([card_gib]), first(CARDS_GIB)) if m is not None]
+    return list(dict.fromkeys(found))
+
+
+def fit(loaded: LoadedRecipe, machine: Machine) -> Fit:
+    _needs(loaded)
+    search = Search(loaded, machine)
+    layouts = search.layouts()
+    if layouts:
+        return Fit(loaded, machine, layouts)
+    smallest = smallest_fitting(loaded, search.dims, machine.gpu_memory_gib)
+    hint = (" Smallest that fits: " + ", or ".join(m.label for m in smallest) + "." if smallest
+            else " Nothing up to 16 x 8 x 141 GB fits.")
+    return Fit(loaded, machine, [], refusal=f"{loaded.path} does not fit {machine.label}: {search.first_failure()}."
+               + hint)
+
+
+# -- the fitted recipe ---------------------------------------------------------------------------------
+def fitted_fields(layout: Layout, source: Recipe) -> dict[str, object]:
+    """Dotted field -> value for the layout (only those that differ from the source are written)."""
+    t, r, m = layout.train, layout.rollout, layout.machine
+    return {"trainer.nproc": t.ranks // t.nodes, "trainer.nodes": t.nodes, "trainer.zero_stage": t.zero_stage,
+            "trainer.offload_optimizer": t.offload_optimizer, "trainer.offload_params": t.offload_params,
+            "trainer.max_tokens_per_microbatch": t.microbatch_tokens,
+            "trainer.logprob_chunk_tokens": t.chunk_tokens, "trainer.gpu_memory_gib": m.gpu_memory_gib,
+            "rollout.sglang.tp_size": r.tp, "rollout.sglang.dp_size": 1, "rollout.sglang.num_servers": r.servers,
+            "rollout.sglang.nodes": r.nodes, "rollout.sglang.mem_fraction_static": r.mem_fraction,
+            "rollout.sglang.host": "127.0.0.1" if m.nodes == 1 else "0.0.0.0"}
+
+
+def _get(recipe: Recipe, dotted: str):
+    value = recipe
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _set(data: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        data = data.setdefault(p, {})
+    data[last] = value
+
+
+def reasons(search: Search, layout: Layout) -> dict[str, str]:
+    """Why each changed field took its value, in one line each."""
+    src, t, r = search.recipe, layout.train, layout.rollout
+    out: dict[str, str] = {}
+    split = (f"{layout.split} GPUs for training + rollout, the split projected fastest per trained token "
+             f"(rollout {r.time.seconds:.0f} s, training {t.time.seconds:.0f} s a step)")
+    for key in ("trainer.nproc", "trainer.nodes", "rollout.sglang.num_servers", "rollout.sglang.nodes"):
+        out[key] = split
+    out["trainer.gpu_memory_gib"] = "the GPUs' memory, which `rlrecipe plan` checks both sides against"
+    out["rollout.sglang.host"] = ("servers launched by the run on its own node" if layout.machine.nodes == 1
+                                  else "servers on other nodes, reached over the network")
+    out["rollout.sglang.dp_size"] = "one model copy per server"
+
+    def train_alt(**change) -> str:
+        base = dict(stage=t.zero_stage, opt=t.offload_optimizer, par=t.offload_params, micro=t.microbatch_tokens,
+                    chunk=t.chunk_tokens)
+        base.update(change)
+        o = search.train_option(t.ranks, t.nodes, **base)
+        if not search.train_fits(o):
+            return (f"{t.peak / GIB:.1f} GiB per GPU; with the source's value training needs {o.peak / GIB:.1f}, "
+                    f"over {search.limit / GIB:.1f}")
+        return (f"{t.peak / GIB:.1f} GiB per GPU; the source's value fits too ({o.peak / GIB:.1f} GiB) but projects "
+                f"{o.time.seconds - t.time.seconds:+.0f} s a step")
+
+    tr = src.trainer
+    alts = {"trainer.zero_stage": dict(stage=tr.zero_stage, par=tr.offload_params and tr.zero_stage == 3),
+            "trainer.offload_optimizer": dict(opt=tr.offload_optimizer),
+            "trainer.offload_params": dict(par=tr.offload_params),
+            "trainer.max_tokens_per_microbatch": dict(micro=tr.max_tokens_per_microbatch),
+            "trainer.logprob_chunk_tokens": dict(chunk=tr.logprob_chunk_tokens)}
+    for key, change in alts.items():
+        out[key] = train_alt(**change)
+    s = src.rollout.sglang
+    for key, (tp, frac) in {"rollout.sglang.tp_size": (s.tp_size, r.mem_fraction),
+                            "rollout.sglang.mem_fraction_static": (r.tp, s.mem_fraction_static)}.items():
+        alt = (search.rollout_option(r.gpus, r.nodes, tp, frac)
+               if tp in search.tp_candidates(r.gpus) and frac in search.fractions() else None)
+        here = f"KV cache of {r.kv_tokens:,} tokens per server"
+        out[key] = (f"{here}; the source's value does not fit this machine" if alt is None else
+                    f"{here}; the source's value projects {alt.time.seconds - r.time.seconds:+.0f} s a step")
+    return out
+
+
+def fitted_recipe(fitted: Fit, layout: Layout, out: Path) -> tuple[str, Recipe]:
+    """The fitted recipe's text (a header saying what changed and why, then the source's fields with
+    the layout's) and the recipe it loads as."""
+    loaded, src = fitted.source, fitted.source.recipe
+    search = Search(loaded, fitted.machine)
+    data = yaml.safe_load(Path(loaded.path).read_text())
+    for item in loaded.overrides:  # --set given to fit: part of the source as fitted
+        from rlrecipe.recipe.schema import apply_overrides
+
+        data = apply_overrides(data, [item])
+    name = out.stem.replace("_", "-")
+    changes = {"run.name": name} | {k: v for k, v in fitted_fields(layout, src).items() if _get(src, k) != v}
+    why = reasons(search, layout) | {"run.name": "this layout's runs apart from the source's"}
+    for key, value in changes.items():
+        _set(data, key, value)
+    recipe = recipe_from_dict(data, str(out))
+    header = _header(fitted, layout, out, recipe, changes, why)
+    return header + _dump(data), recipe
+
+
+def _header(fitted: Fit, layout: Layout, out: Path, recipe: Recipe, changes: dict, why: dict) -> str:
+    src_path, m, t, r = fitted.source.path, fitted.machine, layout.train, layout.rollout
+    ds = f"DeepSpeed {t.zero}, {t.ranks} ranks"
+    servers = f"{r.servers} SGLang server{'s' if r.servers > 1 else ''}, tp {r.tp}"
+    where = (f"{t.ranks} GPUs train ({ds}), {r.gpus} serve rollouts ({servers})" if m.nodes == 1 else
+             f"{t.nodes} node{'s' if t.nodes > 1 else ''} train ({ds}), {r.nodes} serve rollouts ({servers})")
+    sets = "".join(f" --set {s}" for s in fitted.source.overrides)
+    host = f" --host-memory {m.host_memory_gib:g}" if m.host_memory_gib is not None else ""
+    nodes = f" --nodes {m.nodes}" if m.nodes > 1 else ""
+    lines = [f"# {out.stem} — {src_path} laid out on {m.label} GPUs by `rlrecipe fit`; the same training.",
+             f"# Reproduces: what {src_path} reproduces (algorithm sha256 {recipe.algorithm_sha256()[:16]}..., "
+             "the source's), on other GPUs.",
+             f"# Hardware: {m.label} GPUs (times assume H100s): {where}.",
+             f"# Command: as the header of {src_path} says, with this file"
+             + (f": rlrecipe rl {out}" if m.nodes == 1 else
+                f": rlrecipe rollout-servers {out} --node <0..{r.nodes - 1}> --urls-out shared/urls.yaml on each "
+                f"rollout node, then RLRECIPE_NODE_RANK=<0..{t.nodes - 1}> rlrecipe rl {out} "
+                "--set \"rollout.urls=$(cat shared/urls.yaml)\" on each training node"),
+             f"# Expected: the numbers of {src_path}. Projected {layout.step_s:.0f} s a step, "
+             f"{layout.s_per_mtoken:.2f} s per 1M trained tokens, {layout.hours:.0f} h for its {layout.steps} steps "
+             "(a projection at H100 rates: docs/gpu.md, \"How fit decides\").",
+             f"# Generated by: rlrecipe fit {src_path} --gpus {m.gpus}{nodes} --gpu-memory {m.gpu_memory_gib:g}"
+             f"{host}{sets} --out {out}",
+             "#",
+             f"# Changed from {src_path}, and why (nothing else differs; every field here is outside the",
+             "# algorithm sha256):"]
+    grouped: dict[str, list[str]] = {}
+    for key, value in changes.items():
+        grouped.setdefault(why.get(key, ""), []).append(f"{key} {_get(fitted.source.recipe, key)} -> {value}")
+    for reason, fields in grouped.items():
+        lines.append(f"#   {', '.join(fields)}: {reason}")
+    return "\n".join(lines) + "\n"
+
+
+def _dump(data: dict) -> str:
+    """Sections in block style, their small mappings and lists in flow style, as the shipped recipes."""
+    out = []
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            out.append(yaml.safe_dump({section: body}, sort_keys=False, default_flow_style=None, width=110))
+            continue
+        out.append(f"{section}:\n")
+        for key, value in body.items():
+            flow = None if isinstance(value, (dict, list)) else False
+            text = yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=flow, width=106,
+                                  allow_unicode=True)
+            out.append("".join("  " + line + "\n" for line in text.splitlines()))
+    return "".join(out)
+
+
+def write_fitted(fitted: Fit, out: Path) -> Recipe:
+    """Write the best layout as a recipe at `out`; check it loads and that the plan says it fits."""
+    text, _ = fitted_recipe(fitted, fitted.layouts[0], out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    loaded = load_recipe(out)
+    _, _, budgets = plan(loaded)
+    wrong = [b.side for b in budgets if not b.fits]
+    if wrong:  # the search kept only layouts that fit: this is a bug, not a user mistake
+        raise RuntimeError(f"{out}: the fitted layout's plan does not fit ({', '.join(wrong)})")
+    return loaded.recipe

@@ -95,9 +95,12 @@ def eval_(recipe: Annotated[Path | None, typer.Argument(help="recipe; default: t
           model: Annotated[str | None, typer.Option(help="model dir; default: the run's final export")] = None,
           set_: SetOpt = None) -> None:
     """Evaluate avg@n / pass@k on the recipe's benchmarks; record results."""
-    from rlrecipe.cli.evaluate import run_eval_command
+    from rlrecipe.core.console import console
+    from rlrecipe.stages.evaluate import run_eval
 
-    run_eval_command(recipe, model, set_ or [])
+    for name, s in run_eval(recipe, model, set_ or []).items():
+        shown = "  ".join(f"pass@{k}={v:.3f}" for k, v in s["pass_at_k"].items())
+        console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}  {shown}")
 
 
 def results(json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,

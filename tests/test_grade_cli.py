@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from rlrecipe.cli.app import app
-from rlrecipe.cli.grade import grade_file
 from typer.testing import CliRunner
 
 from rlrecipe.core.errors import UserError
+from rlrecipe.reward.grade_file import grade_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def test_cli_grade(tmp_path):
 
 
 @pytest.mark.parametrize("rows, line, message", [
-    ([{"response": "x", "answer": "1"}, "{not json"], 2, "not valid JSON"),
+    ([{"response": "x", "answer": "1"}, "{not json"], 2, "malformed JSON"),
     ([{"answer": "1"}], 1, "'response'"),
     ([{"response": "x"}], 1, "'answer'"),
     ([{"response": "x", "answers": []}], 1, "'answers'"),
@@ -56,7 +56,7 @@ def test_grade_file_bad_rows(tmp_path, rows, line, message):
     src = tmp_path / "bad.jsonl"
     _write_jsonl(src, rows)
     with pytest.raises(UserError) as err:
-        grade_file(src, None, 2.0)
+        grade_file(src, (5.0, -5.0), None, 2.0)
     assert f"{src}:{line}" in str(err.value) and message in str(err.value)
 
 
@@ -69,5 +69,5 @@ def test_cli_grade_user_error_exit_code(tmp_path):
     assert proc.returncode == 2
     assert f"{src}:2" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
-    with pytest.raises(UserError, match="no such file"):
-        grade_file(tmp_path / "missing.jsonl")
+    with pytest.raises(UserError, match="file not found"):
+        grade_file(tmp_path / "missing.jsonl", (5.0, -5.0))

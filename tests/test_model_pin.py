@@ -101,7 +101,7 @@ def test_raw_training_template_needs_an_eval_template():
 
 
 def test_eval_of_a_hub_model_reads_the_pinned_revision(tmp_path, hub_cache):
-    from rlrecipe.cli.evaluate import model_to_evaluate
+    from rlrecipe.stages.evaluate import model_to_evaluate
 
     recipe = recipe_from_dict({"run": {"name": "base", "output_dir": str(tmp_path / "runs")},
                                "model": {"path": "org/r1", "revision": COMMIT}})

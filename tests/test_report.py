@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from rlrecipe.cli.results import results_command
 from rlrecipe.eval.report import (
     all_results,
     collect_results,
@@ -155,10 +154,13 @@ def test_bad_summary_names_the_file(tmp_path):
         collect_results(runs)
 
 
-def test_results_command_json_and_write(runs, tmp_path, monkeypatch, capsys):
+def test_results_command_json_and_write(runs, tmp_path, monkeypatch):
+    from rlrecipe.cli.app import app
+
     monkeypatch.chdir(tmp_path)  # `runs/` and RESULTS.md relative to the working directory
-    results_command(as_json=True, write=True)
-    records = json.loads(capsys.readouterr().out)
+    result = CliRunner().invoke(app, ["results", "--json"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
     assert [(r["benchmark"], r["avg"]) for r in records] == [("aime24", 0.6), ("aime25", 0.475), ("tiny_arith", 1.0)]
     for key in ("recipe", "recipe_sha256", "model", "benchmark", "avg", "stderr", "n", "pass_at_k", "commit"):
         assert key in records[0]

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rlrecipe.cli.results import results_command
+from rlrecipe.eval.recording import refresh_results
 from rlrecipe.eval.report import write_results_md
 from rlrecipe.eval.results_store import load_records, load_stored_study, save_record, save_study
 
@@ -35,7 +35,7 @@ def test_kept_results_and_study_render_without_any_run_directory(tmp_path):
     study_path = runs / "mismatch-study" / "study.json"
     study_path.parent.mkdir(parents=True)
     study_path.write_text(json.dumps(STUDY))
-    results_command(write=False, runs_dir=runs, record=True, store=store, as_json=True)
+    refresh_results(runs, store, None, record=True)
     assert [r["benchmark"] for r in load_records(store)] == ["aime24"]
     assert "runs" not in load_stored_study(store)  # per-run detail stays in the run directory
 
@@ -54,18 +54,18 @@ def test_kept_results_and_study_render_without_any_run_directory(tmp_path):
 def test_a_new_local_result_replaces_the_kept_one_only_when_asked(tmp_path, capsys):
     runs, store = tmp_path / "runs", tmp_path / "results"
     _summary(runs, "boba", "aime24")
-    results_command(write=False, runs_dir=runs, record=True, store=store, as_json=True)
+    refresh_results(runs, store, None, record=True)
     _summary(runs, "boba", "aime24", avg=0.7, date="2025-07-01T00:00:00+00:00")  # rerun: a new number
     capsys.readouterr()
 
     md = write_results_md(tmp_path / "R.md", runs_dir=runs, store=store).read_text()
     assert _row(md, "recipes/7b_boba.yaml")[3] == "60.0 ± 1.2"  # the kept result still shown
-    results_command(write=False, runs_dir=runs, store=store, as_json=True)
+    refresh_results(runs, store, None)
     err = " ".join(capsys.readouterr().err.split())
     assert "differs from the kept result of recipes/7b_boba.yaml on aime24" in err and "--record" in err
     assert [r["avg"] for r in load_records(store)] == [0.6]
 
-    results_command(write=False, runs_dir=runs, record=True, store=store, as_json=True)
+    refresh_results(runs, store, None, record=True)
     assert [r["avg"] for r in load_records(store)] == [0.7]
     md = write_results_md(tmp_path / "R.md", runs_dir=runs, store=store).read_text()
     assert _row(md, "recipes/7b_boba.yaml")[3] == "70.0 ± 1.2"
@@ -112,7 +112,7 @@ def test_the_async_study_is_kept_and_rendered_in_its_own_section(tmp_path):
     local = runs / "async-study" / "study.json"
     local.parent.mkdir(parents=True)
     local.write_text(json.dumps({**STUDY, "table": table}))
-    results_command(write=False, runs_dir=runs, record=True, store=store, as_json=True)
+    refresh_results(runs, store, None, record=True)
     assert load_stored_study(store, "async-study.json")["table"] == table
     import shutil
 

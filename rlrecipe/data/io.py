@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from rlrecipe.core.atomic_io import atomic_open
 from rlrecipe.core.errors import UserError
@@ -119,17 +120,19 @@ def how_to_make(path: Path) -> str:
     return ""
 
 
-def read_jsonl(path: str | Path, kind: str) -> list[dict]:
-    """All rows of a canonical JSONL file; the first bad line raises a UserError naming path:line."""
-    if kind not in REQUIRED:
-        raise UserError(f"unknown dataset kind {kind!r}; expected one of {', '.join(REQUIRED)}")
+def json_lines(path: str | Path, hint: Callable[[], str] | None = None) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for each non-blank line of a JSONL file; the first unreadable line
+    raises a UserError naming path:line. `hint()` follows a missing file's message."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path}: file not found{how_to_make(path)}")
+        raise UserError(f"{path}: file not found{hint() if hint else ''}")
     if path.is_dir():
         raise UserError(f"{path}: is a directory, expected a JSONL file")
-    rows = []
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as err:
+        raise UserError(f"{path}: cannot read: {err.strerror or err}") from None
+    with f:
         for lineno, raw in enumerate(f, 1):
             try:
                 # a byte-order mark opening the file is accepted, as it is in a recipe
@@ -139,17 +142,26 @@ def read_jsonl(path: str | Path, kind: str) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}:{lineno}: malformed JSON ({err.msg} at column {err.colno})") from None
             except RecursionError:
                 raise UserError(f"{path}:{lineno}: JSON nested too deeply") from None
             except ValueError as err:  # an integer of thousands of digits (Python's conversion limit)
                 raise UserError(f"{path}:{lineno}: a number too long to read ({str(err).split(';')[0]})") from None
-            good, reason = check_row(row, kind)
-            if reason is not None:
-                raise UserError(f"{path}:{lineno}: {reason}")
-            rows.append(good)
+
+
+def read_jsonl(path: str | Path, kind: str) -> list[dict]:
+    """All rows of a canonical JSONL file; the first bad line raises a UserError naming path:line."""
+    if kind not in REQUIRED:
+        raise UserError(f"unknown dataset kind {kind!r}; expected one of {', '.join(REQUIRED)}")
+    path = Path(path)
+    rows = []
+    for lineno, row in json_lines(path, lambda: how_to_make(path)):
+        good, reason = check_row(row, kind)
+        if reason is not None:
+            raise UserError(f"{path}:{lineno}: {reason}")
+        rows.append(good)
     return rows
 
 

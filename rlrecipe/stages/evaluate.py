@@ -1,22 +1,24 @@
-"""`rlrecipe eval`: evaluate a recipe's model (or the latest run's) and record the results."""
+"""The evaluation stage: a recipe's model (or the latest run's) on its benchmarks, recorded in the run
+(`eval/` beside the training records) and in RESULTS.md."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from rlrecipe.eval.report import write_results_md
-from rlrecipe.eval.runner import evaluate_model_dir
-
 from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
+from rlrecipe.eval.report import write_results_md
+from rlrecipe.eval.runner import evaluate_model_dir
 from rlrecipe.modeling import hub_snapshot, model_record
 from rlrecipe.recipe.schema import LoadedRecipe, load_recipe
 from rlrecipe.run.env import record_model
 from rlrecipe.run.record import Run, latest_run
 
 
-def run_eval_command(recipe_path: Path | None, model: str | None, overrides: list[str]) -> dict[str, dict]:
+def run_eval(recipe_path: Path | None, model: str | None, overrides: list[str]) -> dict[str, dict]:
+    """avg@n, its stderr and pass@k per benchmark; `recipe_path` None evaluates the latest run with the
+    recipe it was started with."""
     if recipe_path is None:
         last = latest_run()
         if last is None:
@@ -41,8 +43,6 @@ def run_eval_command(recipe_path: Path | None, model: str | None, overrides: lis
             check_eval_model(loaded, "model", model_dir)
         summaries = evaluate_model_dir(loaded, model_dir, run.dir)
         for name, s in summaries.items():
-            shown = "  ".join(f"pass@{k}={v:.3f}" for k, v in s["pass_at_k"].items())
-            console.print(f"[bold]{name}[/]: avg@{s['n']} = {s['avg']:.4f} ± {s['stderr']:.4f}  {shown}")
             run.log(0, {f"{name}/avg": s["avg"], f"{name}/stderr": s["stderr"]}, echo=False)
     finally:
         run.release()

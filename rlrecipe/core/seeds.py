@@ -12,6 +12,7 @@ ROLLOUT_STEP = 100003  # a step's rollout sampling seed (rollout_schedule.step_s
 SFT_EPOCH = 100003  # an SFT epoch's shuffle of the training samples
 PROMPT_EPOCH = 7919  # an RL prompt stream's epoch shuffle (c3po.PromptStream)
 GENERATE_ROUND = 1009  # a C3PO++ step's generate call, per round until the budget is met
+DYNAMIC_ROUND = 1013  # a synchronous step's extra round of groups under dynamic sampling
 
 
 def mix_seed(seed: int, index: int, stride: int) -> int:

@@ -178,6 +178,32 @@ class EntropyWatch(Section):
         return self
 
 
+class DynamicSampling(Section):
+    """DAPO's dynamic sampling (arXiv:2503.14476, Sec. 3.2): a group whose samples are all right or
+    all wrong leaves the batch, and more prompts are sampled to take its place. Under C3PO++ a
+    finished rollout waits in the pool until its whole group has finished; only groups with
+    signal count toward the token budget (docs/design.md)."""
+
+    enabled: bool = False
+    # Extra prompts a step may draw to replace dropped groups (null: rl.prompts_per_step); once
+    # reached, the step's further groups without signal train as without dynamic sampling.
+    max_extra_prompts: int | None = Field(None, ge=0)
+
+
+class Overlong(Section):
+    """DAPO's overlong handling (arXiv:2503.14476, Sec. 3.4). Only truncation at
+    rollout.max_new_tokens counts: a rollout C3PO++'s budget cut is resumed, not truncated."""
+
+    # Overlong filtering: a truncated response's tokens leave the loss (weight 0; they keep their
+    # place in the loss normaliser, as IcePop's masked tokens do).
+    filter: bool = False
+    # Soft overlong punishment: reward += penalty x R_length, over the last `cache` tokens before
+    # rollout.max_new_tokens (0 = off); R_length falls linearly from 0 to -1 (the paper's 1 is
+    # against rewards of +-1).
+    cache: int = Field(0, ge=0)
+    penalty: float = Field(1.0, ge=0)
+
+
 class RLSection(Section):
     steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(512, ge=1)
@@ -186,7 +212,10 @@ class RLSection(Section):
     eps_clip_low: float = Field(0.2, ge=0)
     eps_clip_high: float = Field(0.2, ge=0)
     dual_clip: float | None = Field(None, gt=1)
-    adv_norm: Literal["global", "group", "none"] = "global"
+    # global / group / none; group_mean: Dr. GRPO (no std); group_quantile: QAE's K-quantile
+    # baseline, K = adv_quantile (algo/advantages.py)
+    adv_norm: Literal["global", "group", "group_mean", "group_quantile", "none"] = "global"
+    adv_quantile: float = Field(0.4, gt=0, lt=1, json_schema_extra=HASHED_WHEN_SET)
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     reward_correct: float = 5.0
     reward_wrong: float = -5.0
@@ -219,6 +248,8 @@ class RLSection(Section):
     # exceeds this contributes no gradient. null = off.
     early_stop_imp_ratio: float | None = Field(None, gt=1)
     c3po: C3PO = C3PO()
+    dynamic_sampling: DynamicSampling = Field(DynamicSampling(), json_schema_extra=HASHED_WHEN_SET)
+    overlong: Overlong = Field(Overlong(), json_schema_extra=HASHED_WHEN_SET)
     # Asynchronous RL: rollout for later steps runs while this step trains. The batch trained at step
     # s is collected under the weights of step s - async_lag (the first async_lag steps' under the
     # starting weights), so which weights produced each token follows from the schedule, not from

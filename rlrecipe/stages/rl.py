@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
+from rlrecipe.algo.dapo import overlong_penalty
 from rlrecipe.algo.entropy_watch import EntropyWatch, trailing_run
 from rlrecipe.algo.ppo import LossSettings, Remedies, aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.core.atomic_io import atomic_write_text
@@ -44,23 +45,39 @@ POOL_FILE = "pool.safetensors"
 
 
 # -- the named steps ----------------------------------------------------------------------------
-def grade(batch: list[Trajectory], tokenizer, grader: Grader, cfg: RLSection) -> None:
+def grade(batch: list[Trajectory], tokenizer, grader: Grader, cfg: RLSection, max_new_tokens: int = 0) -> None:
+    """The verdict's reward, plus DAPO's soft overlong penalty on the whole response's length when
+    rl.overlong.cache is set. Only ended rollouts are graded, so one C3PO++'s budget cut (resumed
+    later) is never penalised for the part it had then; truncated ones are at max_new_tokens."""
     grade_trajectories(batch, tokenizer, grader)
+    ov = cfg.overlong
     for t in batch:
         t.reward = cfg.reward_correct if t.correct else cfg.reward_wrong
+        if ov.cache:
+            t.reward += overlong_penalty(len(t.response_ids), max_new_tokens, ov.cache, ov.penalty)
 
 
 def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer, grader: Grader, cfg: RLSection,
                    seed: int):
     """Rank 0's share of a step: roll out under the budget, grade, pack the batch into arrays (the
-    pool keeps the Trajectory objects)."""
-    batch, roll = pool.collect(engine, params, seed=seed)
+    pool keeps the Trajectory objects). With dynamic sampling the pool grades groups as they
+    complete; what it did not grade is graded here."""
     t0 = time.time()
-    grade(batch, tokenizer, grader, cfg)
-    roll.extra = {"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
-                  "prompts_skipped_too_long": pool.stream.skipped_too_long,
-                  "graded": len(batch), "grade_s": time.time() - t0,  # grade_s is part of rollout_s
-                  **engine.fleet_metrics()}
+    judge = partial(grade, tokenizer=tokenizer, grader=grader, cfg=cfg, max_new_tokens=params.max_new_tokens)
+    batch, roll = pool.collect(engine, params, seed=seed, judge=judge if pool.dynamic else None)
+    t1 = time.time()
+    grade([t for t in batch if t.correct is None], tokenizer, grader, cfg, params.max_new_tokens)
+    roll.extra.update({"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
+                       "prompts_skipped_too_long": pool.stream.skipped_too_long,
+                       "graded": len(batch), "grade_s": time.time() - t1,  # grade_s is part of rollout_s
+                       **engine.fleet_metrics()})
+    if pool.dynamic:
+        roll.extra["ds_collect_s"] = t1 - t0  # generation and grading of the judged groups together
+    if cfg.overlong.cache:
+        ov = cfg.overlong
+        roll.extra["overlong_penalty_mean"] = sum(
+            overlong_penalty(len(t.response_ids), params.max_new_tokens, ov.cache, ov.penalty) for t in batch
+        ) / max(1, len(batch))
     return TrajectoryBatch.from_trajectories(batch), roll
 
 
@@ -83,14 +100,19 @@ def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch,
     if cfg.kl_coef > 0 and any(s.columns.logp_ref is None for s in samples):
         raise ValueError("rl.kl_coef > 0 needs reference log-probs: pass a ReferencePolicy "
                          "(train/reference.py make_reference) to recompute_old_logprobs")
-    adv = sequence_advantages(batch.rewards, batch.response_lengths, batch.group_ids, cfg.adv_norm)
+    adv = sequence_advantages(batch.rewards, batch.response_lengths, batch.group_ids, cfg.adv_norm, cfg.adv_quantile)
     adv = scale_negative_advantages(adv, cfg.negative_adv_scale)
+    # DAPO's overlong filtering: a response truncated at max_new_tokens leaves the loss (weight 0)
+    # but keeps its reward in the advantages and its tokens in the normaliser
+    overlong = [cfg.overlong.filter and s == Status.TRUNCATED for s in batch.statuses]
     masked = total = 0
     abs_gap = kl = adv_sum = 0.0
     ice = cfg.icepop
     for i, (s, a, lo) in enumerate(zip(samples, adv, logp_old, strict=True)):
         li = batch.logp_infer(i)  # a float32 view into the batch's array
         w, m = mismatch_weights(lo, li, ice.mode, ice.alpha, ice.beta, ice.tis_cap)
+        if overlong[i]:
+            w = torch.zeros_like(w)
         c = s.columns
         c.logp_old, c.adv, c.weight, c.logp_infer = lo, torch.full_like(lo, a), w, li
         c.seq = torch.full(lo.shape, i, dtype=torch.long)
@@ -100,9 +122,14 @@ def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch,
         d = lo - li
         abs_gap += float(d.abs().sum())
         kl += float((torch.exp(d) - 1 - d).sum())  # k3 estimate of KL(infer || train)
-    return {"icepop_masked_frac": masked / max(1, total), "mismatch_abs_logp": abs_gap / max(1, total),
-            "mismatch_kl": kl / max(1, total), "adv_token_mean": adv_sum / max(1, total),
-            "adv_negative_frac": sum(a < 0 for a in adv) / max(1, len(adv))}
+    out = {"icepop_masked_frac": masked / max(1, total), "mismatch_abs_logp": abs_gap / max(1, total),
+           "mismatch_kl": kl / max(1, total), "adv_token_mean": adv_sum / max(1, total),
+           "adv_negative_frac": sum(a < 0 for a in adv) / max(1, len(adv))}
+    if cfg.adv_norm in ("group_mean", "group_quantile"):
+        out["adv_zero_frac"] = sum(a == 0 for a in adv) / max(1, len(adv))  # QAE: responses with no credit
+    if cfg.overlong.filter:
+        out["overlong_filtered_frac"] = sum(overlong) / max(1, len(overlong))
+    return out
 
 
 def loss_settings(cfg: RLSection) -> LossSettings:

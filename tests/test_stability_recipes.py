@@ -13,6 +13,12 @@ CLAIMS = {
     "tiny_rl_entropy.yaml": {"rl.entropy_coef": 1e-3, "rl.entropy_watch.low": 0.02, "rl.entropy_watch.high": 2.0},
     "tiny_rl_positive_only.yaml": {"rl.negative_adv_scale": 0.0},
     "tiny_rl_fp16.yaml": {"trainer.fp16_autocast": True, "rollout.dtype": "float16"},
+    "tiny_rl_dynamic_sampling.yaml": {"rl.dynamic_sampling.enabled": True},
+    "tiny_rl_overlong.yaml": {"rl.overlong.filter": True, "rl.overlong.cache": 32, "rl.overlong.penalty": 5.0},
+    # QAE and Dr. GRPO baselines are per group, where tiny_rl normalises over the batch; K = 0.4 is
+    # the default, spelled out
+    "tiny_rl_qae.yaml": {"rl.adv_norm": "group_quantile"},
+    "tiny_rl_dr_grpo.yaml": {"rl.adv_norm": "group_mean"},
 }
 
 

@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-fast demo mismatch-study async-study bench bench-sglang reproduce-aime gpu-smoke gpu-checks lint clean
+.PHONY: install install-gpu test test-fast demo mismatch-study async-study options-study bench bench-sglang reproduce-aime gpu-smoke gpu-checks lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,12 @@ mismatch-study: $(STAMP)
 # `make demo` first); about 25 minutes on 2 cores. Writes runs/async-study/ and RESULTS.md's section.
 async-study: $(STAMP)
 	$(BIN)/python -m scripts.async_study
+
+# DAPO's dynamic sampling and overlong handling, QAE and Dr. GRPO against tiny_rl, 3 seeds, from the
+# demo's SFT model (run `make demo` first); about 70 minutes on 2 cores. Writes runs/options-study/
+# and RESULTS.md's section.
+options-study: $(STAMP)
+	$(BIN)/python -m scripts.options_study
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -8,6 +8,7 @@ from typing import Any
 
 from rlrecipe.eval.report import (
     ASYNC_STUDY_FILE,
+    OPTIONS_STUDY_FILE,
     STUDY_FILE,
     all_results,
     collect_results,
@@ -16,6 +17,7 @@ from rlrecipe.eval.report import (
 )
 from rlrecipe.eval.results_store import (
     ASYNC_STUDY,
+    OPTIONS_STUDY,
     STORE,
     STUDY,
     load_records,
@@ -34,7 +36,7 @@ def record_local(runs_dir: str | Path = "runs", store: str | Path = STORE) -> in
     local = collect_results(runs_dir)
     for r in local:
         console.print(f"kept {save_record(r, store)}", highlight=False)
-    for study_file, kept in ((STUDY_FILE, STUDY), (ASYNC_STUDY_FILE, ASYNC_STUDY)):
+    for study_file, kept in ((STUDY_FILE, STUDY), (ASYNC_STUDY_FILE, ASYNC_STUDY), (OPTIONS_STUDY_FILE, OPTIONS_STUDY)):
         study = load_study(runs_dir, study_file)
         if study:
             console.print(f"kept {save_study(study, store, kept)}", highlight=False)

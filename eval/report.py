@@ -15,7 +15,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rlrecipe.eval.results_store import ASYNC_STUDY, STORE, load_records, load_stored_study, merge, read_study
+from rlrecipe.eval.results_store import (
+    ASYNC_STUDY,
+    OPTIONS_STUDY,
+    STORE,
+    load_records,
+    load_stored_study,
+    merge,
+    read_study,
+)
 
 from rlrecipe.core.errors import UserError
 
@@ -268,6 +276,7 @@ def published_table(published: list[dict[str, Any]]) -> str:
 
 STUDY_FILE = Path("mismatch-study") / "study.json"  # under the runs folder, written by scripts/mismatch_study.py
 STUDY_RECIPES = "recipes/mismatch_"  # their evaluations are reported in the studies' own tables
+STUDY_RUNS = "opt-"  # the options study's runs (scripts/options_study.py), reported in its table
 
 
 def _mean_sd(mean: Any, sd: Any, fmt: str) -> str:
@@ -335,14 +344,49 @@ def async_section(study: dict[str, Any]) -> str:
     return "## Asynchronous RL\n\n" + intro + "\n" + _table(header, rows)
 
 
+OPTIONS_STUDY_FILE = Path("options-study") / "study.json"  # written by scripts/options_study.py
+OPTION_METRICS = {"dynamic_sampling": [("ds_signal_share", "signal share", ".2f"), ("ds_cap_hit", "cap hit", ".2f")],
+                  "overlong": [("overlong_filtered_frac", "filtered", ".3f"),
+                               ("overlong_penalty_mean", "penalty", ".3f")],
+                  "qae": [("adv_zero_frac", "zero advantage", ".2f")],
+                  "dr_grpo": [("adv_zero_frac", "zero advantage", ".2f")]}
+
+
+def options_section(study: dict[str, Any]) -> str:
+    """RESULTS.md's "DAPO, QAE and Dr. GRPO": one line per arm, over seeds."""
+    rows = []
+    for t in study.get("table", []):
+        evals = None if t["eval_avg_mean"] is None else 100 * t["eval_avg_mean"]
+        eval_sd = None if t["eval_avg_sd"] is None else 100 * t["eval_avg_sd"]
+        shown = t.get("arm_metrics", {})
+        own = ", ".join(f"{label} {_num(shown.get(key), fmt)}" for key, label, fmt in OPTION_METRICS.get(t["arm"], []))
+        rows.append([t["arm"], t["recipe"] + "".join(f" `--set {s}`" for s in t.get("sets", [])),
+                     " ".join(str(x) for x in t["seeds"]), _mean_sd(evals, eval_sd, ".1f"),
+                     _mean_sd(t["entropy_final_mean"], t["entropy_final_sd"], ".3f"),
+                     _num(t["reward_final_mean"], ".2f"), _num(shown.get("truncated_frac"), ".3f"), own or "-",
+                     f"{t['collapsed']} of {len(t['seeds'])}", " ".join(sha[:12] for sha in t["recipe_sha256"]),
+                     " ".join(c[:7] for c in t.get("commits", [])) or "-"])
+    intro = ("Each option's recipe (tiny_rl with it on alone) against tiny_rl, trained from the tiny SFT model; "
+             "group_control is tiny_rl with `rl.adv_norm=group`, since QAE's and Dr. GRPO's baselines are per group "
+             "where tiny_rl normalises over the batch. Held-out: avg@8 on tiny-arith eval, percent (± sd across "
+             "seeds); entropy: mean token entropy of the last steps; final reward: mean training reward of the last "
+             "steps; the option's own metrics are means over steps. "
+             f"Collapse: {study.get('collapse_rule', '-')}. `make options-study` reruns it.")
+    header = ["arm", "recipe", "seeds", "held-out avg@8", "entropy at the end", "final reward", "truncated frac",
+              "its metrics", "collapsed", "sha256", "commit"]
+    return "## DAPO, QAE and Dr. GRPO\n\n" + _wrapped(intro) + "\n" + _table(header, rows)
+
+
 def load_study(runs_dir: str | Path = "runs", name: Path = STUDY_FILE) -> dict[str, Any] | None:
     """A local study.json, or None."""
     return read_study(Path(runs_dir) / name)
 
 
 def render_results_md(results: list[dict[str, Any]], published: list[dict[str, Any]] | None = None,
-                      study: dict[str, Any] | None = None, async_study: dict[str, Any] | None = None) -> str:
-    results = [r for r in results if not str(r.get("recipe", "")).startswith(STUDY_RECIPES)]
+                      study: dict[str, Any] | None = None, async_study: dict[str, Any] | None = None,
+                      options_study: dict[str, Any] | None = None) -> str:
+    results = [r for r in results if not str(r.get("recipe", "")).startswith(STUDY_RECIPES)
+               and not str(r.get("run", "")).startswith(STUDY_RUNS)]
     parts = [HEADER, "## Recorded results\n"]
     if not results:
         parts.append("No results are recorded yet. `rlrecipe eval <recipe>` records one per benchmark;\n"
@@ -380,6 +424,8 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
         parts.append(study_section(study))
     if async_study:
         parts.append(async_section(async_study))
+    if options_study:
+        parts.append(options_section(options_study))
     return "\n".join(parts)
 
 
@@ -392,8 +438,9 @@ def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, An
     published = published_references() if Path("recipes").is_dir() else []
     study = load_stored_study(store) or load_study(runs_dir)
     async_study = load_stored_study(store, ASYNC_STUDY) or load_study(runs_dir, ASYNC_STUDY_FILE)
+    options_study = load_stored_study(store, OPTIONS_STUDY) or load_study(runs_dir, OPTIONS_STUDY_FILE)
     atomic_write_text(path, render_results_md(all_results(runs_dir, store) if results is None else results, published,
-                                              study, async_study))
+                                              study, async_study, options_study))
     return path
 
 

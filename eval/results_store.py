@@ -21,6 +21,7 @@ STORE = Path("results")
 RECORDS = "records"
 STUDY = "mismatch-study.json"
 ASYNC_STUDY = "async-study.json"
+OPTIONS_STUDY = "options-study.json"
 DROP = {"per_problem"}  # per-problem detail stays in the run directory
 
 

@@ -1,0 +1,156 @@
+"""`make options-study`: DAPO's dynamic sampling and overlong handling, QAE and Dr. GRPO against
+tiny_rl on the tiny task, three seeds each, from the demo's SFT model.
+
+Each arm is a shipped recipe (recipes/tiny_rl.yaml, recipes/tiny_rl_<arm>.yaml) run with the same
+`rlrecipe rl` command a user would type, `--set run.seed=S`. One control beside them: tiny_rl with
+`rl.adv_norm=group`, since QAE's and Dr. GRPO's baselines are per group where tiny_rl normalises
+over the batch. The collapse rule is the mismatch study's, fixed before any run; nothing is tuned
+to an outcome. Finished runs are kept, so a killed study reruns only what is missing. The summary
+goes to runs/options-study/study.json and is kept in results/options-study.json, from which
+`rlrecipe results` renders RESULTS.md's "DAPO, QAE and Dr. GRPO".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlrecipe.eval.results_store import OPTIONS_STUDY, save_study
+
+from scripts.mismatch_study import COLLAPSE_DROP, WINDOW, _finished, _mean, collapsed
+
+# arm: (recipe, extra --set overrides)
+ARMS = {
+    "tiny_rl": ("recipes/tiny_rl.yaml", []),
+    "dynamic_sampling": ("recipes/tiny_rl_dynamic_sampling.yaml", []),
+    "overlong": ("recipes/tiny_rl_overlong.yaml", []),
+    "qae": ("recipes/tiny_rl_qae.yaml", []),
+    "dr_grpo": ("recipes/tiny_rl_dr_grpo.yaml", []),
+    "group_control": ("recipes/tiny_rl.yaml", ["rl.adv_norm=group"]),
+}
+SEEDS = [1, 2, 3]
+STUDY_DIR = Path("runs") / "options-study"
+# what each arm shows, averaged over its steps (absent metrics are left out)
+ARM_METRICS = ["ds_signal_share", "ds_groups_dropped", "ds_cap_hit", "overlong_filtered_frac",
+               "overlong_penalty_mean", "adv_zero_frac", "truncated_frac", "response_len_mean"]
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"opt-{arm.replace('_', '-')}-s{seed}"
+
+
+def run_one(arm: str, seed: int) -> dict:
+    """Train and evaluate (or keep a finished run); the run's row of the study."""
+    recipe, sets = ARMS[arm]
+    name = run_name(arm, seed)
+    run_dir = Path("runs") / name
+    status = "done"
+    if not _finished(run_dir):
+        args = ["rl", recipe, "--set", f"run.seed={seed}", "--set", f"run.name={name}"]
+        for s in sets:
+            args += ["--set", s]
+        resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+        args.append("--resume" if resume else "--overwrite")
+        print(f"== rlrecipe {' '.join(args)}", flush=True)
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", *args])
+        print(f"== {name}: exit {proc.returncode} after {time.time() - t0:.0f}s", flush=True)
+        if proc.returncode != 0:
+            status = "stopped"
+    return summarise_run(run_dir, arm, seed, status)
+
+
+def summarise_run(run_dir: Path, arm: str, seed: int, status: str) -> dict:
+    from rlrecipe.run.metrics_file import read_metrics
+
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r] if run_dir.is_dir() else []
+    first, last = rows[:WINDOW], rows[-WINDOW:]
+    row = {"arm": arm, "seed": seed, "run": str(run_dir), "recipe": ARMS[arm][0], "sets": ARMS[arm][1],
+           "status": status, "steps": len(rows)}
+    if rows:
+        row.update({"reward_final": _mean([r["reward_mean"] for r in last]),
+                    "accuracy_first": _mean([r["accuracy"] for r in first]),
+                    "accuracy_final": _mean([r["accuracy"] for r in last]),
+                    "entropy_final": _mean([r["entropy"] for r in last]),
+                    "tokens_generated": sum(r["tokens_generated"] for r in rows),
+                    "rollout_s": sum(r["rollout_s"] for r in rows)})
+        row.update({m: _mean([r[m] for r in rows]) for m in ARM_METRICS if m in rows[0]})
+    sha = run_dir / "recipe.sha256"
+    row["recipe_sha256"] = sha.read_text().strip() if sha.exists() else None
+    env = run_dir / "env.json"
+    row["commit"] = json.loads(env.read_text()).get("commit") if env.exists() else None
+    summary = run_dir / "eval" / "tiny-arith" / "summary.json"
+    row["eval_avg"] = json.loads(summary.read_text())["avg"] if summary.exists() else None
+    row["collapsed"] = collapsed(row)
+    return row
+
+
+def _sd(xs: list[float]) -> float | None:
+    return statistics.stdev(xs) if len(xs) > 1 else None
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One line per arm: means and sd across seeds, collapses, the arm's own metrics."""
+    out = []
+    for arm in ARMS:
+        group = [r for r in rows if r["arm"] == arm]
+        if not group:
+            continue
+        done = [r for r in group if r.get("steps")]
+        evals = [r["eval_avg"] for r in group if r.get("eval_avg") is not None]
+        entropies = [r["entropy_final"] for r in done]
+        out.append({
+            "arm": arm, "recipe": ARMS[arm][0], "sets": ARMS[arm][1], "seeds": sorted(r["seed"] for r in group),
+            "eval_avg_mean": _mean(evals) if evals else None, "eval_avg_sd": _sd(evals),
+            "entropy_final_mean": _mean(entropies) if entropies else None, "entropy_final_sd": _sd(entropies),
+            "reward_final_mean": _mean([r["reward_final"] for r in done]) if done else None,
+            "tokens_generated_mean": _mean([r["tokens_generated"] for r in done]) if done else None,
+            "collapsed": sum(r["collapsed"] for r in group),
+            "arm_metrics": {m: _mean([r[m] for r in done]) for m in ARM_METRICS if done and all(m in r for r in done)},
+            "recipe_sha256": sorted({r["recipe_sha256"] for r in group if r["recipe_sha256"]}),
+            "commits": sorted({r["commit"] for r in group if r.get("commit")}),
+        })
+    return out
+
+
+def write_study(rows: list[dict], plan: dict) -> Path:
+    from rlrecipe.core.atomic_io import atomic_write_text
+
+    STUDY_DIR.mkdir(parents=True, exist_ok=True)
+    path = STUDY_DIR / "study.json"
+    atomic_write_text(path, json.dumps({"plan": plan, "collapse_rule": (
+        f"train accuracy over the last {WINDOW} steps more than {COLLAPSE_DROP:.0%} (absolute) below the first "
+        f"{WINDOW} steps', or the run stopped (NaN/inf guard)"), "runs": rows, "table": aggregate(rows)}, indent=1))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    args = ap.parse_args(argv)
+    if not (Path("runs") / "tiny-sft" / "final").is_dir():
+        sys.exit("the study starts from the tiny SFT model: run `make demo` (or rlrecipe sft recipes/tiny_sft.yaml) first")
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        sys.exit(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    plan = {"arms": arms, "seeds": seeds}
+    rows: list[dict] = []
+    for seed in seeds:  # seeds outermost: a study cut short has every arm at the seeds it reached
+        for arm in arms:
+            rows.append(run_one(arm, seed))
+            write_study(rows, plan)
+    path = write_study(rows, plan)
+    print(f"study: {path}; kept as {save_study(json.loads(path.read_text()), name=OPTIONS_STUDY)}")
+    subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)
+
+
+if __name__ == "__main__":
+    main()

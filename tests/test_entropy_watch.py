@@ -65,10 +65,10 @@ def test_the_bad_step_guard_resumes_its_count():
     import pytest
 
     from rlrecipe.core.errors import UserError
-    from rlrecipe.stages.rl import BadStepGuard
+    from rlrecipe.train.bad_steps import BadStepGuard, rl_step_skipped
 
     bad, good = {"skipped_minibatches": 2.0, "minibatches": 2.0}, {"skipped_minibatches": 1.0, "minibatches": 2.0}
-    guard = BadStepGuard(limit=3)
+    guard = BadStepGuard(3, "rl", rl_step_skipped)
     guard.resume([bad, good, bad, bad])
     assert guard.in_a_row == 2
     with pytest.raises(UserError, match="step 5: .* 3 steps in a row"):

@@ -192,7 +192,8 @@ def test_an_edited_progress_file_is_refused_even_with_its_manifest_rewritten(tmp
     """progress.json says step 999, and the manifest was re-listed so sizes and sha256s check out: the
     step recorded at write time still disagrees."""
     from rlrecipe.algo.entropy_watch import EntropyWatch
-    from rlrecipe.stages.rl import BadStepGuard, resume_rl
+    from rlrecipe.stages.rl import resume_rl
+    from rlrecipe.train.bad_steps import BadStepGuard, rl_step_skipped
 
     monkeypatch.delenv(ADOPT_ENV, raising=False)
     loaded = LoadedRecipe(recipe=recipe_from_dict({"run": {"name": "r", "output_dir": str(tmp_path / "runs")},
@@ -214,7 +215,7 @@ def test_an_edited_progress_file_is_refused_even_with_its_manifest_rewritten(tmp
     resumed = Run(loaded, "rl", resume=True)
     with pytest.raises(UserError, match=r"its state is at step 999, but its manifest records step 4; not resuming"):
         resume_rl(resumed, Trainer(), None, EntropyWatch.from_config(loaded.recipe.rl.entropy_watch, quiet=True),
-                  BadStepGuard(3))
+                  BadStepGuard(3, "rl", rl_step_skipped))
 
 
 def test_a_checkpoint_from_before_identities_resumes_with_a_warning(tmp_path, capsys):

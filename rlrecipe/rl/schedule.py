@@ -16,7 +16,7 @@ from pathlib import Path
 from rlrecipe.core.dist import is_rank_zero
 from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.recipe.schema import Recipe
-from rlrecipe.rl.ahead import Collected, RolloutAhead, weights_version
+from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
 from rlrecipe.rollout.weight_transport import WeightTransport
 from rlrecipe.trajectory.arrays import broadcast_batch_from_rank_zero
 
@@ -76,7 +76,9 @@ class StepRollout:
     """Each step's graded batch, and the engine's weights kept to the schedule."""
 
     def __init__(self, recipe: Recipe, collect: Callable, weights: WeightsOut, start: int,
-                 pending: list[Collected]):
+                 resumed_from: Path | None = None):
+        """`resumed_from`: the checkpoint a resumed run starts from, holding the batches collected ahead
+        of `start` (`save`)."""
         self.lag, self.every, self.steps = recipe.rl.async_lag, recipe.rollout.weight_update_every, recipe.rl.steps
         self.seed, self.weights = recipe.run.seed, weights
         self._collect = collect
@@ -92,7 +94,8 @@ class StepRollout:
             return
         if is_rank_zero():
             self.ahead = RolloutAhead(self._collect_step, weights.install, lambda: weights.engine.version)
-            self.ahead.restore(pending)
+            if resumed_from is not None:
+                self.ahead.restore(load_pending(resumed_from, range(start, min(start + self.lag, self.steps))))
             for step in range(start, min(start + self.lag, self.steps)):
                 if not self.ahead.scheduled(step):  # a fresh run: under the starting weights
                     self.ahead.schedule(step)
@@ -153,9 +156,9 @@ class StepRollout:
         if self.lag:
             self.weights.push(version)
 
-    def collected_ahead(self) -> list[Collected]:
-        """For a checkpoint: the batches collected and not yet trained, once the worker is idle."""
-        return self.ahead.drain() if self.ahead is not None else []
+    def save(self, ckpt_dir: Path) -> None:
+        """Into a checkpoint (rank 0): the batches collected and not yet trained, once the worker is idle."""
+        save_pending(ckpt_dir, self.ahead.drain() if self.ahead is not None else [])
 
     def close(self) -> None:
         if self.ahead is not None:

@@ -10,23 +10,22 @@ import json
 import time
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
 from rlrecipe.algo.dapo import overlong_penalty
-from rlrecipe.algo.entropy_watch import EntropyWatch, trailing_run
+from rlrecipe.algo.entropy_watch import EntropyWatch
 from rlrecipe.algo.ppo import LossSettings, Remedies, aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.core.atomic_io import atomic_write_text
 from rlrecipe.core.console import console
 from rlrecipe.core.dist import broadcast_from_rank_zero, is_rank_zero
-from rlrecipe.core.errors import UserError
 from rlrecipe.data.io import load_rows
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.recipe.systems import RolloutSection
 from rlrecipe.recipe.training import RLSection
 from rlrecipe.reward import Grader, grade_trajectories
-from rlrecipe.rl.ahead import Collected, load_pending, save_pending
 from rlrecipe.rl.pool import PromptStream, RolloutPool
 from rlrecipe.rl.schedule import StepRollout, WeightsOut
 from rlrecipe.rollout.factory import make_rollout_engine
@@ -36,6 +35,7 @@ from rlrecipe.run.metrics_file import read_metrics
 from rlrecipe.run.record import Run
 from rlrecipe.stages.lifecycle import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
+from rlrecipe.train.bad_steps import BadStepGuard, rl_step_skipped
 from rlrecipe.train.base import TrainSample, add_sums
 from rlrecipe.train.reference import make_reference
 from rlrecipe.trajectory.arrays import TrajectoryBatch
@@ -251,8 +251,8 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                                 temperature=recipe.rollout.temperature)
     reference = make_reference(recipe, stage.model_dir)  # None unless rl.kl_coef > 0
     watch = EntropyWatch.from_config(cfg.entropy_watch, quiet=not lead)
-    guard = BadStepGuard(cfg.max_bad_steps)
-    start, pending = resume_rl(run, trainer, pool, watch, guard)
+    guard = BadStepGuard(cfg.max_bad_steps, "rl", rl_step_skipped)
+    start, resumed_from = resume_rl(run, trainer, pool, watch, guard)
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir,
                                  beside_training=True) if lead else None
     weights_out = WeightsOut(trainer, engine, run, tokenizer, weight_transport(recipe.rollout.engine,
@@ -263,7 +263,7 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
     try:
         with Grader() as grader:
             collect = partial(collect_graded, pool, engine, params, tokenizer, grader, cfg)
-            rollout = StepRollout(recipe, collect, weights_out, start, pending)
+            rollout = StepRollout(recipe, collect, weights_out, start, resumed_from)
             for step in range(start, cfg.steps):
                 timer = StepTimer()
                 with timer("rollout_s"):  # synchronous: collected now; asynchronous: collected ahead
@@ -282,7 +282,7 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                     metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
                 run.log(step + 1, metrics, total=cfg.steps)
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                    save_rl_checkpoint(run, step + 1, trainer, pool, rollout.collected_ahead())
+                    save_rl_checkpoint(run, step + 1, trainer, pool, rollout)
     finally:
         if rollout is not None:
             rollout.close()
@@ -329,61 +329,35 @@ class StepTimer:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - t0
 
 
-class BadStepGuard:
-    """Stops the run after `limit` steps in a row whose every minibatch had a NaN/inf loss or gradient
-    (the engine skipped them), rather than training on nothing."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.in_a_row = limit, 0
-
-    @staticmethod
-    def bad(update: dict[str, float]) -> bool:
-        return update["skipped_minibatches"] == update["minibatches"]
-
-    def resume(self, updates: list[dict[str, float]]) -> None:
-        """The count as it stood after these steps' logged updates (a resumed run's, in order)."""
-        self.in_a_row = trailing_run(updates, self.bad)
-
-    def check(self, update: dict[str, float], step: int) -> None:
-        self.in_a_row = self.in_a_row + 1 if self.bad(update) else 0
-        if self.in_a_row >= self.limit:
-            raise UserError(f"step {step}: loss or gradient was NaN/inf in {self.in_a_row} steps in a row; "
-                            "lower trainer.lr or check the data")
-
-
-def save_rl_checkpoint(run: Run, step: int, trainer, pool: RolloutPool | None, ahead: list[Collected]) -> None:
-    """trainer/ (every rank's part), the pool's arrays, the batches collected ahead and progress.json
-    (rank 0)."""
+def save_rl_checkpoint(run: Run, step: int, trainer, pool: RolloutPool | None, rollout: StepRollout) -> None:
+    """trainer/ (every rank's part), the pool's arrays, the schedule's batches collected ahead and
+    progress.json (rank 0)."""
     with run.writing_checkpoint(step) as d:
+        if pool is not None:
+            rollout.save(d)  # first: it waits for the worker, so the pool saved below is the one it left
         trainer.save(d / "trainer")
         if pool is not None:
             pool.save(d / POOL_FILE)
-            save_pending(d, ahead)
             atomic_write_text(d / "progress.json", json.dumps({"step": step}))
 
 
 def resume_rl(run: Run, trainer, pool: RolloutPool | None, watch: EntropyWatch, guard: BadStepGuard
-              ) -> tuple[int, list[Collected]]:
-    """The step to start from: 0, or the chosen checkpoint's (trainer, pool, the batches collected
-    ahead of it, metrics and the streak counts restored)."""
+              ) -> tuple[int, Path | None]:
+    """The step to start from and the checkpoint it was read from: 0 and None, or the chosen
+    checkpoint's (trainer, pool, metrics and the streak counts restored; the schedule restores its
+    own batches collected ahead from it)."""
     ckpt = broadcast_from_rank_zero(run.latest_checkpoint)
     if ckpt is None:
-        return 0, []
+        return 0, None
     trainer.load(ckpt / "trainer")
     start = json.loads((ckpt / "progress.json").read_text())["step"]
     check_resume_step(ckpt, start)  # an edited progress.json must not skip or repeat steps
-    pending: list[Collected] = []
     if pool is not None:
-        if (ckpt / POOL_FILE).exists():
-            pool.load(ckpt / POOL_FILE)
-        else:  # checkpoints written before the pool was stored as arrays
-            pool.load_state_dict(json.loads((ckpt / "pool.json").read_text()))
-        lag, steps = run.recipe.rl.async_lag, run.recipe.rl.steps
-        pending = load_pending(ckpt, range(start, min(start + lag, steps)))
+        pool.load(ckpt / POOL_FILE)
         run.truncate_metrics(start)
         console.print(f"resumed from {ckpt} at step {start}")
     resume_streaks(run, watch, guard)
-    return start, pending
+    return start, ckpt
 
 
 def resume_streaks(run: Run, watch: EntropyWatch, guard: BadStepGuard) -> None:

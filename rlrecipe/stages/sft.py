@@ -22,6 +22,7 @@ from rlrecipe.run.metrics_file import read_metrics
 from rlrecipe.run.record import Run
 from rlrecipe.stages.lifecycle import Stage, finish_stage, start_stage
 from rlrecipe.train import make_train_engine
+from rlrecipe.train.bad_steps import BadStepGuard, sft_step_skipped
 from rlrecipe.train.base import TrainSample
 
 
@@ -49,7 +50,7 @@ def batch_for_step(samples: list[TrainSample], step: int, batch_size: int, seed:
 
 
 # Consecutive steps whose loss or gradient was NaN/inf (the engine skipped their update) before SFT
-# stops, as rl.max_bad_steps does for RL: training on nothing must not end in exit 0.
+# stops, as rl.max_bad_steps does for RL.
 MAX_BAD_STEPS = 3
 
 
@@ -80,7 +81,8 @@ def _train(loaded: LoadedRecipe, stage: Stage) -> dict:
     total = cfg.max_steps or cfg.epochs * per_epoch
     engine = make_train_engine(recipe.trainer, recipe.model, stage.model_dir, total)
     start = resume_sft(engine, run)
-    bad = trailing_bad_steps(run, start)
+    guard = BadStepGuard(MAX_BAD_STEPS, "sft", sft_step_skipped)
+    guard.resume(read_metrics(run.metrics_path))  # the metrics were cut back to the checkpoint
     console.print(f"SFT: {len(samples)} examples ({cut} cut to max_length), {total} steps of "
                   f"{cfg.batch_size}; model {stage.model_dir}")
     from rich.progress import Progress
@@ -91,10 +93,7 @@ def _train(loaded: LoadedRecipe, stage: Stage) -> dict:
             t0 = time.time()
             batch = batch_for_step(samples, step, cfg.batch_size, recipe.run.seed)
             stats = sft_step(engine, batch)
-            bad = bad + 1 if stats["skipped"] else 0
-            if bad >= MAX_BAD_STEPS:
-                raise UserError(f"sft step {step + 1}: loss or gradient was NaN/inf in {bad} steps in a row; "
-                                "lower trainer.lr or check the data")
+            guard.check(stats, step + 1)
             step_s = time.time() - t0
             # tokens_per_s counts every token the step ran (prompt and response); `tokens` only the response
             metrics = {**stats, "step_s": step_s, "tokens_per_s": sum(len(s.input_ids) for s in batch) / step_s,
@@ -107,16 +106,6 @@ def _train(loaded: LoadedRecipe, stage: Stage) -> dict:
                 with run.writing_checkpoint(step + 1) as d:
                     engine.save(d)
     return finish_stage(stage, engine, token_columns=("tokens",))
-
-
-def trailing_bad_steps(run: Run, upto: int) -> int:
-    """Skipped (NaN/inf) steps in a row at the end of the metrics a resumed run keeps."""
-    n = 0
-    for row in read_metrics(run.metrics_path):
-        if row.get("step", 0) <= upto:
-            n = n + 1 if row.get("skipped") else 0
-    return n
-
 
 
 def resume_sft(engine, run: Run) -> int:

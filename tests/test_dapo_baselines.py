@@ -341,8 +341,13 @@ def test_budgeted_dynamic_sampling_trains_whole_groups_with_signal_up_to_phi(mon
                   c3po={"enabled": True, "token_budget": budget, "pool_capacity": 9, "max_staleness": 2,
                         "surplus": surplus})
     again.load(tmp_path / "pool.safetensors")
+    assert pool.held  # the checkpoint holds rollouts waiting for their groups
     for a, b in ((pool.in_flight, again.in_flight), (pool.held, again.held), (pool.carried, again.carried)):
         assert [t.uid for t in a] == [t.uid for t in b]
+    # and the next steps go on as they would have
+    for step in (6, 7):
+        got = [p.collect(ScriptedEngine(_lengths), params, seed=step, judge=judge_by_pattern)[0] for p in (pool, again)]
+        assert [(t.uid, t.response_ids, t.correct) for t in got[0]] == [(t.uid, t.response_ids, t.correct) for t in got[1]]
 
 
 def test_budgeted_dynamic_sampling_past_its_cap_trains_groups_without_signal(monkeypatch):

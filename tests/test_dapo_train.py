@@ -56,3 +56,42 @@ def test_option_runs_with_icepop_c3po_and_async_lag(tmp_path, tiny_model_dir, mo
         assert all(-1 <= r["overlong_penalty_mean"] <= -r["truncated_frac"] for r in rows)
     if cfg.adv_norm in ("group_mean", "group_quantile"):
         assert all(0 < r["adv_zero_frac"] < 1 for r in rows)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_dynamic_run_stopped_after_a_checkpoint_resumes_to_the_same_metrics(tmp_path, tiny_model_dir, monkeypatch):
+    """The pool's checkpoint and the batches collected ahead beside it: the resumed run is the
+    uninterrupted one, metric for metric (held rollouts: tests/test_dapo_baselines.py)."""
+    from rlrecipe.stages import rl as stage
+
+    monkeypatch.setattr("rlrecipe.stages.rl.grade_trajectories", _verdict_by_tokens)
+    data = write_tiny_data(tmp_path / "data")
+
+    def loaded(root):
+        spec = rl_recipe(root, data, str(tiny_model_dir), steps=4, save_every=2, async_lag=1, **OPTIONS["all"])
+        spec["eval"] = {}
+        return LoadedRecipe(recipe=recipe_from_dict(spec), path="all.yaml")
+
+    run_rl(loaded(tmp_path / "a"))
+    save = stage.save_rl_checkpoint
+
+    def save_then_stop(run, step, *args):
+        save(run, step, *args)
+        if step == 2:
+            raise _Stop
+
+    monkeypatch.setattr(stage, "save_rl_checkpoint", save_then_stop)
+    with pytest.raises(_Stop):
+        run_rl(loaded(tmp_path / "b"))
+    monkeypatch.setattr(stage, "save_rl_checkpoint", save)
+    run_rl(loaded(tmp_path / "b"), resume=True)
+
+    def untimed(root):
+        rows = [json.loads(x) for x in (root / "runs" / "rl" / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.endswith("_s") and k != "gen_tokens_per_s"} for r in rows]
+
+    a, b = untimed(tmp_path / "a"), untimed(tmp_path / "b")
+    assert len(a) == 4 and a == b

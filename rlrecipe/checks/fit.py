@@ -16,18 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from rlrecipe.checks.plan import (
-    BYTES,
-    GIB,
-    ModelDims,
-    model_dims,
-    plan,
-    rank0_host_parts,
-    rollout_budget,
-    sglang_memory,
-    stage_of,
-    train_budget,
-)
+from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, model_dims
+from rlrecipe.checks.plan import plan, rank0_host_parts, rollout_budget, sglang_memory, stage_of, train_budget
 from rlrecipe.checks.step_time import (
     Lengths,
     Rates,
@@ -313,9 +303,12 @@ class Search:
     def first_failure(self) -> str:
         m = self.machine
         if m.total < 2:
+            alone = min((o for o in self.train_options(1, 1)), key=lambda o: o.peak)
+            over = (f"; training alone would need {alone.peak / GIB:.1f} GiB of it ({alone.label})"
+                    if alone.peak > self.limit else "")
             return ("rollout and training need GPUs of their own: SGLang's servers start on the GPUs after the "
                     "trainer's, and sharing one GPU would need the trainer's weights, gradients and optimizer "
-                    "state moved to host memory while SGLang generates, which rlrecipe does not do")
+                    f"state moved to host memory while SGLang generates, which rlrecipe does not do{over}")
         splits = self.splits()
         trains = [o for t, tn, _, _ in splits for o in self.train_options(t, tn)]
         if not any(o.peak <= self.limit for o in trains):
@@ -331,14 +324,15 @@ class Search:
                 f"{seq}-token sequence's KV cache (memory fraction at most {max(self.fractions(), default=0):.2f})")
 
 
-def smallest_fitting(loaded: LoadedRecipe, dims: ModelDims, card_gib: float) -> list[Machine]:
+def smallest_fitting(loaded: LoadedRecipe, dims: ModelDims, card_gib: float,
+                     host_gib: float | None = None) -> list[Machine]:
     """The fewest GPUs of this card size that fit, and the machine with the least GPU memory in all
-    (of MACHINES x CARDS_GIB), if that is another."""
+    (of MACHINES x CARDS_GIB, nodes of `host_gib`), if that is another."""
     def fits(machine: Machine) -> bool:
         return bool(Search(loaded, machine, dims).layouts())
 
     def first(cards) -> Machine | None:
-        tried = sorted((Machine(g, n, c) for c in cards for g, n in MACHINES), key=lambda m: (m.total * m.gpu_memory_gib,
+        tried = sorted((Machine(g, n, c, host_gib) for c in cards for g, n in MACHINES), key=lambda m: (m.total * m.gpu_memory_gib,
                                                                                              m.total))
         return next((m for m in tried if fits(m)), None)
 
@@ -352,8 +346,9 @@ def fit(loaded: LoadedRecipe, machine: Machine) -> Fit:
     layouts = search.layouts()
     if layouts:
         return Fit(loaded, machine, layouts)
-    smallest = smallest_fitting(loaded, search.dims, machine.gpu_memory_gib)
-    hint = (" Smallest that fits: " + ", or ".join(m.label for m in smallest) + "." if smallest
+    smallest = smallest_fitting(loaded, search.dims, machine.gpu_memory_gib, machine.host_memory_gib)
+    host = f" with {machine.host_memory_gib:g} GiB a node" if machine.host_memory_gib is not None else ""
+    hint = (f" Smallest that fits{host}: " + ", or ".join(m.label for m in smallest) + "." if smallest
             else " Nothing up to 16 x 8 x 141 GB fits.")
     return Fit(loaded, machine, [], refusal=f"{loaded.path} does not fit {machine.label}: {search.first_failure()}."
                + hint)

@@ -215,3 +215,14 @@ def test_table_figures_follow_from_each_other():
     # its training side is the fastest fitting option on its GPUs
     options = [o for o in search.train_options(best.train.ranks, 1) if search.train_fits(o)]
     assert best.train.time.seconds == min(o.time.seconds for o in options)
+
+
+def test_readme_lists_each_shipped_fitted_recipe_with_its_projected_hours():
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    for name in SHIPPED:
+        header = (REPO / "recipes" / name).read_text()
+        hours = int(re.search(r"Projected .*?, (\d+) h for its", header).group(1))
+        row = next(ln for ln in readme.splitlines() if ln.startswith(f"| `recipes/{name}` |"))
+        assert f"projected {hours:,} h" in row, name

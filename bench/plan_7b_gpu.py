@@ -32,7 +32,8 @@ def compare(result: dict) -> list[dict]:
 
 def _compare_sweep(result: dict) -> list[dict]:
     from bench.logprob_memory import SHAPES, VOCAB
-    from rlrecipe.checks.plan import ModelDims, train_budget
+    from rlrecipe.checks.model_dims import ModelDims
+    from rlrecipe.checks.plan import train_budget
     from rlrecipe.recipe.schema import recipe_from_dict
 
     h, inter, layers, heads, kv = SHAPES[result["shape"]]

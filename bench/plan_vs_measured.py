@@ -54,7 +54,7 @@ CONFIGS = [
 
 
 def dims_of(cfg) -> tuple:
-    from rlrecipe.checks.plan import ModelDims
+    from rlrecipe.checks.model_dims import ModelDims
 
     h, inter, layers, heads, kv, vocab, _, _ = cfg
     return ModelDims(vocab=vocab, hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, tied=False)

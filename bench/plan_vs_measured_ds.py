@@ -69,7 +69,8 @@ def recipe_of(cfg, ranks: int = RANKS, dtype: str = "float32"):
 
 
 def predicted(cfg, device: str = "cpu", ranks: int = RANKS) -> dict[str, float]:
-    from rlrecipe.checks.plan import ModelDims, train_budget
+    from rlrecipe.checks.model_dims import ModelDims
+    from rlrecipe.checks.plan import train_budget
 
     h, inter, layers, heads, kv, vocab, *_ = cfg
     dims = ModelDims(vocab=vocab, hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, tied=False)

@@ -237,7 +237,8 @@ def bench_logprob_memory() -> dict:
     """Peak memory per token of one micro-batch at V = 152,064: full logits (before) vs chunked (the
     trainer's path), measured beside the plan's estimate of the chunked log-prob term."""
     from bench.logprob_memory import SHAPES, VOCAB, run
-    from rlrecipe.checks.plan import ModelDims, logprob_bytes
+    from rlrecipe.checks.model_dims import ModelDims
+    from rlrecipe.checks.plan import logprob_bytes
 
     tokens, chunk = [2048, 4096], 1024
     res = run("tiny", tokens, "cpu", chunk)

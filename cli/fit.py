@@ -27,7 +27,7 @@ def fit(recipe: Annotated[Path, typer.Argument(help="recipe YAML to lay out")],
     fit, fastest first; --out writes the best as a recipe that says what changed and why."""
     from rlrecipe.checks.fit import FIT_MARGIN, check_machine, write_fitted
     from rlrecipe.checks.fit import fit as fit_layouts
-    from rlrecipe.checks.plan import GIB
+    from rlrecipe.checks.model_dims import GIB
     from rlrecipe.recipe.schema import load_recipe
 
     machine = check_machine(gpus, nodes, gpu_memory, host_memory)

@@ -7,15 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rlrecipe.checks.plan import (
-    GIB,
-    TINY_TOKENIZER_SIZE,
-    ModelDims,
-    plan,
-    rollout_budget,
-    step_phases,
-    train_budget,
-)
+from rlrecipe.checks.model_dims import GIB, TINY_TOKENIZER_SIZE, ModelDims
+from rlrecipe.checks.plan import plan, rollout_budget, step_phases, train_budget
 from rlrecipe.modeling import build_char_tokenizer
 from rlrecipe.recipe.schema import load_recipe
 
@@ -33,7 +26,7 @@ def test_parameter_count_matches_transformers(tied):
 
 
 def test_shipped_model_dims_give_the_published_sizes():
-    from rlrecipe.checks.plan import _hub_config
+    from rlrecipe.checks.model_dims import _hub_config
 
     d32 = ModelDims.from_config(_hub_config("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", None))
     assert d32.params() == 32_763_876_352  # Qwen2.5-32B's count, as published

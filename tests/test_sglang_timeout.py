@@ -4,7 +4,8 @@ import math
 import shutil
 from pathlib import Path
 
-from rlrecipe.checks.plan import SHIPPED_CONFIGS, kv_cache_tokens
+from rlrecipe.checks.model_dims import SHIPPED_CONFIGS
+from rlrecipe.checks.plan import kv_cache_tokens
 from rlrecipe.recipe.schema import load_recipe
 from rlrecipe.rollout.sglang import SGLangEngine
 

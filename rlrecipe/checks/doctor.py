@@ -366,7 +366,7 @@ def check_fp16_start(recipe: Recipe) -> Check | None:
 
 # -- all of them ----------------------------------------------------------------------------------
 def _dims(loaded: LoadedRecipe):
-    from rlrecipe.checks.plan import model_dims
+    from rlrecipe.checks.model_dims import model_dims
     from rlrecipe.core.errors import UserError
 
     try:

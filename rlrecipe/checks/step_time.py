@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from rlrecipe.checks.plan import BYTES, ModelDims
+from rlrecipe.checks.model_dims import BYTES, ModelDims
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ class GenerationClient:
         config = Path(model_dir) / "config.json"
         if not config.is_file():
             return
-        from rlrecipe.checks.plan import ModelDims, sglang_memory
+        from rlrecipe.checks.model_dims import ModelDims
+        from rlrecipe.checks.plan import sglang_memory
 
         _, _, kv, kv_token = sglang_memory(recipe, ModelDims.from_config(json.loads(config.read_text())))
         self.kv_tokens, self.prompt_tokens = int(kv // kv_token), recipe.data.max_prompt_tokens

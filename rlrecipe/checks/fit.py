@@ -11,6 +11,7 @@ fitted recipe trains the same thing (docs/gpu.md, "How fit decides").
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,7 @@ ZERO = ((3, False, False), (2, False, False), (1, False, False), (3, True, False
         (1, True, False), (3, True, True))
 CHUNK_DIVISORS = (1, 2, 4)
 # Card sizes and machines tried for "the smallest hardware that fits" (GiB; GPUs per node, nodes).
+HEADER_WIDTH = 105  # the fitted recipe's header lines
 CARDS_GIB = (24, 40, 48, 80, 96, 141)
 MACHINES = ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8), (8, 16))
 
@@ -475,7 +477,9 @@ def _header(fitted: Fit, layout: Layout, out: Path, recipe: Recipe, changes: dic
         grouped.setdefault(why.get(key, ""), []).append(f"{key} {_get(fitted.source.recipe, key)} -> {value}")
     for reason, fields in grouped.items():
         lines.append(f"#   {', '.join(fields)}: {reason}")
-    return "\n".join(lines) + "\n"
+    wrapped = [textwrap.fill(line, width=HEADER_WIDTH, subsequent_indent="#     " if line.startswith("#   ") else "#   ",
+                             break_long_words=False, break_on_hyphens=False) for line in lines]
+    return "\n".join(wrapped) + "\n"
 
 
 def _dump(data: dict) -> str:

@@ -73,3 +73,27 @@ def test_results_rows_show_the_algorithm_hash(monkeypatch):
     col = header.index("algorithm sha256")
     assert [r[col] for r in rows] == ["a" * 12, boba.recipe.algorithm_sha256()[:12], "-"]
     assert algorithm_sha256({**older, "recipe": "recipes/nope.yaml"}) is None
+
+
+def test_an_evaluation_summary_records_the_algorithm_hash(tmp_path, tiny_model_dir):
+    from rlrecipe.eval.runner import evaluate_benchmarks
+
+    from rlrecipe.modeling import load_tokenizer
+    from rlrecipe.recipe.schema import recipe_from_dict
+    from rlrecipe.reward import Grader
+    from rlrecipe.rollout.inprocess import InProcessEngine
+
+    from .helpers import write_tiny_data
+
+    data = write_tiny_data(tmp_path / "data", n=2)
+    recipe = recipe_from_dict({"run": {"name": "ev", "output_dir": str(tmp_path / "runs")},
+                               "model": {"path": str(tiny_model_dir)}, "data": {"prompt_template": "plain"},
+                               "eval": {"benchmarks": [{"name": "tiny", "path": str(data / "eval.jsonl")}],
+                                        "n_samples": 1, "max_new_tokens": 4, "pass_k": [1]}})
+    tok = load_tokenizer(tiny_model_dir)
+    engine = InProcessEngine(tiny_model_dir, tok.eos_token_id, tok.pad_token_id, dtype="float32", max_batch=4)
+    with Grader(timeout=2.0) as grader:
+        summary = evaluate_benchmarks(recipe, engine, tok, grader, out_dir=tmp_path / "eval", model="m",
+                                      recipe_path="r.yaml", recipe_sha256=recipe.sha256())["tiny"]
+    assert summary["algorithm_sha256"] == recipe.algorithm_sha256() != recipe.sha256()
+    assert '"algorithm_sha256"' in (tmp_path / "eval" / "tiny" / "summary.json").read_text()

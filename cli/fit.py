@@ -35,7 +35,8 @@ def fit(recipe: Annotated[Path, typer.Argument(help="recipe YAML to lay out")],
     result = fit_layouts(loaded, machine)
     if result.refusal:
         raise UserError(result.refusal)
-    table = Table(title=f"{recipe} on {machine.label}: {len(result.layouts)} layouts fit "
+    count = len(result.layouts)
+    table = Table(title=f"{recipe} on {machine.label}: {count} layout{' fits' if count == 1 else 's fit'} "
                         f"({FIT_MARGIN:.0%} of each GPU kept free), fastest first", title_justify="left")
     for col in ("#", "GPUs t+r", "training", "rollout", "GiB/GPU t|r", "host GiB", "s: roll|train",
                 "step s", "s/1M tok", f"h/{loaded.recipe.rl.steps}"):

@@ -46,7 +46,7 @@ def _fit_to(tmp_path, monkeypatch, source: str, gpus: int, nodes: int, mem: floa
 def test_fit_writes_a_layout_the_plan_and_validate_accept(machine, tmp_path, monkeypatch):
     gpus, nodes, mem = MACHINES[machine]
     out, printed = _fit_to(tmp_path, monkeypatch, SOURCE, gpus, nodes, mem, f"7b_boba_{machine}.yaml")
-    assert "layouts fit" in printed and f"wrote {out}" in " ".join(printed.split())
+    assert ("layouts fit" in printed or "1 layout fits" in printed) and f"wrote {out}" in " ".join(printed.split())
     fitted, source = load_recipe(out).recipe, load_recipe(REPO / SOURCE).recipe
     assert fitted.algorithm_sha256() == source.algorithm_sha256() and fitted.sha256() != source.sha256()
     # what is trained, field by field, not only through the hash

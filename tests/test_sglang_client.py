@@ -333,19 +333,39 @@ def test_requests_fit_the_context_and_a_full_context_truncates(engine, tok, serv
     assert ctx == 256  # the tiny model's max_position_embeddings, from /server_info
     params = SamplingParams(max_new_tokens=300)
     near, full = prompts(tok, 2)
-    for t, total in ((near, ctx - 5), (full, ctx)):
+    # SGLang 0.5.23: an input of max_req_input_len (context - 6) tokens or more is refused, and so is
+    # input + new above the context
+    max_input = requests.get(server["url"] + "/server_info", timeout=10).json()["max_req_input_len"]
+    assert max_input == ctx - 6
+    for t, total in ((near, ctx - 8), (full, max_input)):
         filler = tok.encode("0123456789" * 30)[:total - len(t.prompt_ids)]
         t.response_ids, t.logp_infer, t.versions = list(filler), [0.0] * len(filler), [0] * len(filler)
     # the server refuses what cannot fit, as SGLang does ...
-    r = requests.post(server["url"] + "/generate", json={"input_ids": near.prompt_ids + near.response_ids,
-                                                        "sampling_params": {"max_new_tokens": 6}}, timeout=30)
-    assert r.status_code == 400 and "context length" in r.json()["message"]
+    for ids, new, what in ((near.prompt_ids + near.response_ids, 9, "context length"),
+                           (full.prompt_ids + full.response_ids, 1, "maximum allowed length")):
+        r = requests.post(server["url"] + "/generate", json={"input_ids": ids, "sampling_params":
+                                                            {"max_new_tokens": new}}, timeout=30)
+        assert r.status_code == 400 and what in r.json()["message"]
     # ... so the engine asks only for the room left, and does not send a trajectory with none
     before = len(full.response_ids)
     engine.generate([near, full], params, seed=5)
     assert near.num_tokens <= ctx and near.done
     assert full.status == Status.TRUNCATED and len(full.response_ids) == before
     assert full.meta["truncated_by_server"]
+
+
+def test_requests_follow_the_servers_version(tok):
+    """The context edge and sampling_seed as each end of the pin has them (read from SGLang's packages)."""
+    from rlrecipe.rollout.sglang_versions import Dialect, dialect_of, parse_version, room
+
+    old, new, unknown = Dialect((0, 5, 1)), Dialect((0, 5, 23)), dialect_of({"version": "custom-build"})
+    assert parse_version("0.5.3.post1") == (0, 5, 3) and unknown.version is None
+    assert room(old, 256, 250, 200) == 55 and room(new, 256, 250, 200) == 56  # == context: refused before 0.5.11
+    assert room(unknown, 256, 250, 200) == 55  # an unknown version gets the stricter edge
+    assert room(new, 256, 250, 250) == 0 and room(new, None, None, 10) is None
+    assert not old.sampling_seed and Dialect((0, 5, 3)).sampling_seed and unknown.sampling_seed
+    assert not old.weight_update_session and not Dialect((0, 5, 20)).weight_update_session
+    assert Dialect((0, 5, 21)).weight_update_session and not Dialect((0, 5, 2)).destroy_group
 
 
 def test_weights_changed_behind_the_engine_are_detected(engine, tok, tiny_model_dir, server):

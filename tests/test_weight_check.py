@@ -1,8 +1,11 @@
-"""The fingerprint after each weight push (rollout/weight_check.py) against `rlrecipe serve`, including a
-server whose weight load is sabotaged: the update answers 200, the weights stay the old ones."""
+"""Weight verification after each push (rollout/weight_check.py, weight_checksum.py) against `rlrecipe serve`,
+which answers as SGLang 0.5.23 does: /weights_checker checksums for any model, /get_weights_by_name only for
+Llama-like ones. One server is faithful; one answers every update with 200 and keeps its weights (from
+weight version KEEP_FROM on, given as its third argument: 0 keeps the weights it started with)."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import textwrap
@@ -16,18 +19,27 @@ from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout import weight_check
 from rlrecipe.rollout.sglang import SGLangEngine
+from rlrecipe.rollout.weight_checksum import ServerChecksums, judge, model_checksums, tensor_checksum
 from tests.test_sglang_client import BOOT_TIMEOUT_S, free_port, rlrecipe_cmd, stop_process
 
-# `rlrecipe serve` whose engine answers every weight update without loading anything
 SABOTAGED = textwrap.dedent("""
     import sys
-    from rlrecipe.rollout.inprocess import InProcessEngine
+    from rlrecipe.rollout.weight_sync import receive
+    from rlrecipe.serve import scheduler
 
-    def keep_old_weights(self, source, version):
-        self.version = version
+    KEEP_FROM = int(sys.argv[3])
+    real_load = scheduler.Scheduler._load_update
 
-    InProcessEngine.update_weights_from_disk = keep_old_weights
-    InProcessEngine.update_weights_from_state = keep_old_weights
+    def load_or_keep(self, job):
+        version = job.get("weight_version")
+        if version is None or int(version) < KEEP_FROM:
+            return real_load(self, job)
+        if "group" in job:  # the broadcast is received, or the trainer would wait for it
+            receive(job["group"], job["names"], job["dtypes"], job["shapes"])
+        self.weight_version = str(version)
+        job["result"] = {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    scheduler.Scheduler._load_update = load_or_keep
     from rlrecipe.serve.http_server import serve_forever
 
     serve_forever(sys.argv[1], port=int(sys.argv[2]))
@@ -60,7 +72,7 @@ def servers(tiny_model_dir, tmp_path_factory):
     try:
         good, good_url = start([*rlrecipe_cmd(), "serve", str(tiny_model_dir), "--port", str(p1)], p1, tmp / "good.log")
         procs.append(good)
-        bad, bad_url = start([sys.executable, str(tmp / "sabotaged.py"), str(tiny_model_dir), str(p2)], p2,
+        bad, bad_url = start([sys.executable, str(tmp / "sabotaged.py"), str(tiny_model_dir), str(p2), "0"], p2,
                              tmp / "bad.log")
         procs.append(bad)
         yield {"good": good_url, "bad": bad_url}
@@ -74,16 +86,46 @@ def tok(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-def test_the_endpoint_answers_as_sglang_first_rows_as_float32_lists(servers, tiny_model_dir):
-    model = load_model(tiny_model_dir)
-    for name in ("model.layers.0.self_attn.k_proj.weight", "model.norm.weight"):
-        for method in ("post", "get"):  # SGLang routes both, with the JSON body
-            r = getattr(requests, method)(servers["good"] + "/get_weights_by_name",
-                                          json={"name": name, "truncate_size": 3}, timeout=30)
-            assert r.status_code == 200
-            assert torch.equal(torch.tensor(r.json()), model.get_parameter(name)[:3].float())
-    r = requests.post(servers["good"] + "/get_weights_by_name", json={"name": "no.such.weight"}, timeout=30)
-    assert r.status_code == 400 and "error" in r.json()
+def test_get_weights_by_name_answers_as_sglang_only_for_the_models_sglang_has_it_for(servers, tmp_path):
+    """Qwen2 (the tiny model, every recipe's family): 400 as SGLang 0.5.23; a Llama model: first rows
+    as float32 lists, on POST and GET with the JSON body."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlrecipe.modeling import build_char_tokenizer
+    from tests.helpers import serving_in_thread
+
+    r = requests.post(servers["good"] + "/get_weights_by_name", json={"name": "model.norm.weight"}, timeout=30)
+    assert r.status_code == 400 and r.json() == {"error": {"message": "Get parameter by name failed"}}
+    llama_dir = tmp_path / "llama"
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
+    llama.save_pretrained(llama_dir)
+    build_char_tokenizer().save_pretrained(llama_dir)
+    with serving_in_thread(llama_dir) as (port, _):
+        for name in ("model.layers.0.self_attn.k_proj.weight", "model.norm.weight"):
+            for method in ("post", "get"):
+                r = getattr(requests, method)(f"http://127.0.0.1:{port}/get_weights_by_name",
+                                              json={"name": name, "truncate_size": 3}, timeout=30)
+                assert r.status_code == 200
+                assert torch.equal(torch.tensor(r.json()), llama.get_parameter(name)[:3].float())
+        r = requests.post(f"http://127.0.0.1:{port}/get_weights_by_name", json={"name": "no.such"}, timeout=30)
+        assert r.status_code == 400 and "error" in r.json()
+
+
+def test_weights_checker_answers_checksums_as_sglang_computes_them_on_the_cpu(servers, tiny_model_dir):
+    r = requests.post(servers["good"] + "/weights_checker", json={"action": "checksum"}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["success"] and len(body["ranks"]) == 1
+    sums = body["ranks"][0]["checksums"]
+    state = dict(load_model(tiny_model_dir).named_parameters())
+    assert sums == model_checksums(state) and "model.norm.weight" in sums
+    # the first 8 bytes of the SHA-256 of the raw bytes, big-endian, 16 hex digits (SGLang's CPU path)
+    norm = state["model.norm.weight"].detach()
+    assert sums["model.norm.weight"] == hashlib.sha256(norm.numpy().tobytes()).digest()[:8].hex()
+    overall = hashlib.sha256(b"".join(n.encode() + sums[n].encode() for n in sorted(sums))).hexdigest()
+    assert body["ranks"][0]["per_gpu_checksum"] == overall
+    assert requests.post(servers["good"] + "/weights_checker", json={"action": "snapshot"}, timeout=30).status_code == 400
 
 
 def test_a_faithful_server_passes_after_disk_and_broadcast_pushes(servers, tok, tiny_model_dir, other_model_dir):
@@ -105,12 +147,52 @@ def test_a_server_that_answers_200_but_keeps_old_weights_is_named(servers, tok, 
         with pytest.raises(weight_check.WeightMismatch) as err:
             eng.update_weights_from_disk(other_model_dir, 1)
         msg = str(err.value)
-        assert msg.startswith(f"SGLang server {servers['bad']}: after the update to weight version 1, parameter ")
-        assert servers["good"] not in msg and "is not the trainer's" in msg and "values differ" in msg
+        assert msg.startswith(f"SGLang server {servers['bad']}: after the update to weight version 1, its weights "
+                              "are not the trainer's (")
+        assert servers["good"] not in msg and "tensors differ from the trainer's" in msg and "\n" not in msg
         with pytest.raises(weight_check.WeightMismatch, match=f"SGLang server {servers['bad']}: .*version 2"):
             eng.update_weights_from_state(load_model(other_model_dir).state_dict(), 2)
     finally:
         eng.close()
+
+
+def _sums(**names) -> dict[str, str]:
+    return {n: f"{v:016x}" for n, v in names.items()}
+
+
+def test_checksums_judged_where_the_server_hashes_otherwise():
+    """A GPU server's checksums (Triton) never equal the trainer's: then every tensor the trainer changed
+    must have changed on every rank; one that kept them all is stale, one that kept some is wrong."""
+    trainer0, trainer1 = _sums(a=1, b=2, c=3), _sums(a=1, b=20, c=30)  # b and c changed, a did not
+    gpu0 = [_sums(a=101, b=102, c=103, qkv=104)] * 2  # two ranks, own hashes, a fused tensor too
+    assert judge(gpu0, trainer0, None)[0] == "undecided"
+    before = ServerChecksums(gpu0, trainer0, version=4)
+    assert judge([_sums(a=101, b=202, c=203, qkv=204)] * 2, trainer1, before)[0] == "ok"
+    verdict, detail = judge(gpu0, trainer1, before)
+    assert verdict == "stale" and "none of the 2 tensors the trainer changed" in detail
+    verdict, detail = judge([_sums(a=101, b=202, c=203, qkv=204), _sums(a=101, b=202, c=103, qkv=204)], trainer1,
+                            before)
+    assert verdict == "wrong" and detail.startswith("rank 1: 1 of 2 tensors the trainer changed did not change")
+    assert judge(gpu0, trainer0, before)[0] == "undecided"  # the trainer changed nothing compared
+    # a CPU server hashes as the trainer does: exact, and stale where it answers as when last verified
+    cpu = [_sums(a=1, b=2, c=3)]
+    assert judge(cpu, trainer0, None) == ("ok", "3 tensors match the trainer's bit for bit")
+    assert judge(cpu, trainer1, ServerChecksums(cpu, trainer0))[0] == "stale"
+    assert judge([_sums(a=1, b=20, c=31)], trainer1, None)[0] == "wrong"
+    assert judge([_sums(a=7, b=8, c=9)], trainer1, None, cpu_hash=True)[0] == "wrong"  # none agrees
+
+
+def test_a_bf16_step_at_the_recipes_learning_rate_changes_every_large_tensors_checksum():
+    """At lr 1e-6 (7b_boba) most bf16 values stay as they were after one step, yet a tensor of a
+    million values does not: the trainer's changed checksums are what a stale server is held to."""
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024) * 0.02
+    step = w + 1e-6 * torch.randn_like(w).sign()  # Adam's first steps move each weight by about lr
+    flipped = (w.bfloat16() != step.bfloat16()).float().mean().item()
+    assert 0 < flipped < 0.05
+    assert tensor_checksum(w.bfloat16()) != tensor_checksum(step.bfloat16())
+    norm = torch.ones(64)
+    assert tensor_checksum((norm + 1e-6).bfloat16()) == tensor_checksum(norm.bfloat16())  # a norm may not
 
 
 def test_sampled_parameters_change_with_the_version_and_skip_huge_ones():
@@ -153,7 +235,7 @@ def test_attached_servers_that_do_not_serve_the_starting_model_are_named_before_
     with pytest.raises(weight_check.WeightMismatch) as err:
         make_rollout_engine(recipe(servers["bad"]), other_model_dir, tok)
     assert str(err.value).startswith(f"SGLang server {servers['bad']}: at start, where it should serve "
-                                     f"{other_model_dir.resolve()}, parameter ")
+                                     f"{other_model_dir.resolve()}, its weights are not the trainer's (")
     eng = make_rollout_engine(recipe(servers["good"]), other_model_dir, tok)
     try:
         assert eng.weight_check_s > 0 and not eng.no_weight_check  # it was asked, and it answered
@@ -195,3 +277,45 @@ def test_an_rl_run_whose_attached_server_cannot_read_the_export_stops_before_its
     assert f"SGLang server http://127.0.0.1:{port} /update_weights_from_disk failed" in msg
     assert "No such file or directory" in msg and str(tmp_path / "runs" / "rl" / "weights_for_rollout") in msg
     assert generated == []  # no rollout was sampled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["distributed", "disk"])
+def test_an_rl_run_stops_at_the_push_a_server_keeps_its_weights_and_keeps_what_it_saved(
+        sync, tmp_path, tiny_model_dir):
+    """A server answering as SGLang 0.5.23 (a weight-update session for broadcasts, Qwen2 without
+    /get_weights_by_name) trains through step 1's push; from weight version 2 on it answers 200 and keeps
+    version 1's weights: the run stops at step 2's push with one line naming the server and the weights
+    it still serves, and step 1's checkpoint stays whole."""
+    from rlrecipe.core.errors import UserError
+    from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+    from rlrecipe.run.manifest import check_manifest
+    from rlrecipe.stages.rl import run_rl
+    from tests.helpers import rl_recipe, write_tiny_data
+
+    (tmp_path / "sabotaged.py").write_text(SABOTAGED)
+    port = free_port()
+    proc, url = start([sys.executable, str(tmp_path / "sabotaged.py"), str(tiny_model_dir), str(port), "2"], port,
+                      tmp_path / "server.log")
+    try:
+        data = write_tiny_data(tmp_path / "data")
+        spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=3, c3po={"enabled": False})
+        spec["eval"] = {}
+        spec["rollout"] = {"engine": "sglang", "dtype": "float32", "max_new_tokens": 8, "urls": [url],
+                           "sglang": {"weight_sync": sync, "weight_sync_backend": "gloo",
+                                      "weight_sync_port": free_port()}}
+        with pytest.raises(UserError) as err:
+            run_rl(LoadedRecipe(recipe=recipe_from_dict(spec), path="sabotaged.yaml"))
+    finally:
+        stop_process(proc)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"SGLang server {url}: after the update to weight version 2, it still serves the weights "
+                          "of version 1 (")
+    log = (tmp_path / "server.log").read_text()
+    if sync == "distributed":
+        assert "joined weight update group" in log
+    run_dir = tmp_path / "runs" / "rl"
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved == ["latest", "step_0000001"]  # step 1 saved, nothing of step 2
+    assert check_manifest(run_dir / "checkpoints" / "step_0000001") is None  # whole: every file as written

@@ -29,6 +29,7 @@ from rlrecipe.rollout.c3po_budget import TokenBudget
 from rlrecipe.rollout.http_pool import Post, PostFailed
 from rlrecipe.rollout.sglang_api import apply_output, generate_payload, sglang_sampling_params
 from rlrecipe.rollout.sglang_fleet import ServerFleet
+from rlrecipe.rollout.sglang_versions import room
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 ABORT_RESEND_S = 1.0
@@ -80,7 +81,7 @@ class GenerateCall:
         self.stop_token_ids, self.read_timeout = list(stop_token_ids), read_timeout
         self.version = fleet.version
         self.groups: dict[str, int] = {}  # a group's server (see to_least_loaded)
-        self.contexts: dict[int, int | None] = {}  # each endpoint's context length, asked once
+        self.limits: dict[int, tuple] = {}  # each endpoint's dialect, context and input limit, asked once
         self.futures: dict[Future, Request] = {}
         self.pending: set[Future] = set()
         self.stopping = False
@@ -157,18 +158,20 @@ class GenerateCall:
                 endpoint = eng.live[self.groups.setdefault(t.group_id or t.uid, len(self.groups)) % len(eng.live)]
             input_ids = list(t.prompt_ids) + list(t.response_ids)
             max_new = params.max_new_tokens - len(t.response_ids)
-            if endpoint not in self.contexts:
-                self.contexts[endpoint] = eng.endpoint_context(endpoint)
-            ctx = self.contexts[endpoint]
-            if ctx is not None:
-                max_new = min(max_new, ctx - len(input_ids))
+            if endpoint not in self.limits:
+                self.limits[endpoint] = eng.endpoint_limits(endpoint)
+            dialect, ctx, max_input = self.limits[endpoint]
+            left = room(dialect, ctx, max_input, len(input_ids))
+            if left is not None:
+                max_new = min(max_new, left)
                 if max_new <= 0:  # the context is full: it can never finish
                     t.status = Status.TRUNCATED
                     t.meta["truncated_by_server"] = True
                     continue
             rid = uuid.uuid4().hex  # fixed length: SGLang matches abort rids by prefix
             sp = sglang_sampling_params(params, max_new, self.stop_token_ids)
-            if SEED_KEY in t.meta:  # honoured by SGLang >= 0.5.3 (exactly so with --enable-deterministic-inference)
+            # an unexpected keyword before 0.5.3 (HTTP 500); exact only with --enable-deterministic-inference
+            if SEED_KEY in t.meta and dialect.sampling_seed:
                 sp["sampling_seed"] = int(t.meta[SEED_KEY])
             reqs.append(Request(t, endpoint, generate_payload(input_ids, sp, rid), rid))
         return reqs

@@ -27,6 +27,7 @@ from rlrecipe.rollout.http_pool import HttpPool
 from rlrecipe.rollout.server_recovery import ServerRecovery
 from rlrecipe.rollout.sglang_api import context_length
 from rlrecipe.rollout.sglang_server import ServerProcess, launch_servers, start_router, wait_until_healthy
+from rlrecipe.rollout.sglang_versions import NEWEST, Dialect, dialect_of
 
 
 class ServerFleet:
@@ -207,12 +208,19 @@ class ServerFleet:
         """Server i's context length; None where /server_info does not say."""
         return context_length(self.server_info(i))
 
-    def endpoint_context(self, e: int) -> int | None:
-        """The context a request sent to endpoint e must fit: behind the router, the smallest one."""
-        if self.router is None:
-            return self.context_len(e)
-        known = [c for c in (self.context_len(i) for i in self.live) if c is not None]
-        return min(known) if known else None
+    def dialect(self, i: int) -> Dialect:
+        """The rules of server i's SGLang version (from /server_info, asked once)."""
+        return dialect_of(self.server_info(i))
+
+    def endpoint_limits(self, e: int) -> tuple[Dialect, int | None, int | None]:
+        """What a request sent to endpoint e must respect: the dialect, the context length and
+        max_req_input_len (None: not stated). Behind the router, the strictest of the live servers."""
+        servers = [e] if self.router is None else list(self.live)
+        dialects = [self.dialect(i) for i in servers]
+        contexts = [c for c in (self.context_len(i) for i in servers) if c is not None]
+        inputs = [m for m in (self.server_info(i).get("max_req_input_len") for i in servers) if isinstance(m, int)]
+        strict = min(dialects, key=lambda d: d.version or NEWEST)  # the oldest rules where versions differ
+        return strict, (min(contexts) if contexts else None), (min(inputs) if inputs else None)
 
     def expected_version(self, e: int) -> str | None:
         """The weight_version answers from endpoint e must carry (None: not set by this engine)."""

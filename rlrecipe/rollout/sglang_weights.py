@@ -9,8 +9,6 @@ not necessarily loaded the trainer's weights.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,21 +42,18 @@ class WeightPusher:
         # each push compares in it (weight_check.py); servers without /get_weights_by_name are skipped
         self.served_dtype = served_dtype
         self.broadcast: WeightBroadcast | None = None  # weight_sync: distributed, made on first use
-        self.no_weight_check: set[int] = set()
-        self.weight_check_s = 0.0
+        self.check = None  # weight_check.WeightCheck, made on first use (it needs torch)
         fleet.on_members_changed = self._members_changed
 
-    # what weight_check.check_servers asks of the servers it checks
     @property
-    def live(self) -> list[int]:
-        return self.fleet.live
+    def no_weight_check(self) -> set[int]:
+        """Servers whose weights cannot be verified (neither checksums nor rows)."""
+        return self.check.unverified if self.check is not None else set()
 
     @property
-    def urls(self) -> list[str]:
-        return self.fleet.urls
-
-    def post(self, i: int, path: str, body: dict, timeout: float | tuple | None = 30.0) -> requests.Response:
-        return self.fleet.post(i, path, body, timeout)
+    def weight_check_s(self) -> float:
+        """Seconds the last verification took: the trainer's tensors read, every server asked."""
+        return self.check.seconds if self.check is not None else 0.0
 
     def _members_changed(self) -> None:
         if self.broadcast is not None:
@@ -84,6 +79,7 @@ class WeightPusher:
         fleet.check_alive()
         model_path = model_arg(model_dir)
         back = set(fleet.take_back(version))
+        self._forget(back)
         with ThreadPoolExecutor(max_workers=min(len(fleet.live), 32)) as pool:
             futures = {i: pool.submit(self._update_one, i, model_path, version) for i in fleet.live}
             for i, fut in futures.items():
@@ -103,7 +99,7 @@ class WeightPusher:
                                       "is distributed")
         fleet = self.fleet
         fleet.check_alive()
-        fleet.take_back(version)
+        self._forget(fleet.take_back(version))
         if self.broadcast is None:
             # imported here: the broadcast path needs torch, the HTTP client does not
             from rlrecipe.rollout.weight_broadcast import WeightBroadcast
@@ -113,25 +109,30 @@ class WeightPusher:
         for i in fleet.live:
             fleet.weight_version[i] = str(version)
         fleet.version = version
-        self.verify_weights(lambda wc: wc.state_slices(state_dict, version), version)
+        self.verify(version, state=state_dict)
 
     def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
         """Each server serves the weights of the HF directory `model_dir` (the trainer's export, or
         the stage's starting model); a hub id has no local rows to compare."""
         if Path(model_dir).is_dir():
-            self.verify_weights(lambda wc: wc.export_slices(model_dir, version), version, when)
+            self.verify(version, model_dir=model_dir, when=when)
 
-    def verify_weights(self, expected: Callable, version: int, when: str | None = None) -> None:
-        """The fingerprint after a push: each live server serves the trainer's weights (weight_check.py;
-        imported here: it needs torch, the HTTP client does not)."""
+    def verify(self, version: int, *, state: dict | None = None, model_dir: str | Path | None = None,
+               when: str | None = None) -> None:
+        """Each live server holds the trainer's weights, `state` or the HF directory `model_dir`
+        (weight_check.py; imported here: it needs torch, the HTTP client does not)."""
         import torch
 
-        from rlrecipe.rollout import weight_check
+        from rlrecipe.rollout.weight_check import TrainerWeights, WeightCheck
 
+        if self.check is None:
+            self.check = WeightCheck(self.fleet)
         served = getattr(torch, self.served_dtype) if self.served_dtype else None
-        t0 = time.perf_counter()
-        weight_check.check_servers(self, expected(weight_check), version, served, when)
-        self.weight_check_s = time.perf_counter() - t0  # the trainer's rows read, every server asked
+        self.check.run(TrainerWeights(state=state, model_dir=model_dir), version, served, when)
+
+    def _forget(self, servers) -> None:
+        if self.check is not None:
+            self.check.forget(list(servers))
 
     def close(self) -> None:
         if self.broadcast is not None:

@@ -7,6 +7,12 @@ sends the weights in buckets, and leaves the group when a push fails (a broadcas
 would desynchronise every later one), when a server was left out or taken back (the group counts
 the old set: it is made again before the next push, so a server started again joins it), and on
 close.
+
+From SGLang 0.5.21 a distributed update is refused unless it runs inside a weight-update session
+(`/begin_weight_update` ... `/end_weight_update`): each push opens one on every live server that
+has it (known from the server's version, or from a 404 on older ones) and closes it, also when the
+push fails, so the next push can open it again. SGLang before 0.5.3 has no
+`/destroy_weights_update_group`, so a group made again takes a new name there.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from rlrecipe.rollout.weight_sync import (
 
 if TYPE_CHECKING:
     from rlrecipe.recipe.systems import SGLangServer
+    from rlrecipe.rollout.sglang_versions import Dialect
+
+SESSION_S = 300.0  # opening or closing a session waits for the server's ranks (a barrier), not a load
 
 
 class LiveServers(Protocol):
@@ -43,11 +52,15 @@ class LiveServers(Protocol):
 
     def control(self, i: int, path: str, body: dict, read_timeout: float) -> None: ...
 
+    def dialect(self, i: int) -> Dialect: ...
+
 
 class WeightBroadcast:
     def __init__(self, servers: LiveServers):
         self.servers = servers
         self.group = None  # made on the first push
+        self.group_name = DEFAULT_GROUP
+        self._made = 0  # groups made so far: one made again takes a new name (see the module's docstring)
         self._stale = False
 
     def push(self, state_dict: dict, version: int) -> None:
@@ -78,8 +91,10 @@ class WeightBroadcast:
             return
         srv = self.servers
         for i in srv.live:
+            if not srv.dialect(i).destroy_group:
+                continue
             try:
-                srv.post(i, "/destroy_weights_update_group", {"group_name": DEFAULT_GROUP}, timeout=10)
+                srv.post(i, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout=10)
             except UserError:
                 pass
         dist.destroy_process_group(self.group)
@@ -97,24 +112,58 @@ class WeightBroadcast:
                                 f"({srv.urls[i]} has {info['dp_size']}); run more servers instead")
             sizes.append(int(info.get("tp_size", cfg.tp_size) or cfg.tp_size))
         world = 1 + sum(sizes)
+        self.group_name = DEFAULT_GROUP if not self._made else f"{DEFAULT_GROUP}_{self._made}"
+        self._made += 1
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         bodies = [{"master_address": cfg.weight_sync_address, "master_port": cfg.weight_sync_port,
-                   "rank_offset": offsets[k], "world_size": world, "group_name": DEFAULT_GROUP,
+                   "rank_offset": offsets[k], "world_size": world, "group_name": self.group_name,
                    "backend": cfg.weight_sync_backend} for k in range(len(srv.live))]
         group = []
         run_beside([lambda i=i, k=k: srv.control(i, "/init_weights_update_group", bodies[k], 900.0)
                     for k, i in enumerate(srv.live)],
                    lambda: group.append(init_custom_group(cfg.weight_sync_backend, cfg.weight_sync_address,
-                                                          cfg.weight_sync_port, 0, world, DEFAULT_GROUP)))
+                                                          cfg.weight_sync_port, 0, world, self.group_name)))
         self.group = group[0]
 
+    def _session(self, action: str, servers: list[int], failing: bool = False) -> list[int]:
+        """/begin_weight_update or /end_weight_update on `servers`; those that have a session (a 404:
+        a server before 0.5.21). While a push is failing, a close that fails is not raised."""
+        srv = self.servers
+        opened = []
+        for i in servers:
+            if not srv.dialect(i).weight_update_session:
+                continue
+            r = srv.post(i, f"/{action}_weight_update", {}, timeout=(30.0, SESSION_S))
+            if r.status_code == 404:
+                continue
+            try:
+                body = r.json()
+            except ValueError:
+                body = {"message": r.text[:300]}
+            if (r.status_code != 200 or not body.get("success", False)) and not failing:
+                if action == "begin":
+                    self._session("end", opened, failing=True)
+                raise UserError(f"SGLang server {srv.urls[i]} /{action}_weight_update failed: "
+                                f"{body.get('message', f'HTTP {r.status_code}')}")
+            opened.append(i)
+        return opened
+
     def _broadcast_chunks(self, chunks: list, version: int, device: str) -> None:
+        opened = self._session("begin", list(self.servers.live))
+        try:
+            self._send_chunks(chunks, version, device)
+        except BaseException:
+            self._session("end", opened, failing=True)  # the next push can open one again
+            raise
+        self._session("end", opened)
+
+    def _send_chunks(self, chunks: list, version: int, device: str) -> None:
         srv = self.servers
         for k, chunk in enumerate(chunks):
             last = k == len(chunks) - 1
             tensors = [t.detach().to(device).contiguous() for _, t in chunk]
             body = {"names": [n for n, _ in chunk], "dtypes": [dtype_name(t.dtype) for t in tensors],
-                    "shapes": [list(t.shape) for t in tensors], "group_name": DEFAULT_GROUP, "flush_cache": last}
+                    "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name, "flush_cache": last}
             if last:
                 body["weight_version"] = str(version)
             run_beside([lambda i=i, body=body: srv.control(i, "/update_weights_from_distributed", body, 3600.0)

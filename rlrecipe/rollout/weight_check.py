@@ -1,21 +1,22 @@
-"""After each weight push, do the servers hold what the trainer sent? A fingerprint of a few parameters.
+"""After each weight push, do the servers hold what the trainer sent? Checked on every server, every push.
 
 An update that answers 200 says the server ran its load, not that the weights it serves are the
-trainer's (a wrong file read, a shard mapped to the wrong place, a load that silently skipped). So
-after every push the engine asks each server for the first rows of a few parameters with SGLang's
-`/get_weights_by_name` ({"name": HF parameter name, "truncate_size": rows} -> the parameter's
-first `truncate_size` rows along dim 0, as float32 nested lists; with dp_size > 1, one such list
-per replica) and compares them with the trainer's, cast as the server holds them.
+trainer's (a wrong file read, a shard mapped to the wrong place, a load that silently skipped, a
+server that kept its previous weights). Two exact checks, each where the server offers it:
 
-Which parameters: a different handful each version (seeded by it), always the final norm, only
-ones of at most MAX_NUMEL elements: SGLang converts the whole parameter to a Python list before it
-truncates, which for a 7B model's embedding (545M values) would take minutes and tens of GB.
+- `/weights_checker` checksums (SGLang >= 0.5.12, any model; `weight_checksum.py`): bit for bit
+  where the server hashes as the trainer does, else every tensor the trainer changed must have
+  changed on the server.
+- `/get_weights_by_name` ({"name": HF parameter name, "truncate_size": rows} -> the parameter's
+  first rows as float32 lists; one list per replica with dp_size > 1), which SGLang implements for
+  Llama-like models only (not Qwen2). The rows are compared with the trainer's, cast as the server
+  holds them, within one unit in the last place of the coarser dtype. Which parameters: a
+  different handful each version (seeded by it), always the final norm, only ones of at most
+  MAX_NUMEL elements: SGLang converts the whole parameter to a Python list before it truncates.
+  A server one step behind can fall inside that tolerance in bf16; the checksums and the
+  weight_version every answer carries catch that.
 
-Tolerance: the trainer's tensor is cast to the served dtype before comparing, so a faithful load
-matches to within one unit in the last place of the coarser of the two dtypes (casts by another
-route, e.g. fp32 -> bf16 -> fp16, can differ by that much). A stale server one step behind can
-fall inside that tolerance in bf16 (one step's update is often below bf16's resolution); the
-weight_version every answer carries catches that. Weights that are not the trainer's do not.
+A server with neither is said once and not verified; a check that cannot decide says so.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from pathlib import Path
 import torch
 
 from rlrecipe.core.errors import UserError
+from rlrecipe.rollout.weight_checksum import (
+    ServerChecksums,
+    hashes_on_cpu,
+    judge,
+    rank_checksums,
+    tensor_checksum,
+)
 
 TRUNCATE_ROWS = 2
 SAMPLES = 4
@@ -48,37 +56,67 @@ def sample_names(shapes: dict[str, tuple[int, ...]], version: int, k: int = SAMP
     return first + random.Random(version).sample(rest, min(len(rest), k - len(first)))
 
 
-def state_slices(state: dict[str, torch.Tensor], version: int, rows: int = TRUNCATE_ROWS) -> dict[str, torch.Tensor]:
-    """The sampled parameters' first rows from an in-memory state dict (the broadcast push)."""
-    from rlrecipe.rollout.weight_sync import distinct_tensors
+class TrainerWeights:
+    """The trainer's weights as a check reads them: an in-memory state dict (the broadcast push) or
+    an HF safetensors export (the disk push, the stage's starting model): only what is compared is
+    read from disk."""
 
-    named = dict(distinct_tensors(state))
-    names = sample_names({n: tuple(t.shape) for n, t in named.items()}, version)
-    return {n: named[n].detach()[:rows].to("cpu", copy=True) for n in names}
+    def __init__(self, state: dict[str, torch.Tensor] | None = None, model_dir: str | Path | None = None):
+        from rlrecipe.rollout.weight_sync import distinct_tensors
+
+        self._state = dict(distinct_tensors(state)) if state is not None else None
+        self._dir = Path(model_dir) if model_dir is not None else None
+        self._where: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._shapes is None:
+            if self._state is not None:
+                self._shapes = {n: tuple(t.shape) for n, t in self._state.items()}
+            else:
+                self._shapes = self._index()
+        return self._shapes
+
+    def _index(self) -> dict[str, tuple[int, ...]]:
+        from safetensors import safe_open
+
+        index = self._dir / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(self._dir.glob("*.safetensors"))]
+        shapes = {}
+        for f in files:
+            with safe_open(self._dir / f, framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    self._where[name] = f
+                    shapes[name] = tuple(st.get_slice(name).get_shape())
+        return shapes
+
+    def read(self, names: list[str], rows: int | None = None) -> dict[str, torch.Tensor]:
+        """These tensors (their first `rows` rows only, where given), on the CPU."""
+        if self._state is not None:
+            return {n: self._state[n].detach()[:rows].to("cpu", copy=True) for n in names}
+        from safetensors import safe_open
+
+        self.shapes()
+        out = {}
+        for name in names:
+            with safe_open(self._dir / self._where[name], framework="pt") as st:
+                out[name] = st.get_slice(name)[:rows] if rows is not None else st.get_tensor(name)
+        return out
+
+
+def state_slices(state: dict[str, torch.Tensor], version: int, rows: int = TRUNCATE_ROWS) -> dict[str, torch.Tensor]:
+    """The sampled parameters' first rows from an in-memory state dict."""
+    w = TrainerWeights(state=state)
+    return w.read(sample_names(w.shapes(), version), rows)
 
 
 def export_slices(model_dir: str | Path, version: int, rows: int = TRUNCATE_ROWS) -> dict[str, torch.Tensor]:
-    """The sampled parameters' first rows read from an HF safetensors export (the disk push): only
-    those rows are read."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
-    where, shapes = {}, {}
-    for f in files:
-        with safe_open(model_dir / f, framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                where[name] = f
-                shapes[name] = tuple(st.get_slice(name).get_shape())
-    out = {}
-    for name in sample_names(shapes, version):
-        with safe_open(model_dir / where[name], framework="pt") as st:
-            out[name] = st.get_slice(name)[:rows]
-    return out
+    """The sampled parameters' first rows read from an HF safetensors export: only those rows are read."""
+    w = TrainerWeights(model_dir=model_dir)
+    return w.read(sample_names(w.shapes(), version), rows)
 
 
 def tolerance(*dtypes: torch.dtype) -> tuple[float, float]:
@@ -111,28 +149,125 @@ def compare(expected: torch.Tensor, answer, served: torch.dtype | None) -> str |
     return None
 
 
-def check_servers(engine, expected: dict[str, torch.Tensor], version: int, served: torch.dtype | None,
-                  when: str | None = None) -> None:
-    """Ask each of the engine's live servers for the `expected` rows; raise WeightMismatch naming the
-    server and the parameter where they differ (`when`: how the error says when; by default after
-    the update to `version`). A server that does not answer /get_weights_by_name (an SGLang model
-    without it) is said once and not asked again."""
-    when = when or f"after the update to weight version {version}"
-    from rlrecipe.core.console import console
+def checksum_names(shapes: dict[str, tuple[int, ...]], served_names: set[str], k: int = SAMPLES) -> list[str]:
+    """The trainer's tensors compared with a server's checksums: those it names alike, every 1-D
+    one (norms) and k others of at most MAX_NUMEL elements, the same ones at every push."""
+    common = sorted(n for n in shapes if n in served_names)
+    flat = [n for n in common if len(shapes[n]) == 1]
+    rest = [n for n in common if len(shapes[n]) > 1 and math.prod(shapes[n]) <= MAX_NUMEL]
+    return flat + random.Random(0).sample(rest, min(len(rest), k))
 
-    rows = max((t.shape[0] for t in expected.values() if t.dim()), default=TRUNCATE_ROWS)
-    for i in list(engine.live):
-        if i in engine.no_weight_check:
-            continue
+
+class WeightCheck:
+    """Verifies, after each push and at start, that each server holds the trainer's weights: by
+    SGLang's /weights_checker checksums where the server has them (weight_checksum.py), and by
+    /get_weights_by_name rows where the model supports it (SGLang implements it for Llama-like
+    models, not Qwen2). A server with neither is said once and not verified."""
+
+    def __init__(self, servers):
+        self.servers = servers  # what it needs: urls, live, post(i, path, body, timeout), dialect(i)
+        self.no_rows: set[int] = set()
+        self.no_checksum: set[int] = set()
+        self.before: dict[int, ServerChecksums] = {}
+        self.said: set[int] = set()  # servers said to be unverified
+        self.hash_dtype: dict[int, torch.dtype | None] = {}  # the dtype each server's checksums agree in
+        self.seconds = 0.0
+
+    @property
+    def unverified(self) -> set[int]:
+        return self.no_rows & self.no_checksum
+
+    def forget(self, servers: list[int]) -> None:
+        """Servers taken back (perhaps restarted): asked afresh, nothing compared with before."""
+        for i in servers:
+            self.no_rows.discard(i)
+            self.no_checksum.discard(i)
+            self.before.pop(i, None)
+            self.said.discard(i)
+            self.hash_dtype.pop(i, None)
+
+    def run(self, weights: TrainerWeights, version: int, served: torch.dtype | None, when: str | None = None) -> None:
+        """Raise WeightMismatch naming the first server found not to hold `weights`; say in one line
+        each server the checks cannot decide for."""
+        import time
+
+        from rlrecipe.core.console import console
+
+        t0 = time.perf_counter()
+        when = when or f"after the update to weight version {version}"
+        trainer_sums: dict[tuple, dict] = {}  # the trainer's tensors by names, their checksums by names and dtype
+        rows = None
+        for i in list(self.servers.live):
+            url = self.servers.urls[i]
+            if i not in self.no_rows:
+                if rows is None:
+                    rows = weights.read(sample_names(weights.shapes(), version), TRUNCATE_ROWS)
+                self._check_rows(i, rows, served, when)
+            answer = None if i in self.no_checksum else self._checksums(i)
+            if answer is not None:
+                names = checksum_names(weights.shapes(), set().union(*answer))
+                ours = self._trainer_sums(i, weights, names, answer[0], served, trainer_sums)
+                before = self.before.get(i)
+                verdict, detail = judge(answer, ours, before, hashes_on_cpu(self.servers.server_info(i)))
+                if verdict == "stale":
+                    raise WeightMismatch(f"SGLang server {url}: {when}, it still serves the weights of version "
+                                         f"{before.version} ({detail})")
+                if verdict == "wrong":
+                    raise WeightMismatch(f"SGLang server {url}: {when}, its weights are not the trainer's ({detail})")
+                if verdict == "ok" or (verdict == "undecided" and before is None):
+                    self.before[i] = ServerChecksums(answer, ours, version)
+                if verdict == "undecided" and i in self.no_rows:
+                    console.print(f"[yellow]warning[/]: SGLang server {url}: {when}, its weights cannot be verified: "
+                                  f"{detail}", highlight=False, soft_wrap=True)
+            if i in self.unverified and i not in self.said:
+                self.said.add(i)
+                console.print(f"[yellow]warning[/]: SGLang server {url} answers neither /weights_checker checksums "
+                              f"nor /get_weights_by_name for this model ({self.servers.dialect(i).label()}); its "
+                              "weights are not verified after updates", highlight=False, soft_wrap=True)
+        self.seconds = time.perf_counter() - t0
+
+    def _trainer_sums(self, i: int, weights: TrainerWeights, names: list[str], rank0: dict[str, str],
+                      served: torch.dtype | None, cache: dict) -> dict[str, str]:
+        """The trainer's checksums of `names`, cast as server i holds its weights: the served dtype
+        (rollout.dtype), or the dtype under which its checksums first agreed with the trainer's. An
+        attached server may hold another dtype than the recipe says; a server that hashes otherwise
+        (on a GPU) is tried once."""
+        tried = [self.hash_dtype.get(i, served)]
+        if i not in self.hash_dtype:
+            tried += [d for d in (torch.float32, torch.bfloat16, torch.float16) if d not in tried]
+        if tuple(names) not in cache:
+            cache[tuple(names)] = weights.read(names)
+        for dtype in tried:
+            key = (tuple(names), dtype)
+            if key not in cache:
+                cache[key] = {n: tensor_checksum(t.to(dtype) if dtype is not None else t)
+                              for n, t in cache[tuple(names)].items()}
+            if any(rank0.get(n) == h for n, h in cache[key].items()):
+                self.hash_dtype[i] = dtype
+                return cache[key]
+        self.hash_dtype.setdefault(i, served)
+        return cache[(tuple(names), tried[0])]
+
+    def _checksums(self, i: int) -> list[dict[str, str]] | None:
+        """Server i's per-rank checksums; None (and not asked again) where it has none."""
+        if not self.servers.dialect(i).weights_checksum:
+            self.no_checksum.add(i)
+            return None
+        r = self.servers.post(i, "/weights_checker", {"action": "checksum"}, timeout=(30.0, 600.0))
+        ranks = rank_checksums(r.json()) if r.status_code == 200 else None
+        if ranks is None:
+            self.no_checksum.add(i)
+        return ranks
+
+    def _check_rows(self, i: int, expected: dict[str, torch.Tensor], served: torch.dtype | None, when: str) -> None:
+        rows = max((t.shape[0] for t in expected.values() if t.dim()), default=TRUNCATE_ROWS)
         for name, exp in expected.items():
-            r = engine.post(i, "/get_weights_by_name", {"name": name, "truncate_size": rows}, timeout=(30.0, 300.0))
-            if r.status_code != 200:
-                engine.no_weight_check.add(i)
-                console.print(f"[yellow]warning[/]: SGLang server {engine.urls[i]} does not answer /get_weights_by_name "
-                              f"for {name} (HTTP {r.status_code}: {r.text[:200]}); its weights are not verified "
-                              "after updates", highlight=False, soft_wrap=True)
-                break
+            r = self.servers.post(i, "/get_weights_by_name", {"name": name, "truncate_size": rows},
+                                  timeout=(30.0, 300.0))
+            if r.status_code != 200:  # SGLang implements it for a few architectures only
+                self.no_rows.add(i)
+                return
             problem = compare(exp, r.json(), served)
             if problem is not None:
-                raise WeightMismatch(f"SGLang server {engine.urls[i]}: {when}, parameter {name} (first {rows} rows) "
-                                     f"is not the trainer's: {problem}")
+                raise WeightMismatch(f"SGLang server {self.servers.urls[i]}: {when}, parameter {name} (first {rows} "
+                                     f"rows) is not the trainer's: {problem}")

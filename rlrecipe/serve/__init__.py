@@ -7,15 +7,23 @@ partial rollouts, weight sync, the router) then runs unchanged against it:
 `["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"]`, or a server started
 by hand and attached with `rollout.urls`.
 
+It follows the rules of the newest SGLang the pin allows (0.5.23, reported as /server_info's
+`version`), so the client cannot pass against a more lenient imitation: distributed updates run
+only inside a weight-update session, unknown `sampling_params` keys are refused with 400, inputs of
+max_req_input_len (context - 6) tokens or more and input + new tokens above the context are refused,
+and /get_weights_by_name answers only for the architectures SGLang implements it for (400 for
+Qwen2, as there).
+
 Endpoints (request and response shapes as SGLang's): POST /generate (input_ids or text, single
 or batch; sampling_params; return_logprob; rid), POST /abort_request, POST
 /update_weights_from_disk (flushes the cache, as SGLang's does), POST|GET /flush_cache,
-POST /init_weights_update_group + /update_weights_from_distributed + /destroy_weights_update_group
-(the trainer broadcasts tensors into this process, see rollout/weight_sync.py), GET /health,
-GET /health_generate, GET /model_info (and its old name /get_model_info), GET
-/server_info (context_length), GET|POST /get_weights_by_name ({name, truncate_size}: the
-parameter's first truncate_size rows as float32 lists; what the trainer checks after each push). As in SGLang (without --allow-auto-truncate), a request whose
-input + max_new_tokens exceeds the context length is refused with HTTP 400.
+POST /init_weights_update_group + /begin_weight_update + /update_weights_from_distributed +
+/end_weight_update + /destroy_weights_update_group (the trainer broadcasts tensors into this
+process, see rollout/weight_sync.py), GET /health, GET /health_generate, GET /model_info (and its
+old name /get_model_info), GET /server_info (context_length, max_req_input_len, version, device),
+GET|POST /get_weights_by_name ({name, truncate_size}: the parameter's first truncate_size rows as
+float32 lists, Llama-like models only), GET|POST /weights_checker ({"action": "checksum"}: every
+tensor's checksum as SGLang computes it on the CPU).
 
 Also: stop strings (`sampling_params.stop`: the text is cut before the match unless
 no_stop_trim; finish_reason matched is the string) and `n` parallel samples (results prompt by

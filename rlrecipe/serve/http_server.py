@@ -11,9 +11,19 @@ from pathlib import Path
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.api_key import is_authorized
-from rlrecipe.serve.protocol import BadRequest, GenRequest, build_requests, health_probe, response_body
+from rlrecipe.serve.protocol import (
+    BadRequest,
+    GenRequest,
+    UnknownField,
+    build_requests,
+    health_probe,
+    max_input_len,
+    response_body,
+)
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
 
+# the SGLang version whose rules this server follows, reported as /server_info's version
+SGLANG_RULES = "0.5.23"
 HEALTH_GENERATE_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT: a probe not answered by then is a 503
 # A request body larger than this is refused with 413 before any of it is read.
 MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -98,14 +108,17 @@ class Handler(BaseHTTPRequestHandler):
                              "preferred_sampling_params": None, "weight_version": self.sched.weight_version})
         elif path in ("/server_info", "/get_server_info"):
             self._send(200, {"model_path": self.sched.model_path, "context_length": self.sched.context_len,
-                             "max_req_input_len": self.sched.context_len - 1, "tp_size": 1, "dp_size": 1,
-                             "version": "rlrecipe-serve"})
+                             "max_req_input_len": max_input_len(self.sched.context_len), "tp_size": 1, "dp_size": 1,
+                             "version": SGLANG_RULES, "frontend": "rlrecipe-serve",
+                             "device": "cpu", "dtype": self.sched.dtype})
         elif path == "/get_weight_version":
             self._send(200, {"weight_version": self.sched.weight_version})
         elif path == "/flush_cache":
             self._flush()
         elif path == "/get_weights_by_name":  # SGLang takes its JSON body on GET as on POST
             self._weights_by_name()
+        elif path == "/weights_checker":
+            self._weights_checker()
         else:
             self._error(404, f"no route GET {path}")
 
@@ -155,6 +168,15 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._send(200, rows)
 
+    def _weights_checker(self, body: dict | None = None) -> None:
+        """SGLang's /weights_checker: action checksum only (snapshot/compare are not served here)."""
+        body = self._body() if body is None else body
+        action = body.get("action", "checksum")
+        if action != "checksum":
+            self._send(400, {"success": False, "message": f"Unsupported action={action!r} in rlrecipe serve"})
+        else:
+            self._send(200, self.sched.checksums())
+
     def _flush(self):
         self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
                         "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -189,8 +211,14 @@ class Handler(BaseHTTPRequestHandler):
                 self._reply(self.sched.update_weights(str(body["model_path"]), body.get("weight_version")))
             elif path == "/init_weights_update_group":
                 self._reply(self.sched.init_group(body))
+            elif path == "/begin_weight_update":
+                self._reply(self.sched.begin_weight_update())
+            elif path == "/end_weight_update":
+                self._reply(self.sched.end_weight_update())
             elif path == "/update_weights_from_distributed":
                 self._reply(self.sched.update_weights_from_distributed(body))
+            elif path == "/weights_checker":
+                self._weights_checker(body)
             elif path == "/destroy_weights_update_group":
                 self._reply(self.sched.destroy_group(body))
             elif path == "/flush_cache":
@@ -199,6 +227,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._weights_by_name(body)
             else:
                 self._error(404, f"no route POST {path}")
+        except UnknownField as err:
+            self._send(400, {"error": str(err)})  # SGLang's contract gate answers in this shape
         except BadRequest as err:
             self._error(400, str(err))
         except TooLarge as err:
@@ -247,6 +277,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
     context_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 1 << 30)
     sched = Scheduler(engine, tokenizer, str(model), context_len, chunk_tokens=chunk_tokens, seed=seed,
                       join_timeout_s=join_timeout_s)
+    sched.dtype = dtype  # /server_info's dtype, as SGLang's --dtype
     try:
         server = Server((host, port), make_handler(sched, api_key))
     except OSError as err:

@@ -12,9 +12,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rlrecipe.serve.scheduler import Scheduler
 
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos",
-                 "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens", "stop", "min_new_tokens",
-                 "n", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "sampling_seed"}
+# SGLang 0.5.23's sampling_params (its api/v1 SamplingParams): any other key is refused with 400, as
+# there; those this server does not implement are refused unless they have their neutral value.
+SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+                 "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                 "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+                 "custom_params", "beam_width", "watermark", "choice")
+NOT_IMPLEMENTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "logit_bias", "custom_params",
+                   "beam_width", "watermark", "choice")
 
 
 # Parallel samples of one prompt (`sampling_params.n`) and samples of one request in all (prompts x n):
@@ -78,11 +84,25 @@ def health_probe(kind: str = "HEALTH_CHECK") -> GenRequest:
                       skip_special_tokens=True, no_stop_trim=False)
 
 
+class UnknownField(BadRequest):
+    """A key SGLang's contract does not know: 400 with {"error": "unknown field ..."}, as SGLang."""
+
+
+def max_input_len(context_len: int) -> int:
+    """SGLang's max_req_input_len without a KV-cache limit: (context - 1) - 5; inputs of this many
+    tokens or more are refused."""
+    return context_len - 6
+
+
 def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     sp = dict(sp or {})
-    unknown = set(sp) - SAMPLING_KEYS
+    unknown = sorted(set(sp) - set(SAMPLING_KEYS))
     if unknown:
-        raise BadRequest(f"unknown sampling_params: {sorted(unknown)}")
+        raise UnknownField(f"unknown field `{unknown[0]}`, expected one of "
+                           + ", ".join(f"`{k}`" for k in SAMPLING_KEYS))
+    for k in NOT_IMPLEMENTED:
+        if sp.get(k) not in (None, {}, []):
+            raise BadRequest(f"sampling_params.{k} is not supported by rlrecipe serve")
     stop = sp.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):
@@ -105,13 +125,15 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     max_new = _integer(sp, "max_new_tokens", 128)
     if max_new < 0:
         raise BadRequest("sampling_params.max_new_tokens must be >= 0")
-    # as SGLang without --allow-auto-truncate: a request that cannot fit is refused, not shortened
-    if n_input >= context_len:
-        raise BadRequest(f"The input ({n_input} tokens) is longer than the model's context length "
-                         f"({context_len} tokens).")
+    # as SGLang 0.5.23 without --allow-auto-truncate: a request that cannot fit is refused, not shortened
+    if n_input >= max_input_len(context_len):
+        raise BadRequest(f"Input length ({n_input} tokens) exceeds the maximum allowed length "
+                         f"({max_input_len(context_len)} tokens).")
     if n_input + max_new > context_len:
         raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} "
                          f"tokens: {n_input} input + {max_new} new.")
+    # exactly at the context it is accepted, one token short (SGLang's max_req_len is context - 1)
+    max_new = min(max_new, context_len - 1 - n_input)
     return {"max_new_tokens": max_new, "temperature": temperature, "top_p": top_p,
             "top_k": 0 if top_k == -1 else top_k, "stop_ids": frozenset(int(t) for t in sp.get("stop_token_ids") or []),
             "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),

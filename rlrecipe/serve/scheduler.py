@@ -12,6 +12,7 @@ SGLang's model-update lock does).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import random
 import threading
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from rlrecipe.modeling import read_export_for
+from rlrecipe.rollout.weight_checksum import model_checksums
 from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
 from rlrecipe.serve.protocol import BadRequest, GenRequest, health_probe
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
@@ -28,6 +30,8 @@ from rlrecipe.trajectory.record import SamplingParams, Trajectory
 # weight broadcast may take: an unreachable address must not hold the request that long.
 JOIN_TIMEOUT_S = 120.0
 GATHER_S = 0.005
+# the architectures SGLang 0.5.23 implements /get_weights_by_name for (its models' get_weights_by_name)
+WEIGHTS_BY_NAME_ARCHS = {"LlamaForCausalLM", "GraniteForCausalLM", "OPTForCausalLM", "Exaone4ForCausalLM"}
 
 
 def log(msg: str) -> None:
@@ -43,6 +47,7 @@ class Scheduler:
         self.join_timeout_s = join_timeout_s
         self.tokenizer = tokenizer
         self.model_path = model_path
+        self.dtype = "auto"  # what /server_info reports (make_server sets the served one)
         self.weight_version = "default"
         self.context_len = context_len
         # ids at or past it would index out of the embedding and fail the whole batch they join
@@ -54,6 +59,7 @@ class Scheduler:
         self.active: list[GenRequest] = []
         self.updates: list[dict] = []
         self.groups: dict[str, object] = {}  # weight update groups joined, by name
+        self.session_open = False  # SGLang >= 0.5.21: distributed updates run inside a weight-update session
         self.weights_lock = threading.Lock()  # a weight update and a read of the weights (get_weights_by_name)
         self.stopped = False
         # set once a first one-token generation went through (SGLang's warm-up): until then, and
@@ -112,7 +118,26 @@ class Scheduler:
     def update_weights(self, model_path: str, weight_version: str | None, timeout: float = 3600.0) -> dict:
         return self._run_update({"model_path": model_path, "weight_version": weight_version}, timeout)
 
+    def begin_weight_update(self) -> dict:
+        with self.cond:
+            if self.session_open:
+                return {"success": False, "message": "a weight-update session is already open; "
+                                                     "call end_weight_update() first"}
+            self.session_open = True
+        return {"success": True, "message": "Success"}
+
+    def end_weight_update(self) -> dict:
+        with self.cond:
+            if not self.session_open:
+                return {"success": False, "message": "no weight-update session is open; "
+                                                     "call begin_weight_update() first"}
+            self.session_open = False
+        return {"success": True, "message": "Success"}
+
     def update_weights_from_distributed(self, body: dict, timeout: float = 3600.0) -> dict:
+        if not self.session_open:
+            return {"success": False, "message": "update_weights_from_distributed must run between "
+                                                 "begin_weight_update() and end_weight_update()"}
         group = self.groups.get(body.get("group_name", DEFAULT_GROUP))
         if group is None:
             raise BadRequest(f"no weight update group {body.get('group_name', DEFAULT_GROUP)!r}: "
@@ -130,13 +155,33 @@ class Scheduler:
 
     def weights_by_name(self, name: str, truncate_size: int) -> list | None:
         """The parameter's first `truncate_size` rows as float32 lists (SGLang's /get_weights_by_name);
-        None for a name the model does not have."""
+        None for a name the model does not have, or a model whose architecture SGLang does not
+        implement it for (Qwen2 among them)."""
+        archs = set(getattr(self.engine.model.config, "architectures", None) or [])
+        if not archs & WEIGHTS_BY_NAME_ARCHS:
+            log(f"get_weights_by_name: not implemented for {sorted(archs)} (as in SGLang)")
+            return None
         with self.weights_lock:
             tensor = self.engine.model.state_dict().get(name)
             if tensor is None:
                 log(f"get_weights_by_name: no parameter {name!r}")
                 return None
             return tensor.detach()[:max(0, truncate_size)].float().tolist()
+
+    def checksums(self) -> dict:
+        """SGLang's /weights_checker {"action": "checksum"} of a one-rank server on the CPU."""
+        with self.weights_lock:
+            named = {**dict(self.engine.model.named_parameters()), **dict(self.engine.model.named_buffers())}
+            sums = model_checksums(named)
+        h = hashlib.sha256()
+        for name in sorted(sums):
+            h.update(name.encode())
+            h.update(sums[name].encode())
+        info = {"checksums": sums, "per_gpu_checksum": h.hexdigest(),
+                "parallelism_info": [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                      "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}]}
+        return {"success": True, "message": "Success.", "ranks": [info],
+                "per_engine_checksum": hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()}
 
     def init_group(self, body: dict) -> dict:
         """Join the trainer's weight update group (blocks until every member has joined)."""

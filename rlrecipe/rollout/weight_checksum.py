@@ -1,0 +1,99 @@
+"""Weight checksums as SGLang's `/weights_checker` computes them (action "checksum", SGLang >= 0.5.12).
+
+SGLang answers {"success", "message", "ranks": [{"checksums": {name: 16 hex digits}, "per_gpu_checksum",
+"parallelism_info"}, ...]}: one entry per tensor-parallel rank, a checksum per parameter and buffer
+under the server's own names (fused ones such as qkv_proj have no HF counterpart; row-parallel ones
+are that rank's shard), rotary caches left out. For a tensor held on the CPU the checksum is the
+first 8 bytes of the SHA-256 of its raw bytes, big-endian; on a GPU SGLang uses a Triton hash
+instead, which the trainer cannot reproduce. So two checks come out of it:
+
+- exact: where the server hashes as `tensor_checksum` does (any of its checksums equals the
+  trainer's for the same name), every tensor both sides name alike must match, bit for bit, once
+  the trainer's is cast to the served dtype. Only tensors no rank shards are compared this way
+  (1-D ones) unless the server has one rank.
+- changed: the trainer's tensors that changed since the previous push (in the served dtype) must
+  have changed on every rank of the server too. A server that answered 200 and kept its weights
+  fails this whatever its hash; at a small learning rate most bf16 values stay put, but a tensor of
+  millions of them does not (docs/gpu.md has the figures).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+NON_PERSISTENT = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """A CPU tensor's checksum as SGLang's weight checker writes it (16 hex digits)."""
+    t = t.detach().cpu().contiguous()
+    digest = hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()
+    return f"{int.from_bytes(digest[:8], 'big'):016x}"
+
+
+def model_checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Every tensor's checksum, rotary caches left out, as a one-rank server answers."""
+    return {n: tensor_checksum(t) for n, t in named.items() if not any(p in n for p in NON_PERSISTENT)}
+
+
+def rank_checksums(answer: dict) -> list[dict[str, str]] | None:
+    """The per-rank {name: checksum} of a /weights_checker answer; None when it has none."""
+    ranks = answer.get("ranks") if isinstance(answer, dict) else None
+    if not isinstance(ranks, list) or not ranks:
+        return None
+    out = [r.get("checksums") for r in ranks if isinstance(r, dict)]
+    return out if out and all(isinstance(c, dict) for c in out) else None
+
+
+@dataclass
+class ServerChecksums:
+    """What one server answered when it was last verified, the trainer's checksums then, and the
+    weight version it was verified to hold."""
+
+    ranks: list[dict[str, str]]
+    trainer: dict[str, str] = field(default_factory=dict)
+    version: int = 0
+
+
+def hashes_on_cpu(server_info: dict) -> bool:
+    """Whether a server's checksums are computed as `tensor_checksum` does: its weights are not on
+    CUDA (SGLang hashes CUDA tensors with Triton, any other tensor with SHA-256)."""
+    device = server_info.get("device")
+    return isinstance(device, str) and device not in ("cuda", "rocm", "")
+
+
+def judge(ranks: list[dict[str, str]], trainer: dict[str, str], before: ServerChecksums | None,
+          cpu_hash: bool = False) -> tuple[str, str]:
+    """("ok" | "wrong" | "stale" | "undecided", detail) for a server's checksums `ranks` after a push,
+    given the trainer's checksums of the same push (its tensors cast to the served dtype) and what
+    both said when the server was last verified (None: nothing to compare with). "stale": the
+    server answers as it did then, while the trainer's tensors changed. `cpu_hash`: the server is
+    known to hash as the trainer does (else: where any checksum agrees)."""
+    comparable = {n for n in trainer if all(n in r for r in ranks)}
+    if len(ranks) > 1:  # a shard's checksum is not the whole tensor's: compare only what no rank shards
+        comparable = {n for n in comparable if len({r[n] for r in ranks}) == 1}
+    same_hash = bool(comparable) and (cpu_hash or any(ranks[0][n] == trainer[n] for n in comparable))
+    if same_hash:
+        off = sorted(n for n in comparable if ranks[0][n] != trainer[n])
+        if off and before is not None and all(n in r for r in before.ranks for n in off) and all(
+                now[n] == prev[n] for now, prev in zip(ranks, before.ranks, strict=False) for n in off):
+            return "stale", f"{len(off)} of {len(comparable)} tensors compared differ from the trainer's"
+        if off:
+            return "wrong", f"{len(off)} of {len(comparable)} tensors differ from the trainer's, e.g. {off[0]}"
+        return "ok", f"{len(comparable)} tensors match the trainer's bit for bit"
+    if before is None:
+        return "undecided", "its checksums are not computed as the trainer's (a GPU hash) and there is no earlier push"
+    changed = sorted(n for n in trainer if n in before.trainer and trainer[n] != before.trainer[n]
+                     and all(n in r for r in ranks) and all(n in r for r in before.ranks))
+    if not changed:
+        return "undecided", "none of the trainer's compared tensors changed since the previous push"
+    for k, (now, prev) in enumerate(zip(ranks, before.ranks, strict=False)):
+        kept = [n for n in changed if now[n] == prev[n]]
+        if len(kept) == len(changed):
+            return "stale", f"rank {k}: none of the {len(changed)} tensors the trainer changed since then changed"
+        if kept:
+            return "wrong", f"rank {k}: {len(kept)} of {len(changed)} tensors the trainer changed did not change, e.g. {kept[0]}"
+    return "ok", f"the {len(changed)} tensors the trainer changed changed on every rank"

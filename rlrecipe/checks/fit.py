@@ -387,7 +387,8 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
     """Why each changed field took its value, in one line each."""
     src, t, r = search.recipe, layout.train, layout.rollout
     out: dict[str, str] = {}
-    split = (f"{layout.split} GPUs for training + rollout, the split projected fastest per trained token "
+    unit = "" if layout.machine.nodes > 1 else " GPUs"
+    split = (f"{layout.split}{unit} for training + rollout, the split projected fastest per trained token "
              f"(rollout {r.time.seconds:.0f} s, training {t.time.seconds:.0f} s a step)")
     for key in ("trainer.nproc", "trainer.nodes", "rollout.sglang.num_servers", "rollout.sglang.nodes"):
         out[key] = split
@@ -461,9 +462,9 @@ def _header(fitted: Fit, layout: Layout, out: Path, recipe: Recipe, changes: dic
              f"# Hardware: {m.label} GPUs (times assume H100s): {where}.",
              f"# Command: as the header of {src_path} says, with this file"
              + (f": rlrecipe rl {out}" if m.nodes == 1 else
-                f": rlrecipe rollout-servers {out} --node <0..{r.nodes - 1}> --urls-out shared/urls.yaml on each "
-                f"rollout node, then RLRECIPE_NODE_RANK=<0..{t.nodes - 1}> rlrecipe rl {out} "
-                "--set \"rollout.urls=$(cat shared/urls.yaml)\" on each training node"),
+                f": rlrecipe rollout-servers {out} --node {_ranks(r.nodes)} --urls-out shared/urls.yaml on "
+                f"{_each(r.nodes)} rollout node, then {_rank_env(t.nodes)}rlrecipe rl {out} "
+                f"--set \"rollout.urls=$(cat shared/urls.yaml)\" on {_each(t.nodes)} training node"),
              f"# Expected: the numbers of {src_path}. Projected {layout.step_s:.0f} s a step, "
              f"{layout.s_per_mtoken:.2f} s per 1M trained tokens, {layout.hours:.0f} h for its {layout.steps} steps "
              "(a projection at H100 rates: docs/gpu.md, \"How fit decides\").",
@@ -496,6 +497,18 @@ def _dump(data: dict) -> str:
                                   allow_unicode=True)
             out.append("".join("  " + line + "\n" for line in text.splitlines()))
     return "".join(out)
+
+
+def _ranks(nodes: int) -> str:
+    return "0" if nodes == 1 else f"<0..{nodes - 1}>"
+
+
+def _each(nodes: int) -> str:
+    return "the" if nodes == 1 else "each"
+
+
+def _rank_env(nodes: int) -> str:
+    return "" if nodes == 1 else f"RLRECIPE_NODE_RANK={_ranks(nodes)} "
 
 
 def write_fitted(fitted: Fit, out: Path) -> Recipe:

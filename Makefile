@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-fast demo mismatch-study async-study options-study bench bench-sglang reproduce-aime gpu-smoke gpu-checks lint clean
+.PHONY: install install-gpu test test-fast demo mismatch-study async-study options-study bench bench-sglang reproduce-aime gpu-smoke gpu-checks sglang-contract lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,11 +18,18 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 install: $(STAMP)
 
-# GPU machines: keep the CUDA torch already installed (no CPU constraint) and add SGLang.
+# GPU machines: keep the CUDA torch already installed (no CPU constraint) and add SGLang, within
+# the range the client was checked against (pyproject's gpu extra; docs/gpu.md's version table).
 install-gpu:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -e '.[dev,gpu]'
 	touch $(STAMP)
+
+# Read both ends of the SGLang pin from their released wheels (needs the package index; nothing is
+# installed) into tests/data/sglang_contract.json, and check the client against them. Rerun when
+# the pin moves; the suite checks the client against the recorded summary offline.
+sglang-contract: $(STAMP)
+	$(BIN)/python -m scripts.sglang_contract
 
 # Everything CI runs. For the edit loop, `make test-fast` leaves out the tests marked slow
 # (subprocess-heavy: DeepSpeed ranks, servers, whole stages; about half the wall time).

@@ -85,13 +85,13 @@ def worker(spec: dict) -> None:
         counts: list = [None] * eng.world
         dist.all_gather_object(counts, len(eng.microbatches_of(samples, eng.shard(samples))))
         stats = eng.train_step(samples, loss_fn)
-        out["steps"].append({"step": step, "microbatches_per_rank": counts, **stats})
+        out["steps"].append({"step": step, "microbatches_per_rank": counts, **stats.additive()})
         if step + 1 == spec.get("save_at"):
             eng.save(spec["ckpt"])
     eng.export_hf(spec["export"])
     out["rand_after"] = torch.rand(1).item()  # the RNG state is part of the checkpoint
     before = eng.compute_logprobs(batch(0))
-    out["nan_step"] = eng.train_step(batch(0), nan_loss)
+    out["nan_step"] = eng.train_step(batch(0), nan_loss).additive()
     after = eng.compute_logprobs(batch(0))
     out["nan_step_kept_weights"] = all(torch.equal(a[0], b[0]) for a, b in zip(before, after, strict=True))
     if eng.rank == 0:
@@ -118,9 +118,9 @@ def torch_reference(model_dir: Path) -> dict:
     eng = TorchTrainEngine(model_dir, TrainerSection(engine="torch", **TRAINER), TOTAL_STEPS)
     ref = {"logp0": [lp for lp, _ in eng.compute_logprobs(batch(0))], "steps": []}
     for step in range(STEPS):
-        ref["steps"].append(eng.train_step(batch(step), loss_fn))
+        ref["steps"].append(eng.train_step(batch(step), loss_fn).additive())
     ref["state"] = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
-    ref["nan_step"] = eng.train_step(batch(0), nan_loss)
+    ref["nan_step"] = eng.train_step(batch(0), nan_loss).additive()
     return ref
 
 

@@ -134,6 +134,6 @@ def test_trainer_state_loads_with_weights_only_and_restores_everything(tiny_mode
     assert (random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(2).tolist()) == expected_draws
     assert again.steps_done == 1 and again.scheduler.last_epoch == 1
     step = again.train_step([sample], loss)
-    assert step["loss"] == expected_step["loss"] and step["lr"] == expected_step["lr"]
+    assert step.loss == expected_step.loss and step.lr == expected_step.lr
     for (name, x), y in zip(eng.model.state_dict().items(), again.model.state_dict().values(), strict=True):
         assert torch.equal(x, y), name

@@ -49,8 +49,8 @@ def test_train_step_hands_the_loss_entropy_with_gradient(tiny_model_dir):
 
     stats = eng.train_step(samples, bonus_only, with_entropy=True)
     assert float(torch.cat(seen).mean()) == pytest.approx(float(naive), rel=1e-5)
-    assert stats["loss"] == pytest.approx(-float(naive), rel=1e-5)
-    assert stats["grad_norm"] == pytest.approx(float(naive_norm), rel=1e-4)
+    assert stats.loss == pytest.approx(-float(naive), rel=1e-5)
+    assert stats.grad_norm == pytest.approx(float(naive_norm), rel=1e-4)
 
     def no_entropy(logp, f):
         assert f.entropy is None
@@ -109,10 +109,10 @@ def test_fp16_autocast_finds_its_scale_and_skips_overflowing_steps(tiny_model_di
     for _ in range(30):
         before = _weights(eng)
         st = eng.train_step(samples, _nll)
-        assert torch.isfinite(torch.tensor(st["loss"]))
+        assert torch.isfinite(torch.tensor(st.loss))
         changed = any(not torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
-        assert changed == (st["skipped"] == 0.0)  # an overflowing step leaves the weights alone
-        assert st["overflow"] == st["skipped"]  # every skip here is an overflow the scaler handles
+        assert changed == (not st.skipped)  # an overflowing step leaves the weights alone
+        assert st.overflow == st.skipped  # every skip here is an overflow the scaler handles
         taken += changed
     # 2^32 overflows float16 activation gradients: the first steps are skipped while it halves
     assert eng.loss_scaler.scale < 2.0**32 and taken >= 5
@@ -134,10 +134,10 @@ def test_an_injected_inf_gradient_skips_the_step_and_lowers_the_scale(tiny_model
         unchanged = all(torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
         assert unchanged == poison[step]
     hook.remove()
-    assert [s["skipped"] for s in stats] == [0.0, 1.0, 1.0, 0.0]
-    assert [s["overflow"] for s in stats] == [0.0, 1.0, 1.0, 0.0]
+    assert [s.skipped for s in stats] == [False, True, True, False]
+    assert [s.overflow for s in stats] == [False, True, True, False]
     # the scale each step ran with: the first overflow uses up the hysteresis (2), the second halves
-    assert [s["loss_scale"] for s in stats] == [1024.0, 1024.0, 1024.0, 512.0]
+    assert [s.loss_scale for s in stats] == [1024.0, 1024.0, 1024.0, 512.0]
 
 
 def test_loss_scaler_state_survives_a_checkpoint(tiny_model_dir, tmp_path):

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlrecipe.core.dist import is_rank_zero
 from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.recipe.schema import Recipe
 from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
+from rlrecipe.rl.pool import RolloutStats
 from rlrecipe.rollout.weight_transport import WeightTransport
 from rlrecipe.trajectory.arrays import broadcast_batch_from_rank_zero
 
@@ -72,6 +74,16 @@ class WeightsOut:
             self.engine.update_weights_from_state(frozen, version)
 
 
+@dataclass
+class Taken:
+    """What every rank learns of a batch collected ahead, beside its arrays."""
+
+    roll: RolloutStats
+    version: int  # the weights that collected it
+    collect_s: float  # the worker's time collecting and grading it
+    wait_s: float  # the trainer's wait for it
+
+
 class StepRollout:
     """Each step's graded batch, and the engine's weights kept to the schedule."""
 
@@ -110,13 +122,13 @@ class StepRollout:
 
         def taken():
             collected, waited = self.ahead.take(step)
-            return collected.batch, (collected.roll, collected.version, collected.seconds, waited)
+            return collected.batch, Taken(collected.roll, collected.version, collected.seconds, waited)
 
-        batch, (roll, version, seconds, wait_s) = broadcast_batch_from_rank_zero(taken)
-        self._timing = {"rollout_version": float(version), "rollout_lag": float(step - version),
-                        "rollout_collect_s": seconds, "rollout_wait_s": wait_s}
+        batch, got = broadcast_batch_from_rank_zero(taken)
+        self._timing = {"rollout_version": float(got.version), "rollout_lag": float(step - got.version),
+                        "rollout_collect_s": got.collect_s, "rollout_wait_s": got.wait_s}
         self._schedule_next(step)
-        return batch, roll
+        return batch, got.roll
 
     def _schedule_next(self, step: int) -> None:
         """The batch of step + L, under the weights of `step` (the trainer's now)."""

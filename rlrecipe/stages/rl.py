@@ -174,9 +174,9 @@ def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str,
         mb = samples[sl]
         for s, scale in zip(mb, aggregation_scale([x.num_response for x in mb], cfg.loss_agg), strict=True):
             s.columns.scale = scale
-        stats = trainer.train_step(mb, loss_fn, with_entropy=cfg.entropy_coef > 0)
-        loss_scale = stats.pop("loss_scale", loss_scale)
-        add_sums(totals, stats)
+        result = trainer.train_step(mb, loss_fn, with_entropy=cfg.entropy_coef > 0)
+        loss_scale = result.loss_scale if result.loss_scale is not None else loss_scale
+        add_sums(totals, result.additive())
     steps = len(slices)
     active = max(1.0, totals.get("active_tokens", 0.0))
     overflow = totals.get("overflow", 0.0)

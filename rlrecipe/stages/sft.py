@@ -125,9 +125,9 @@ def sft_step(engine, batch: list[TrainSample]) -> dict[str, float]:
     n_tok = sum(s.num_response for s in batch)
     for s in batch:
         s.columns = TokenColumns(scale=torch.full((s.num_response,), 1.0 / n_tok))
-    stats = engine.train_step(batch, sft_loss)
-    return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"], "tokens": n_tok,
-            "skipped": stats["skipped"]}
+    step = engine.train_step(batch, sft_loss)
+    return {"loss": step.loss, "grad_norm": step.grad_norm, "lr": step.lr, "tokens": n_tok,
+            "skipped": float(step.skipped)}
 
 
 def _validate(loaded: LoadedRecipe, engine, tokenizer, run: Run, step: int) -> dict[str, float]:

@@ -39,6 +39,27 @@ def add_sums(totals: dict[str, float], stats: Sums | Mapping[str, float]) -> Non
         totals[k] = totals.get(k, 0.0) + v
 
 
+@dataclass
+class StepResult:
+    """What one optimizer step reports, on every engine."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool  # the update was not applied: a NaN/inf loss or gradient (or a float16 overflow)
+    sums: dict[str, float] = field(default_factory=dict)  # the loss function's statistics, summed
+    loss_scale: float | None = None  # the scale the step ran with, under float16 loss scaling only
+    overflow: bool = False  # skipped on an overflow that loss scaling handles by lowering its scale
+
+    def additive(self) -> dict[str, float]:
+        """The numbers that add up over minibatches (the loss scale, a state, is left out)."""
+        out = {"loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr, "skipped": float(self.skipped),
+               **self.sums}
+        if self.loss_scale is not None:
+            out["overflow"] = float(self.overflow)
+        return out
+
+
 class TrainEngine(Protocol):
     """The interface both the plain-torch and the DeepSpeed engine implement."""
 
@@ -47,7 +68,7 @@ class TrainEngine(Protocol):
     def compute_logprobs(self, samples: list[TrainSample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logp, entropy) per sample for its response tokens, under the current weights."""
 
-    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> StepResult:
         """One optimizer step over all samples."""
 
     def rollout_state(self) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ from rlrecipe.core.dist import barrier
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import enable_checkpointing, load_model
 from rlrecipe.recipe.systems import TrainerSection
-from rlrecipe.train.base import LossFn, TrainSample, add_sums
+from rlrecipe.train.base import LossFn, StepResult, TrainSample, add_sums
 from rlrecipe.train.launch import init_distributed
 from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, load_state, make_scheduler, restore_rng
 from rlrecipe.train.varlen_attention import training_attention
@@ -241,14 +241,14 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         return [[indices[k] for k in b] for b in bins]
 
     # -- update --------------------------------------------------------------------------------
-    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> StepResult:
         """One optimizer step over the global batch; this rank trains on its share.
 
         with_entropy and the fp16 "overflow" / "loss_scale" stats as in TorchTrainEngine.train_step."""
         if not samples:  # every rank sees the same global batch, so all return here together
             self.scheduler.step()
             self.steps_done += 1
-            return {"loss": 0.0, "grad_norm": 0.0, "lr": self.scheduler.get_last_lr()[0], "skipped": 0.0}
+            return StepResult(0.0, 0.0, self.scheduler.get_last_lr()[0], skipped=False)
         self.engine.train()
         bins = self.microbatches_of(samples, self.shard(samples))
         n = max(1, self._max_over_ranks(len(bins)))
@@ -283,12 +283,11 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         norm = self.engine.get_global_grad_norm()  # before clipping, like torch's clip_grad_norm_
         grad_norm = float("nan") if skipped or norm is None else float(norm)
         self.steps_done += 1
-        out = {"loss": totals.pop("loss"), "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
-               "skipped": 1.0 if skipped else 0.0, **totals}
+        out = StepResult(totals.pop("loss"), grad_norm, self.scheduler.get_last_lr()[0], skipped=skipped, sums=totals)
         if fp16:
             # a skip at the minimum scale is not an overflow that scaling explains
-            overflow = skipped and math.isfinite(out["loss"]) and scale > self.ds_config["fp16"]["min_loss_scale"]
-            out.update({"loss_scale": scale, "overflow": float(overflow)})
+            out.overflow = skipped and math.isfinite(out.loss) and scale > self.ds_config["fp16"]["min_loss_scale"]
+            out.loss_scale = scale
         return out
 
     # -- state ---------------------------------------------------------------------------------

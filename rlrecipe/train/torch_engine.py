@@ -23,7 +23,7 @@ from rlrecipe.algo.packing import allocate_microbatches, pack, response_rows
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import enable_checkpointing, load_model, load_weights_into
 from rlrecipe.recipe.systems import TrainerSection
-from rlrecipe.train.base import LossFn, TrainSample, add_sums
+from rlrecipe.train.base import LossFn, StepResult, TrainSample, add_sums
 from rlrecipe.train.logprobs import response_logprobs
 from rlrecipe.train.loss_scale import DynamicLossScaler
 from rlrecipe.train.varlen_attention import training_attention
@@ -130,7 +130,7 @@ class TorchTrainEngine:
         return [out[i] for i in range(len(samples))]
 
     # -- update ------------------------------------------------------------------------------
-    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], loss_fn: LossFn, with_entropy: bool = False) -> StepResult:
         """One optimizer step over all samples, accumulated over packed micro-batches.
 
         with_entropy: the loss function also gets each token's entropy, with gradient, as
@@ -163,12 +163,11 @@ class TorchTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()  # a skipped step still advances the schedule, on purpose (see the filter above)
         self.steps_done += 1
-        out = {"loss": total_loss, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
-               "skipped": 0.0 if finite else 1.0, **stats}
+        out = StepResult(total_loss, grad_norm, self.scheduler.get_last_lr()[0], skipped=not finite, sums=stats)
         if self.loss_scaler:
-            overflow = not finite and math.isfinite(total_loss) and self.loss_scaler.can_lower()
+            out.overflow = not finite and math.isfinite(total_loss) and self.loss_scaler.can_lower()
+            out.loss_scale = scale
             self.loss_scaler.update(overflow=not finite)
-            out.update({"loss_scale": scale, "overflow": float(overflow)})
         return out
 
     # -- state -------------------------------------------------------------------------------

@@ -125,6 +125,16 @@ def test_no_fit_on_one_24gb_card_is_one_line_naming_the_cause_and_a_machine_that
     assert fit(loaded, Machine(8, 2, 24)).refusal and fit(loaded, Machine(2, 1, 40)).refusal
 
 
+def test_when_training_fits_no_split_the_refusal_says_by_how_much():
+    loaded = load_recipe(REPO / SOURCE)
+    refused = fit(loaded, Machine(2, 1, 40)).refusal
+    # one GPU trains at most; the plan's least for one rank, against 95% of 40 GiB
+    search = Search(loaded, Machine(2, 1, 40))
+    least = min(o.peak for o in search.train_options(1, 1)) / GIB
+    assert f"training does not fit: at least {least:.1f} GiB per GPU" in refused and "of 38.0 GiB usable" in refused
+    assert refused.endswith("Smallest that fits: 4 x 40 GB.")
+
+
 def test_host_memory_limits_the_layouts():
     loaded = load_recipe(REPO / SOURCE)
     free = fit(loaded, Machine(8, 1, 40))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -42,8 +42,8 @@ TP_SIZES = (1, 2, 4, 8)
 ZERO = ((3, False, False), (2, False, False), (1, False, False), (3, True, False), (2, True, False),
         (1, True, False), (3, True, True))
 CHUNK_DIVISORS = (1, 2, 4)
-# Card sizes and machines tried for "the smallest hardware that fits" (GiB; GPUs per node, nodes).
 HEADER_WIDTH = 105  # the fitted recipe's header lines
+# Card sizes and machines tried for "the smallest hardware that fits" (GiB; GPUs per node, nodes).
 CARDS_GIB = (24, 40, 48, 80, 96, 141)
 MACHINES = ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8), (8, 16))
 
@@ -67,11 +67,6 @@ class Machine:
     def label(self) -> str:
         mem = f"{self.gpu_memory_gib:g} GB"
         return f"{self.nodes} x {self.gpus} x {mem}" if self.nodes > 1 else f"{self.gpus} x {mem}"
-
-    @property
-    def slug(self) -> str:
-        nodes = f"{self.nodes}x" if self.nodes > 1 else ""
-        return f"{nodes}{self.gpus}x{self.gpu_memory_gib:g}gb".replace(".", "p")
 
 
 def check_machine(gpus: int, nodes: int, gpu_memory_gib: float, host_memory_gib: float | None) -> Machine:
@@ -162,7 +157,6 @@ class Fit:
     machine: Machine
     layouts: list[Layout]  # best first
     refusal: str | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def _with(recipe: Recipe, **sections: dict) -> Recipe:
@@ -316,14 +310,22 @@ class Search:
         if not any(o.peak <= self.limit for o in trains):
             best = min(trains, key=lambda o: o.peak)
             return (f"training does not fit: at least {best.peak / GIB:.1f} GiB per GPU ({best.label} on "
-                    f"{best.ranks} GPUs), of {self.limit / GIB:.1f} GiB usable ({FIT_MARGIN:.0%} kept free)")
+                    f"{best.ranks} GPU{'s' if best.ranks > 1 else ''}), of {self.limit / GIB:.1f} GiB usable ({FIT_MARGIN:.0%} kept free)")
         if not any(self.train_fits(o) for o in trains):
             best = min((o for o in trains if o.peak <= self.limit), key=lambda o: o.host)
             return (f"host memory does not fit: at least {best.host / GIB:.0f} GiB on node 0 ({best.label}), "
                     f"of {m.host_memory_gib:g}")
         seq = self.recipe.data.max_prompt_tokens + self.recipe.rollout.max_new_tokens
-        return (f"rollout does not fit: no SGLang layout of the GPUs left holds the weights and one "
-                f"{seq}-token sequence's KV cache (memory fraction at most {max(self.fractions(), default=0):.2f})")
+        if not self.fractions():
+            return (f"rollout does not fit: SGLang needs {SGLANG_OUTSIDE_POOL_GIB:g} GiB of a GPU outside its "
+                    "static pool, and room inside it for the weights and the KV cache")
+        rollouts = [g for _, _, g, n in splits if self.rollout_options(g, n)]
+        if not rollouts:
+            return (f"rollout does not fit: no SGLang layout of the GPUs left holds the weights and one "
+                    f"{seq}-token sequence's KV cache (memory fraction at most {max(self.fractions()):.2f})")
+        fitting = [o.ranks for o in trains if self.train_fits(o)]
+        return (f"no split leaves both sides room: training fits on {min(fitting)} GPUs or more, rollout on "
+                f"{min(rollouts)} or more, of {m.total}")
 
 
 def smallest_fitting(loaded: LoadedRecipe, dims: ModelDims, card_gib: float,

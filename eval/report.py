@@ -453,7 +453,8 @@ def public_record(r: dict[str, Any]) -> dict[str, Any]:
     """JSON-ready record: all recorded fields (per-problem detail dropped), pass@k keys as strings."""
     out = {k: v for k, v in r.items() if k not in PUBLIC_DROP}
     out["pass_at_k"] = {str(k): v for k, v in r.get("pass_at_k", {}).items()}
-    for key in ("recipe_sha256", "algorithm_sha256", "stderr", "n", "num_problems", "commit"):
+    out["algorithm_sha256"] = algorithm_sha256(r)  # as RESULTS.md shows it
+    for key in ("recipe_sha256", "stderr", "n", "num_problems", "commit"):
         out.setdefault(key, None)
     return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from rlrecipe.cli.app import app
-from rlrecipe.eval.report import algorithm_sha256, result_rows
+from rlrecipe.eval.report import algorithm_sha256, public_record, result_rows
 from typer.testing import CliRunner
 
 from rlrecipe.recipe.schema import ALGORITHM_FIELDS, LAYOUT_FIELDS, Recipe, load_recipe
@@ -73,6 +73,9 @@ def test_results_rows_show_the_algorithm_hash(monkeypatch):
     col = header.index("algorithm sha256")
     assert [r[col] for r in rows] == ["a" * 12, boba.recipe.algorithm_sha256()[:12], "-"]
     assert algorithm_sha256({**older, "recipe": "recipes/nope.yaml"}) is None
+    # `rlrecipe results --json` gives the same
+    assert public_record(older)["algorithm_sha256"] == boba.recipe.algorithm_sha256()
+    assert public_record(changed)["algorithm_sha256"] is None
 
 
 def test_an_evaluation_summary_records_the_algorithm_hash(tmp_path, tiny_model_dir):

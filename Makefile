@@ -70,7 +70,7 @@ bench: $(STAMP)
 BENCH_MODEL ?= Qwen/Qwen2.5-1.5B-Instruct
 bench-sglang: $(STAMP)
 	$(BIN)/python -m bench.c3po_compare --model $(BENCH_MODEL)
-	$(BIN)/python -m bench.rollout_projection bench/c3po_server.json --calibrate --params step_s,row_s,prefill_token_s --save-cost bench/cost_model.json
+	$(BIN)/python -m bench.projection.rollout bench/c3po_server.json --calibrate --params step_s,row_s,prefill_token_s --save-cost bench/cost_model.json
 
 reproduce-aime: $(STAMP)
 	$(BIN)/python -m scripts.reproduce

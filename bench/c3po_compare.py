@@ -38,7 +38,7 @@ QUESTIONS = [  # used when no prompt file is given: short math questions with lo
 
 class RecordingStream:
     """A prompt stream that remembers every trajectory it hands out, so a run's lengths can be
-    written down afterwards (and its schedule replayed by bench.rollout_projection)."""
+    written down afterwards (and its schedule replayed by bench.projection.rollout)."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -188,7 +188,7 @@ def _trace_settings(engine: RolloutEngine, params: SamplingParams, **schedule) -
             "max_batch": getattr(engine, "max_batch", None),
             "refill_fraction": getattr(engine, "refill_fraction", None),
             # how the engine batches: the in-process engine's slots, or a server's
-            # continuous batching (see bench.sim_engine.SimEngine)
+            # continuous batching (see bench.projection.sim.SimEngine)
             "layout": getattr(engine, "layout", "inprocess" if hasattr(engine, "counters") else "server")}
 
 
@@ -203,7 +203,7 @@ def compare_streams(engine: RolloutEngine, make_stream: Callable[[], object], pa
 
     The result also holds `trace`: the settings, every step's seconds/tokens/counters (the first
     ones too, marked warmup) and every trajectory's prompt and response length, enough for
-    bench.rollout_projection to replay both schedules and to calibrate a cost model from them.
+    bench.projection.rollout to replay both schedules and to calibrate a cost model from them.
     """
     trace = {"settings": _trace_settings(engine, params, steps=steps, prompts_per_step=prompts_per_step,
                                          samples_per_prompt=samples_per_prompt, pool_capacity=pool_capacity,
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if k != "trace"}), flush=True)
-    print(f"written to {args.out} (with per-step timings and lengths: python -m bench.rollout_projection "
+    print(f"written to {args.out} (with per-step timings and lengths: python -m bench.projection.rollout "
           f"{args.out} --calibrate calibrates a cost model from it)", flush=True)
     return result
 

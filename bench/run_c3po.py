@@ -1,6 +1,6 @@
 """`make bench`'s C3PO++ benchmarks: C3PO++ vs synchronous rollout measured on the in-process
 engine (a step's rollout, its first prefill, whole RL steps), the measured schedules replayed and
-projected by cost models (bench/rollout_projection.py), the shipped 7B recipe projected, and the
+projected by cost models (bench/projection/rollout.py), the shipped 7B recipe projected, and the
 table that sets them side by side.
 """
 
@@ -118,13 +118,14 @@ def bench_c3po_end_to_end(steps: int = 5) -> dict:
 
 
 def bench_projection(c3po: dict, end_to_end: dict | None) -> dict:
-    """The measured C3PO++ run's schedules timed by cost models (bench/rollout_projection.py):
+    """The measured C3PO++ run's schedules timed by cost models (bench/projection/rollout.py):
     calibrated on this CPU run (a check of the simulator: it should give back the measured
     ratio), and projected to a GPU (bench/cost_model.json if present, e.g. calibrated from
     `make bench-sglang`; else the default, an ASSUMPTION)."""
     from dataclasses import replace
 
-    from bench.rollout_projection import calibrate, fit_train_model, gpu_cost_model, project
+    from bench.projection.calibration import calibrate, fit_train_model
+    from bench.projection.rollout import gpu_cost_model, project
 
     trace = c3po["trace"]
     out: dict = {}
@@ -151,7 +152,7 @@ def bench_recipe_projection() -> dict:
     """The 7B C3PO++ recipe's own settings (one rollout engine's share of a step, its KV cache as
     `rlrecipe plan` sizes it) under the GPU cost model, over assumed log-normal lengths: the
     projection `make bench` keeps current."""
-    from bench.rollout_projection import (
+    from bench.projection.rollout import (
         gpu_cost_model,
         lognormal_groups,
         lognormal_label,

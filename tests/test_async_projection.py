@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.async_projection import (
+from bench.projection.asynchronous import (
     AREAL_LENGTHS,
     areal_groups,
     async_projection,
@@ -13,7 +13,7 @@ from bench.async_projection import (
     schedule_row,
     steady_step_s,
 )
-from bench.rollout_projection import CostModel
+from bench.projection.sim import CostModel
 
 
 def test_async_step_is_the_larger_side_and_sync_the_sum():
@@ -94,7 +94,7 @@ def test_projection_runs_on_the_shipped_7b_recipe():
 
 
 def test_cli_reuses_the_rollouts_for_several_training_costs(tmp_path, capsys):
-    from bench.async_projection import main
+    from bench.projection.asynchronous import main
 
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps([[200] * 16] * 8))

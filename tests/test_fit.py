@@ -184,7 +184,7 @@ def test_lengths_mean_is_the_capped_lognormal_mean():
 
 
 def test_rates_at_7b_are_the_projection_assumptions():
-    from bench.rollout_projection import H100_7B_ASSUMED as assumed
+    from bench.projection.rollout import H100_7B_ASSUMED as assumed
 
     loaded = load_recipe(REPO / SOURCE)
     rates = Rates.of(model_dims(loaded), "bfloat16", gradient_checkpointing=False)

@@ -7,15 +7,9 @@ from dataclasses import asdict
 import pytest
 
 from bench.c3po_compare import coefficient_of_variation, compare_streams
-from bench.rollout_projection import (
-    CostModel,
-    Lengths,
-    SimEngine,
-    SyntheticStream,
-    calibrate,
-    project,
-    simulate,
-)
+from bench.projection.calibration import calibrate
+from bench.projection.rollout import project
+from bench.projection.sim import CostModel, Lengths, SimEngine, SyntheticStream, simulate
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe.training import RLSection
 from rlrecipe.rl.pool import PromptStream, RolloutPool
@@ -238,7 +232,7 @@ def test_calibration_of_some_parameters_holds_the_others():
 
 
 def test_recipe_trace_is_one_rollout_engines_share_of_a_step():
-    from bench.rollout_projection import recipe_trace
+    from bench.projection.rollout import recipe_trace
     from rlrecipe.recipe.schema import load_recipe
 
     recipe = load_recipe("recipes/7b_boba_icepop_c3po.yaml").recipe  # 64 servers, 512 x 16, pool 16384, budget 1e8
@@ -249,7 +243,7 @@ def test_recipe_trace_is_one_rollout_engines_share_of_a_step():
 
 
 def test_lognormal_groups_by_hand():
-    from bench.rollout_projection import lognormal_groups
+    from bench.projection.rollout import lognormal_groups
 
     # no spread: every length is the median; a median past max_new_tokens is cut there
     assert lognormal_groups(100, 0.0, 0.0, 4, 1000, n_groups=3) == [[100] * 4] * 3
@@ -260,7 +254,7 @@ def test_lognormal_groups_by_hand():
 
 
 def test_report_counts_decoded_tokens_and_batch_by_hand():
-    from bench.rollout_projection import report
+    from bench.projection.rollout import report
 
     def step(seconds, tokens, rows, steps, warmup=False, prefilled=2):
         rec = {"seconds": seconds, "tokens": tokens, "trained": 1,
@@ -369,7 +363,7 @@ def test_the_plans_kv_cache_bounds_the_7b_recipes_projection():
 
 
 def test_projection_cli_takes_a_recipe_and_assumed_lengths(capsys):
-    from bench.rollout_projection import main
+    from bench.projection.rollout import main
 
     out = main(["--recipe", "recipes/tiny_rl.yaml", "--lognormal", "40,0.3,0.3", "--steps", "2",
                 "--set", "rl.c3po.pool_capacity=512"])

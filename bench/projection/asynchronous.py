@@ -1,6 +1,6 @@
 """Synchronous, C3PO++, asynchronous and asynchronous + C3PO++ schedules projected at a recipe's size.
 
-`bench.rollout_projection` times one rollout engine's share of a step (its real pool logic over
+`bench.projection.rollout` times one rollout engine's share of a step (its real pool logic over
 `SimEngine`, under the GPU cost model); this module puts those rollout steps and a training-time
 model on a cluster of G GPUs and compares four schedules per trained token, on the same G:
 
@@ -25,8 +25,8 @@ bf16 TFLOP/s), divided over the training GPUs (data parallel, linear), plus `tra
 for the optimizer step and the weight push. In async, the rollout side also pauses `load_s` per
 step to load the pushed weights.
 
-    python -m bench.async_projection recipes/7b_boba_icepop_c3po.yaml --lognormal 10000,0.4,0.45
-    python -m bench.async_projection recipes/7b_boba_icepop_c3po.yaml --areal bench/data/areal_aime24_lengths.json
+    python -m bench.projection.asynchronous recipes/7b_boba_icepop_c3po.yaml --lognormal 10000,0.4,0.45
+    python -m bench.projection.asynchronous recipes/7b_boba_icepop_c3po.yaml --areal bench/data/areal_aime24_lengths.json
 """
 
 from __future__ import annotations
@@ -36,17 +36,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from bench.rollout_projection import (
-    CostModel,
-    _steady,
-    gpu_cost_model,
-    lognormal_groups,
-    lognormal_label,
-    recipe_trace,
-    simulate,
-)
+from bench.projection.rollout import _steady, gpu_cost_model, lognormal_groups, lognormal_label, recipe_trace
+from bench.projection.sim import CostModel, simulate
 
-AREAL_LENGTHS = Path(__file__).parent / "data" / "areal_aime24_lengths.json"
+AREAL_LENGTHS = Path(__file__).parents[1] / "data" / "areal_aime24_lengths.json"
 LOAD_S = 2.0  # ASSUMPTION: 15.2 GB of bf16 weights loaded by an engine at ~8 GB/s, generation paused meanwhile
 NODE = 8  # GPUs per node: the grid the rollout / training split is chosen on
 
@@ -250,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
     lengths = ap.add_mutually_exclusive_group(required=True)
     lengths.add_argument("--lognormal", metavar="MEDIAN,PROMPT_SIGMA,SAMPLE_SIGMA",
-                         help="assumed log-normal response lengths (bench.rollout_projection.lognormal_groups)")
+                         help="assumed log-normal response lengths (bench.projection.rollout.lognormal_groups)")
     lengths.add_argument("--areal", nargs="?", const=str(AREAL_LENGTHS), metavar="JSON",
                          help=f"real response lengths from AReaL evaluation logs (default {AREAL_LENGTHS})")
     lengths.add_argument("--lengths", help="JSON list of lists of response lengths, one list per prompt")

@@ -1,6 +1,6 @@
 """The cost model fitted to a measured run: non-negative least squares over the simulator's features.
 
-`calibrate` replays a recorded run's schedules on the simulator (bench/sim_engine.py) for each
+`calibrate` replays a recorded run's schedules on the simulator (bench/projection/sim.py) for each
 step's features and fits the measured seconds to them; from `make bench-sglang` output on a GPU,
 or from `make bench` on CPU, where the calibrated projection should come back to the measured CPU
 ratio (a check of the simulator).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bench.sim_engine import COMPONENTS, FEATURES, PHASES, CostModel, rollout_seconds, simulate
+from bench.projection.sim import COMPONENTS, FEATURES, PHASES, CostModel, rollout_seconds, simulate
 
 
 def nnls(rows: list[list[float]], y: list[float], iters: int = 200) -> list[float]:

@@ -5,28 +5,28 @@ dominates), so a synchronous step that waits for its longest rollouts wastes the
 CPUs `make bench` runs on, a step's cost grows with its batch, and that waste is small. This
 module times the same rollout schedules with an explicit device cost model instead of a device:
 
-- `CostModel` (bench/sim_engine.py): seconds of a decoding step as a function of its batch and the
+- `CostModel` (bench/projection/sim.py): seconds of a decoding step as a function of its batch and the
   context it attends to, seconds of prefill per token, and (for the end to end figure) of training
   per token. The default is an ASSUMPTION (a 7B model in bf16 on one H100, derived below),
   loadable from JSON.
-- `SimEngine` (bench/sim_engine.py): a `RolloutEngine` with the real `generate()` contract (token
+- `SimEngine` (bench/projection/sim.py): a `RolloutEngine` with the real `generate()` contract (token
   budget, partial rollouts resuming, continuous batching over `max_batch` slots with refill) whose
   rows take the lengths of a real run, and which advances a clock by the cost model instead of
   computing.
 - `project`: the real pool logic (`RolloutPool`) run over it, synchronous and C3PO++ at the same
   tokens per step, replaying a run that `bench.c3po_compare` recorded (every trajectory's prompt
   and response length): seconds per step and per trained token, speed-ups, where the seconds go.
-- `calibrate` (bench/sim_calibration.py): least-squares (non-negative) fit of the cost model from
+- `calibrate` (bench/projection/calibration.py): least-squares (non-negative) fit of the cost model from
   the measured per-step seconds of such a run against the simulator's features for the same
   schedule: from `make bench-sglang` output on a GPU, or from `make bench` on CPU, where the
   calibrated projection should come back to the measured CPU ratio (a check of the simulator).
 
-    python -m bench.rollout_projection bench/c3po_server.json [--cost cost.json] [--calibrate] [--save-cost out.json]
+    python -m bench.projection.rollout bench/c3po_server.json [--cost cost.json] [--calibrate] [--save-cost out.json]
 
 - `--recipe`: a recipe's own settings before it runs (`recipe_trace`: one rollout engine's share of a
   step), over response lengths from a file or an assumed log-normal (`lognormal_groups`):
 
-    python -m bench.rollout_projection --recipe recipes/7b_boba_icepop_c3po.yaml --lognormal 10000,0.4,0.45
+    python -m bench.projection.rollout --recipe recipes/7b_boba_icepop_c3po.yaml --lognormal 10000,0.4,0.45
 """
 
 from __future__ import annotations
@@ -37,27 +37,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.c3po_compare import coefficient_of_variation
-from bench.sim_calibration import calibrate, condition_number, fit, fit_train_model, nnls
-from bench.sim_engine import (
-    COMPONENTS,
-    FEATURES,
-    PHASES,
+from bench.projection.calibration import calibrate
+from bench.projection.sim import (
     CostModel,
-    Lengths,
-    ReplayStream,
-    SimEngine,
-    SyntheticStream,
-    rollout_seconds,
     simulate,
 )
-
-# The simulator and the calibration, importable from here as before they had modules of their own.
-__all__ = [
-    "COMPONENTS", "FEATURES", "H100_7B_ASSUMED", "PHASES", "CostModel", "Lengths", "ReplayStream", "SimEngine",
-    "SyntheticStream", "calibrate", "condition_number", "fit", "fit_train_model", "gpu_cost_model",
-    "lognormal_groups", "lognormal_label", "main", "measured_ratio", "nnls", "project", "recipe_trace", "report",
-    "rollout_seconds", "simulate",
-]
 
 # The default, an ASSUMPTION: Qwen2.5-7B-like (N = 7.6e9 parameters, 28 layers, 4 KV heads of 128)
 # in bf16 on one H100 SXM (HBM3 3.35 TB/s, about 2.6 TB/s reached; 989 dense bf16 TFLOP/s), served
@@ -81,7 +65,7 @@ H100_7B_ASSUMED = CostModel(
     step_s=7.0e-3, row_s=2.0e-5, ctx_s=2.2e-8, prefill_call_s=2.0e-3, prefill_token_s=2.2e-5, prefill_cell_s=0.0,
     refill_cell_s=0.0,
     train_step_s=5.0, train_token_s=1.5e-4,
-    label="ASSUMPTION: 7B model, bf16, one H100 SXM, continuous batching, paged KV (bench/rollout_projection.py)")
+    label="ASSUMPTION: 7B model, bf16, one H100 SXM, continuous batching, paged KV (bench/projection/rollout.py)")
 
 
 def _steady(steps: list[dict]) -> list[dict]:

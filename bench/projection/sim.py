@@ -9,7 +9,7 @@
 - `simulate`: the real pool logic (`RolloutPool`, through `bench.c3po_compare.run_steps`) run
   over it, synchronous and C3PO++ at the same tokens per step.
 
-bench/rollout_projection.py reports and projects with these; bench/sim_calibration.py fits the
+bench/projection/rollout.py reports and projects with these; bench/projection/calibration.py fits the
 cost model to a measured run.
 """
 

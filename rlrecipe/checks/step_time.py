@@ -1,6 +1,6 @@
 """Seconds of an RL step on a layout, in closed form: what `rlrecipe fit` ranks layouts by.
 
-The same assumptions as the simulated projection (bench/rollout_projection.py, H100_7B_ASSUMED,
+The same assumptions as the simulated projection (bench/projection/rollout.py, H100_7B_ASSUMED,
 docs/async_projection.md), with the rollout summed over a length distribution instead of replayed
 decoding step by decoding step, so that thousands of layouts cost milliseconds. Every rate is
 derived from the model's size and one H100 SXM (`GPU`); docs/gpu.md ("How fit decides") gives the

@@ -3,7 +3,7 @@
 A generate call continues the trajectories that can still grow (`admit`), counts the tokens of
 each one that finishes, and stops as soon as those reach the budget Φ (`TokenBudget.reached`);
 whatever is still running stays partial, to resume at the next step under newer weights. The
-in-process engine, the SGLang client and bench/sim_engine.py's simulator all call these,
+in-process engine, the SGLang client and bench/projection/sim.py's simulator all call these,
 so a simulated schedule cannot drift from the engines'. Below both `c3po` and `rollout`: it knows
 trajectories only.
 """

@@ -196,6 +196,36 @@ def test_kl_term_in_the_loss_and_its_stat():
     assert logp.grad.tolist() == pytest.approx([-0.5 + 0.05, -0.5 + 0.05])  # d k1 / d logp = 1
 
 
+
+def test_k3_unbiased_in_the_loss_is_exact_under_the_behaviour_policy():
+    """Tokens sampled by pi_infer (the engine, or older weights under a lag), with pi_old the trainer's
+    recomputation: the loss's KL term, weighted by the behaviour correction pi_old / pi_infer, has
+    KL(pi_theta || pi_ref) and its gradient as its exact expectation under pi_infer (the scale column
+    carries pi_infer's probabilities, so the loss is that expectation); unweighted it has neither."""
+    from rlrecipe.algo.ppo import mismatch_weights
+
+    theta = torch.tensor([0.3, -0.2, 0.5], requires_grad=True)
+    logp_old = torch.log_softmax(torch.tensor([1.0, 0.0, -1.0]), -1)
+    logp_infer = torch.log_softmax(torch.tensor([0.2, 0.9, -0.4]), -1)
+    logp_ref = torch.log_softmax(torch.tensor([-0.5, 0.5, 0.0]), -1)
+    logp = torch.log_softmax(theta, -1)
+    exact = (logp.exp() * (logp - logp_ref)).sum()
+    (grad_exact,) = torch.autograd.grad(exact, theta)
+
+    def kl_term(weight):
+        cols = TokenColumns(logp_old=logp_old, adv=torch.zeros(3), weight=weight, scale=logp_infer.exp(),
+                            logp_ref=logp_ref)
+        loss, _ = policy_loss(torch.log_softmax(theta, -1), cols,
+                              LossSettings(remedies=Remedies(kl_coef=1.0, kl_estimator="k3_unbiased")))
+        return loss, torch.autograd.grad(loss, theta)[0]
+
+    k, _ = mismatch_weights(logp_old, logp_infer, "tis", cap=100.0)  # no truncation: k = pi_old / pi_infer
+    loss, grad = kl_term(k)
+    assert float(loss.detach()) == pytest.approx(float(exact.detach()), rel=1e-6)
+    assert torch.allclose(grad, grad_exact, atol=1e-7)
+    loss, grad = kl_term(torch.ones(3))  # the behaviour correction off
+    assert abs(float(loss.detach()) - float(exact.detach())) > 1e-2 and not torch.allclose(grad, grad_exact, atol=1e-3)
+
 # -- entropy bonus ------------------------------------------------------------------------------
 def test_entropy_bonus_counts_active_tokens_with_the_loss_scale():
     logp_old = torch.zeros(3)

@@ -11,6 +11,9 @@ detached: its gradient is what makes the estimator's gradient unbiased. Per toke
 d/d logp [r (rho - 1 - log rho)] = r log(pi_theta / pi_ref), whose expectation under pi_old is
 grad KL(pi_theta || pi_ref); with the ratio detached the expectation would be
 grad KL(pi_ref || pi_theta) instead (the plain k3 gradient), which is the bias the paper removes.
+In the loss (algo/ppo.py) the tokens were sampled by the behaviour policy pi_infer, not pi_old: the
+term is weighted as the policy term is, by the behaviour correction (IcePop's or TIS's
+k = pi_old / pi_infer, 1 with the correction off), so pi_infer -> pi_old -> pi_theta together.
 """
 
 from __future__ import annotations

@@ -165,6 +165,11 @@ def policy_loss(logp: torch.Tensor, cols: TokenColumns, settings: LossSettings =
     if rem.kl_coef > 0:
         (logp_ref,) = cols.need("logp_ref")
         kl = kl_to_reference(logp, logp_ref, logp_old, rem.kl_estimator)
+        if rem.kl_estimator == "k3_unbiased":
+            # its ratio corrects pi_old to pi_theta; the tokens came from the behaviour policy (the
+            # inference engine, and under rl.async_lag older weights), which the policy term's
+            # behaviour weight k = pi_old / pi_infer corrects: the KL term takes the same weight
+            kl = kl * weight
         loss = loss + rem.kl_coef * (kl * scale).sum()
         stats.kl_ref_sum = float(kl.detach().sum())
     if rem.entropy_coef > 0:

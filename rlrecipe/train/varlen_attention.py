@@ -61,14 +61,8 @@ def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     gqa = query.shape[1] != key.shape[1]
     # split, not one slice per document: a slice's backward writes a zero-filled tensor of the whole
     # row and adds it in (documents x T of memory traffic); split's backward is one concatenation.
-    # Batching documents of similar length into one padded call was tried and lost on CPU: the
-    # kernel is compute-bound at these lengths, so padding and the gathers' backward cost more
-    # than the calls they save (the demo's SFT step: 1.35 s against 1.21 s). Also lost on CPU: one
-    # autograd node over the flash kernels writing gradients in the projections' layout (1.5% slower
-    # a step), and documents split over two Python threads of one intra-op thread each (8% slower).
-    # Not available on CPU in torch 2.13: torch.nn.attention.varlen (CUDA only) and FlexAttention's
-    # backward; the math backend per document was slower (12-15 ms against 7-10 ms for one layer
-    # of the bench's micro-batch, forward and backward).
+    # One call per document, not padded batches of them: on CPU the kernel is compute-bound at these
+    # lengths (the alternatives tried, and what they cost: docs/performance.md, "Packing").
     lengths = document_lengths(position_ids)
     outs = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)]

@@ -218,17 +218,46 @@ def test_an_edited_progress_file_is_refused_even_with_its_manifest_rewritten(tmp
                   BadStepGuard(3, "rl", rl_step_skipped))
 
 
-def test_a_checkpoint_from_before_identities_resumes_with_a_warning(tmp_path, capsys):
+def test_a_checkpoint_without_its_run_identity_is_refused_unless_adopted(tmp_path, monkeypatch, capsys):
+    """A manifest regenerated without the run's identity (experiment, seed, stage, step) proves nothing
+    about whose checkpoint it is: refused with the fix named, resumed only with --adopt-checkpoint."""
+    monkeypatch.delenv(ADOPT_ENV, raising=False)
     loaded = LoadedRecipe(recipe=recipe_from_dict({"run": {"name": "r", "output_dir": str(tmp_path / "runs")},
                                                    "model": {"tiny": {}}}), path="r.yaml")
     run = Run(loaded, "sft")
     with run.writing_checkpoint(2) as d:
         (d / "progress.json").write_text(json.dumps({"step": 2}))
     run.release()
-    write_manifest(run.checkpoint_path(2))  # as written before manifests held the run's identity
+    write_manifest(run.checkpoint_path(2))  # sizes and sha256s check out; no identity
+    with pytest.raises(UserError, match=r"does not record the run that wrote it .* --adopt-checkpoint"):
+        Run(loaded, "sft", resume=True)
+    monkeypatch.setenv(ADOPT_ENV, "1")
     resumed = Run(loaded, "sft", resume=True)
     assert resumed.latest_checkpoint() == run.checkpoint_path(2)
-    assert "written before checkpoints recorded their run" in " ".join(capsys.readouterr().err.split())
+    assert "resuming from it anyway (--adopt-checkpoint)" in " ".join(capsys.readouterr().err.split())
+    resumed.release()
+
+
+def test_a_checkpoint_past_the_end_of_the_metrics_is_refused(tmp_path, monkeypatch):
+    """A run logs each step before it checkpoints it: a checkpoint of step 6 beside metrics that end at
+    step 4 claims steps that were never run here."""
+    monkeypatch.delenv(ADOPT_ENV, raising=False)
+    loaded = LoadedRecipe(recipe=recipe_from_dict({"run": {"name": "r", "output_dir": str(tmp_path / "runs")},
+                                                   "model": {"tiny": {}}}), path="r.yaml")
+    run = Run(loaded, "sft")
+    for step in range(1, 5):
+        run.log(step, {"loss": 1.0}, echo=False)
+    with run.writing_checkpoint(4) as d:
+        (d / "progress.json").write_text(json.dumps({"step": 4}))
+    run.release()
+    Run(loaded, "sft", resume=True).release()  # its own checkpoint, metrics up to it: resumes
+    ckpt4 = run.checkpoint_path(4)
+    ckpt6 = run.checkpoint_path(6)
+    shutil.copytree(ckpt4, ckpt6)  # the step its directory claims ...
+    identity = json.loads((ckpt6 / "manifest.json").read_text())["run"]
+    write_manifest(ckpt6, {**identity, "step": 6})  # ... and its manifest, made to agree
+    with pytest.raises(UserError, match=r"step_0000006: a checkpoint of step 6, but .*metrics.jsonl ends at step 4"):
+        Run(loaded, "sft", resume=True)
 
 
 # -- SFT's NaN guard -------------------------------------------------------------------------------

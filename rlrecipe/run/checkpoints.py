@@ -79,8 +79,8 @@ class Checkpoints:
         step its manifest records is the one its name says."""
         ident = read_identity(path)
         if ident is None:
-            console.print(f"[yellow]{path}: written before checkpoints recorded their run; resuming without "
-                          "checking that it is this recipe's[/]", highlight=False, soft_wrap=True)
+            refuse_or_warn(f"{path}: its manifest does not record the run that wrote it (experiment, seed, stage, "
+                           "step), so nothing shows it is this run's")
             return
         own = self.identity
         problems = []

@@ -15,9 +15,10 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.core.threads import thread_change, thread_record
 from rlrecipe.recipe.schema import LoadedRecipe
-from rlrecipe.run.checkpoints import Checkpoints, RunIdentity, step_of
+from rlrecipe.run.checkpoints import Checkpoints, RunIdentity, refuse_or_warn, step_of
 from rlrecipe.run.env import environment
 from rlrecipe.run.lock import RunLock
+from rlrecipe.run.metrics_file import read_metrics
 from rlrecipe.run.metrics_log import MetricsLog
 from rlrecipe.run.overwrite import SetAside
 from rlrecipe.run.same_experiment import check_same_experiment, recorded_experiment
@@ -87,7 +88,18 @@ class Run:
             experiments.add(recorded_experiment(self.dir))
         self.resume_from = self.checkpoints.pick(experiments)
         self._note_thread_change()
-        self.truncate_metrics(step_of(self.resume_from) if self.resume_from else 0)
+        step = step_of(self.resume_from) if self.resume_from else 0
+        if self.resume_from is not None:
+            self._check_metrics_reach(step)
+        self.truncate_metrics(step)
+
+    def _check_metrics_reach(self, step: int) -> None:
+        """Each step is logged before it can be checkpointed: metrics that stop short of the
+        checkpoint's step belong to another run, or the checkpoint claims steps never run."""
+        logged = [row.get("step", 0) for row in read_metrics(self.metrics_path)]
+        if logged and max(logged) < step:
+            refuse_or_warn(f"{self.resume_from}: a checkpoint of step {step}, but {self.metrics_path} ends at "
+                           f"step {max(logged)}")
 
     def _start_fresh(self, overwrite: bool) -> None:
         held = self._earlier_work()

@@ -149,6 +149,25 @@ def _set_case(item: str):
     return case
 
 
+def _stage_set_case(stage: str, item: str):
+    def case(tmp, data, models):
+        rec = recipe_dict(tmp, data, data={"train": str(data / f"{stage}.jsonl"), "prompt_template": "plain"})
+        return [stage, write(tmp, rec), "--set", item]
+    return case
+
+
+def _duplicate_ids(kind: str):
+    def case(tmp, data, models):
+        path = tmp / "d.jsonl"
+        path.write_text('{"id": 7, "prompt": "p", "answers": ["1"]}\n{"id": 8, "prompt": "q", "answers": ["2"]}\n'
+                        '{"id": "7", "prompt": "r", "answers": ["3"]}\n')
+        if kind == "validate":
+            return ["data", "validate", path, "--kind", "rl"]
+        rec = recipe_dict(tmp, data, data={"train": str(path), "prompt_template": "plain"})
+        return ["rl", write(tmp, rec)]
+    return case
+
+
 def _data_case(line: str, kind: str = "rl", prefix: bytes = b""):
     def case(tmp, data, models):
         path = tmp / "d.jsonl"
@@ -266,8 +285,15 @@ CASES = {
     "serve --port 70000": (_serve_port, "--port"),
     "--resume of a run that never ran": (_resume_never_ran, "--resume"),
     "eval.max_new_tokens beyond the context": (_eval_context, "eval.max_new_tokens"),
+    "--set run.name with a newline, sft": (_stage_set_case("sft", "run.name=a\nb"), "run.name"),
+    "--set run.name with a newline, rl": (_stage_set_case("rl", "run.name=a\nb"), "run.name"),
+    "--set run.name={a: 1}": (_set_case("run.name={a: 1}"), "run.name takes text, not a mapping"),
+    "--set run.name=[a]": (_set_case("run.name=[a]"), "run.name takes text, not a list"),
+    "duplicate ids in an RL data file": (_duplicate_ids("validate"), "d.jsonl:3: id '7' is already the id of line 1"),
+    "duplicate ids in the data an RL run trains on": (_duplicate_ids("rl"), "d.jsonl:3"),
     # must be accepted
     "--set run.name=2024": (_set_case("run.name=2024"), None),
+    "--set run.name='{a: 1}' quoted": (_set_case('run.name="{a: 1}"'), None),
     "--set run.name=off": (_set_case("run.name=off"), None),
     "BOM in a data file": (_data_case('{"id": 1, "prompt": "p", "answers": ["1"]}', prefix=b"\xef\xbb\xbf"), None),
     "BOM in a recipe": (_raw_recipe(b"\xef\xbb\xbfrun: {name: t}\nmodel: {tiny: {}}\n"), None),

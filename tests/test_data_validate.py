@@ -47,13 +47,16 @@ def test_errors_name_file_and_line(tmp_path, kind, bad_line, message):
     assert "\n" not in str(err.value)
 
 
-def test_valid_file_counts_duplicates(tmp_path):
-    path = write_lines(tmp_path / "rl.jsonl", rl("a", "P1"), rl("b", "P2", ["1", "2", "3"]), rl("a", "P3"),
+def test_valid_file_counts_repeated_prompts_and_refuses_repeated_ids(tmp_path):
+    path = write_lines(tmp_path / "rl.jsonl", rl("a", "P1"), rl("b", "P2", ["1", "2", "3"]), rl("e", "P3"),
                        rl("c", "P1"), rl("d", " P1 "))
     report = validate_file(path, "rl")
-    assert (report.rows, report.duplicate_ids, report.duplicate_prompts) == (5, 1, 2)
+    assert (report.rows, report.duplicate_prompts) == (5, 2)
     lines = report.summary_lines()
-    assert "rows:               5" in lines and "duplicate ids:      1" in lines
+    assert "rows:               5" in lines and "duplicate prompts:  2" in lines
+    twice = write_lines(tmp_path / "twice.jsonl", rl("a", "P1"), rl("b", "P2"), rl("a", "P3"))
+    with pytest.raises(UserError, match=r"twice.jsonl:3: id 'a' is already the id of line 1"):
+        validate_file(twice, "rl")
     assert any(line.startswith("answers per prompt:") and "(max 3)" in line for line in lines)
 
 
@@ -93,10 +96,10 @@ def run_validate(*args):
 
 
 def test_cli_validate(tmp_path):
-    good = write_lines(tmp_path / "ok.jsonl", rl("a"), rl("a", "Q"))
+    good = write_lines(tmp_path / "ok.jsonl", rl("a"), rl("b"))
     proc = run_validate(str(good), "--kind", "rl")
     assert proc.returncode == 0, proc.stderr
-    assert "rows:               2" in proc.stdout and "duplicate ids:      1" in proc.stdout
+    assert "rows:               2" in proc.stdout and "duplicate prompts:  1" in proc.stdout
 
     bad = write_lines(tmp_path / "bad.jsonl", rl("a"), '{"id": "b", "prompt": "P", "answers": []}')
     proc = run_validate(str(bad), "--kind", "rl")

@@ -39,3 +39,18 @@ def test_weights_load_in_place_from_sharded_export_and_bad_exports_are_named(tmp
                                                              tmp_path / "c", 1))
     with pytest.raises(UserError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp"):
         load_weights_into(wider, tmp_path / "a")
+
+
+@pytest.mark.parametrize("text", ["12+3=", "é ∑ 中文 🙂", "e\u0301", "\ufb01", "tab\there\r\n", "x\x00y"])
+def test_the_tiny_tokenizer_encodes_every_character_as_its_utf8_bytes(text):
+    """No character is lost or replaced: the text is NFC-normalised, then each UTF-8 byte is one
+    token, and decoding gives the normalised text back (docs/robustness.md)."""
+    import unicodedata
+
+    from rlrecipe.modeling import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    normalised = unicodedata.normalize("NFC", text)
+    assert len(ids) == len(normalised.encode("utf-8"))
+    assert tok.decode(ids) == normalised

@@ -157,10 +157,16 @@ def read_jsonl(path: str | Path, kind: str) -> list[dict]:
         raise UserError(f"unknown dataset kind {kind!r}; expected one of {', '.join(REQUIRED)}")
     path = Path(path)
     rows = []
+    seen: dict[str, int] = {}  # id -> the line it was first on
     for lineno, row in json_lines(path, lambda: how_to_make(path)):
         good, reason = check_row(row, kind)
         if reason is not None:
             raise UserError(f"{path}:{lineno}: {reason}")
+        rid = str(good["id"])  # 7 and "7" name the same row in results and rollout groups
+        if rid in seen:
+            raise UserError(f"{path}:{lineno}: id {good['id']!r} is already the id of line {seen[rid]}; ids name "
+                            "rows in rollout groups and results, so each must be unique")
+        seen[rid] = lineno
         rows.append(good)
     return rows
 

@@ -15,14 +15,12 @@ class ValidationReport:
     path: str
     kind: str
     rows: int
-    duplicate_ids: int
-    duplicate_prompts: int
+    duplicate_prompts: int  # repeated ids are refused by the reader; a repeated prompt is allowed
     extra: dict
 
     def summary_lines(self) -> list[str]:
         lines = [f"{self.path}: valid {self.kind} file",
                  f"rows:               {self.rows}",
-                 f"duplicate ids:      {self.duplicate_ids}",
                  f"duplicate prompts:  {self.duplicate_prompts}"]
         lines += [f"{k + ':':<20}{v}" for k, v in self.extra.items()]
         return lines
@@ -34,7 +32,8 @@ def _duplicates(values) -> int:
 
 
 def validate_file(path: str | Path, kind: str) -> ValidationReport:
-    """Raise UserError naming file:line for the first bad row; otherwise count rows and duplicates."""
+    """Raise UserError naming file:line for the first bad row (a repeated id too); otherwise count rows
+    and repeated prompts."""
     rows = read_jsonl(path, kind)
     if not rows:
         raise UserError(f"{path}: no rows")
@@ -47,6 +46,5 @@ def validate_file(path: str | Path, kind: str) -> ValidationReport:
         lengths = [len(r["response"]) for r in rows]
         extra["response chars"] = f"mean {sum(lengths) / len(rows):.0f}, max {max(lengths)}"
     return ValidationReport(path=str(path), kind=kind, rows=len(rows),
-                            duplicate_ids=_duplicates(str(r["id"]) for r in rows),
                             duplicate_prompts=_duplicates(r[text_key].strip() for r in rows),
                             extra=extra)

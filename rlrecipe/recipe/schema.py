@@ -199,9 +199,16 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for item in overrides:
         keys, value = _parse_override(item)
-        if _takes_text(keys) and not isinstance(value, str):
-            # a text field takes the text as written: YAML would read `off` as false, `2024` as a number
-            value = item.split("=", 1)[1].strip()
+        if _takes_text(keys):
+            written = item.split("=", 1)[1].strip()
+            if isinstance(value, (dict, list)):
+                kind = "a mapping" if isinstance(value, dict) else "a list"
+                raise RecipeError(f"--set {item!r}: {'.'.join(keys)} takes text, not {kind}; quote the value "
+                                  "if the braces or brackets are part of the text")
+            if not isinstance(value, str) or any(ord(c) < 32 for c in written):
+                # a text field takes the text as written: YAML would read `off` as false, `2024` as a
+                # number, and fold a newline into a space (the field's own check sees the newline)
+                value = written
         node = data
         for k in keys[:-1]:
             nxt = node.get(k)

@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-fast demo mismatch-study async-study options-study bench bench-sglang reproduce-aime gpu-smoke gpu-checks sglang-contract lint clean
+.PHONY: install install-gpu test test-fast demo mismatch-study async-study options-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks sglang-contract lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -59,8 +59,13 @@ async-study: $(STAMP)
 options-study: $(STAMP)
 	$(BIN)/python -m scripts.options_study
 
+# The fast set a developer runs before a change; bench-full adds the benchmarks that start processes of
+# their own (thread load, async overlap, DeepSpeed plan check). Both write bench/results.json.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+bench-full: $(STAMP)
+	$(BIN)/python -m bench.run --full
 
 # C3PO++ vs synchronous rollout on a real SGLang server (GPU machine): where the speed-up shows.
 # Then a cost model is fitted to its step times (bench/cost_model.json), which `make bench`

@@ -297,25 +297,46 @@ def bench_weight_fingerprint() -> dict:
     return run()
 
 
+# Benchmarks that start processes of their own (DeepSpeed ranks, loaded and quiet runs of a step,
+# a server beside a trainer): the slowest, left to `make bench-full`.
+FULL_ONLY = ("sft_step_under_load", "async_vs_sync_cpu", "plan_vs_measured_deepspeed")
+
+
+def benchmarks(results: dict) -> list[tuple[str, object]]:
+    return [("c3po_vs_sync", bench_c3po), ("c3po_vs_sync_end_to_end", bench_c3po_end_to_end),
+            ("demo_steps", lambda: bench_demo_steps(results["c3po_vs_sync_end_to_end"])),
+            ("prefill_packed_vs_padded", lambda: bench_prefill(results["c3po_vs_sync"]["token_budget"])),
+            ("packed_vs_padded", bench_packing),
+            ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
+            ("sft_step_under_load", thread_load_bench), ("async_vs_sync_cpu", overlap_bench),
+            ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory),
+            ("plan_vs_measured", bench_plan_vs_measured),
+            ("plan_vs_measured_deepspeed", bench_plan_vs_measured_deepspeed),
+            ("weight_fingerprint", bench_weight_fingerprint)]
+
+
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--full", action="store_true", help=f"also {', '.join(FULL_ONLY)}")
+    full = parser.parse_args().full
     ensure_inputs()
-    results = {}
-    for name, fn in [("c3po_vs_sync", bench_c3po), ("c3po_vs_sync_end_to_end", bench_c3po_end_to_end),
-                     ("demo_steps", lambda: bench_demo_steps(results["c3po_vs_sync_end_to_end"])),
-                     ("prefill_packed_vs_padded",
-                      lambda: bench_prefill(results["c3po_vs_sync"]["token_budget"])),
-                     ("packed_vs_padded", bench_packing),
-                     ("trainer_overhead", bench_trainer_overhead), ("grading", bench_grading),
-                     ("sft_step_under_load", thread_load_bench), ("async_vs_sync_cpu", overlap_bench),
-                     ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory),
-                     ("plan_vs_measured", bench_plan_vs_measured),
-                     ("plan_vs_measured_deepspeed", bench_plan_vs_measured_deepspeed),
-                     ("weight_fingerprint", bench_weight_fingerprint)]:
+    results: dict = {}
+    seconds: dict[str, float] = {}
+    for name, fn in benchmarks(results):
+        if name in FULL_ONLY and not full:
+            continue
         console.print(f"[bold]bench[/] {name} ...")
+        t0 = time.perf_counter()
         results[name] = fn()
+        seconds[name] = round(time.perf_counter() - t0, 1)
     results["c3po_projection"] = bench_projection(results["c3po_vs_sync"], results["c3po_vs_sync_end_to_end"])
     console.print("[bold]bench[/] c3po_recipe_projection ...")
+    t0 = time.perf_counter()
     results["c3po_recipe_projection"] = bench_recipe_projection()
+    seconds["c3po_recipe_projection"] = round(time.perf_counter() - t0, 1)
+    results["bench_seconds"] = {**seconds, "mode_full": float(full)}  # what each benchmark took, this run
     results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "time": time.time(),
                       "cpu": cpu_record()["model"]}
     OUT.write_text(json.dumps(results, indent=2))
@@ -336,9 +357,10 @@ def main() -> None:
     from bench.plan_vs_measured import table as plan_table
 
     console.print(plan_table(results["plan_vs_measured"]["rows"]))
-    from bench.plan_vs_measured_ds import table as plan_ds_table
+    if full:
+        from bench.plan_vs_measured_ds import table as plan_ds_table
 
-    console.print(plan_ds_table(results["plan_vs_measured_deepspeed"]["rows"]))
+        console.print(plan_ds_table(results["plan_vs_measured_deepspeed"]["rows"]))
     console.print(f"written to {OUT}")
 
 

@@ -370,10 +370,12 @@ def options_section(study: dict[str, Any]) -> str:
              "group_control is tiny_rl with `rl.adv_norm=group`, since QAE's and Dr. GRPO's baselines are per group "
              "where tiny_rl normalises over the batch. Held-out: avg@8 on tiny-arith eval, percent (± sd across "
              "seeds); entropy: mean token entropy of the last steps; final reward: mean training reward of the last "
-             "steps; the option's own metrics are means over steps. "
+             "steps (with dynamic sampling, over the groups it kept: groups all right are left out, so it reads "
+             "lower); the option's own metrics are means over steps (cap hit: the share of steps where the cap let "
+             "groups without signal train). "
              f"Collapse: {study.get('collapse_rule', '-')}. `make options-study` reruns it.")
     header = ["arm", "recipe", "seeds", "held-out avg@8", "entropy at the end", "final reward", "truncated frac",
-              "its metrics", "collapsed", "sha256", "commit"]
+              "its metrics", "collapsed", "sha256 (with the seed set)", "commit"]
     return "## DAPO, QAE and Dr. GRPO\n\n" + _wrapped(intro) + "\n" + _table(header, rows)
 
 

@@ -363,7 +363,8 @@ def options_section(study: dict[str, Any]) -> str:
         rows.append([t["arm"], t["recipe"] + "".join(f" `--set {s}`" for s in t.get("sets", [])),
                      " ".join(str(x) for x in t["seeds"]), _mean_sd(evals, eval_sd, ".1f"),
                      _mean_sd(t["entropy_final_mean"], t["entropy_final_sd"], ".3f"),
-                     _num(t["reward_final_mean"], ".2f"), _num(shown.get("truncated_frac"), ".3f"), own or "-",
+                     _num(t["reward_final_mean"], ".2f"), _num(t.get("tokens_generated_mean"), ",.0f"),
+                     _num(shown.get("truncated_frac"), ".3f"), own or "-",
                      f"{t['collapsed']} of {len(t['seeds'])}", " ".join(sha[:12] for sha in t["recipe_sha256"]),
                      " ".join(c[:7] for c in t.get("commits", [])) or "-"])
     intro = ("Each option's recipe (tiny_rl with it on alone) against tiny_rl, trained from the tiny SFT model; "
@@ -371,10 +372,11 @@ def options_section(study: dict[str, Any]) -> str:
              "where tiny_rl normalises over the batch. Held-out: avg@8 on tiny-arith eval, percent (± sd across "
              "seeds); entropy: mean token entropy of the last steps; final reward: mean training reward of the last "
              "steps (with dynamic sampling, over the groups it kept: groups all right are left out, so it reads "
-             "lower); the option's own metrics are means over steps (cap hit: the share of steps where the cap let "
+             "lower); tokens generated: over the whole run; the option's own metrics are means over steps (cap hit: the share of steps where the cap let "
              "groups without signal train). "
              f"Collapse: {study.get('collapse_rule', '-')}. `make options-study` reruns it.")
-    header = ["arm", "recipe", "seeds", "held-out avg@8", "entropy at the end", "final reward", "truncated frac",
+    header = ["arm", "recipe", "seeds", "held-out avg@8", "entropy at the end", "final reward", "tokens generated",
+              "truncated frac",
               "its metrics", "collapsed", "sha256 (with the seed set)", "commit"]
     return "## DAPO, QAE and Dr. GRPO\n\n" + _wrapped(intro) + "\n" + _table(header, rows)
 

@@ -153,6 +153,30 @@ def test_staleness_with_c3po_stays_within_lag_plus_pool_age(tmp_path, tiny_model
     assert all(sum(r["staleness_tokens"]) == r["tokens_trained"] for r in rows)
 
 
+
+def test_the_token_staleness_bound_holds_across_lag_and_resumed_rollouts(tmp_path, tiny_model_dir):
+    """The run above with rl.max_token_staleness 2 (eta) at lag 2: no rollout may wait in the pool, so
+    every token trains exactly 2 versions behind once the lag is reached, never 3."""
+    data = write_tiny_data(tmp_path / "data")
+    spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=5, async_lag=2, save_every=5, max_token_staleness=2)
+    spec["eval"] = {}
+    run_rl(LoadedRecipe(recipe=recipe_from_dict(spec), path="async.yaml"))
+    rows = _rows(tmp_path / "runs" / "rl")
+    assert [r["staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
+    assert sum(r["dropped"] for r in rows) > 0  # rollouts the pool would have resumed were dropped
+
+
+def test_the_token_staleness_bound_leaves_the_pool_what_the_lag_does_not_use():
+    def limit(**rl):
+        return recipe_from_dict({"run": {"name": "r"}, "model": {"tiny": {}}, "rl": rl}).rl.rollout_age_limit
+
+    assert limit(c3po={"max_staleness": 3}) == 3  # no eta: sigma
+    assert limit(c3po={"max_staleness": 3}, async_lag=1, max_token_staleness=2) == 1
+    assert limit(c3po={"max_staleness": 1}, async_lag=1, max_token_staleness=5) == 1  # sigma is the tighter
+    assert limit(c3po={"max_staleness": 3}, async_lag=2, max_token_staleness=2) == 0
+    with pytest.raises(RecipeError, match="max_token_staleness 1 is below async_lag 2"):
+        limit(async_lag=2, max_token_staleness=1)
+
 @pytest.mark.slow
 def test_a_killed_async_run_resumes_to_the_same_metrics_and_weights(tmp_path, tiny_model_dir):
     data = write_tiny_data(tmp_path / "data")

@@ -255,9 +255,29 @@ class RLSection(Section):
     # starting weights), so which weights produced each token follows from the schedule, not from
     # timing. 0 = synchronous. AReaL calls the bound max_head_offpolicyness.
     async_lag: int = Field(0, ge=0, le=64, json_schema_extra=HASHED_WHEN_SET)
+    # eta (AReaL's bound on off-policyness): the most versions a trained token may lag the policy that
+    # trains on it. A batch collected async_lag steps ahead is that many versions old, and C3PO++'s
+    # resumed rollouts add the steps they waited (up to c3po.max_staleness), so L + sigma unbounded:
+    # with eta set the pool drops a rollout once its oldest token would train more than eta behind.
+    max_token_staleness: int | None = Field(None, ge=0, json_schema_extra=HASHED_WHEN_SET)
     eval_every: int = Field(0, ge=0)
     save_every: int = Field(10, ge=1)
     max_bad_steps: int = Field(3, ge=1, description="consecutive NaN/inf steps before stopping")
+
+    @model_validator(mode="after")
+    def _staleness_bound_holds_the_lag(self) -> RLSection:
+        eta = self.max_token_staleness
+        if eta is not None and eta < self.async_lag:
+            raise ValueError(f"max_token_staleness {eta} is below async_lag {self.async_lag}: every token of a batch "
+                             "collected async_lag steps ahead is that many versions old")
+        return self
+
+    @property
+    def rollout_age_limit(self) -> int:
+        """Steps a rollout may wait in the C3PO++ pool: sigma, or less where eta leaves less after the lag."""
+        sigma = self.c3po.max_staleness
+        eta = self.max_token_staleness
+        return sigma if eta is None else min(sigma, eta - self.async_lag)
 
     @model_validator(mode="after")
     def _gspo_averages_sequences(self) -> RLSection:

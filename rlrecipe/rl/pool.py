@@ -334,7 +334,7 @@ class RolloutPool:
     def _drop_stale(self, trajs: list[Trajectory], stats: RolloutStats) -> list[Trajectory]:
         kept = []
         for t in trajs:
-            if t.age > self.cfg.c3po.max_staleness:
+            if t.age > self.cfg.rollout_age_limit:
                 t.status = Status.ABORTED
                 stats.dropped += 1
             else:

@@ -163,6 +163,18 @@ def test_unknown_recipe_and_a_recipe_fit_cannot_lay_out():
     assert proc.returncode == 2 and "DeepSpeed" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_overrides_of_the_source_are_fitted_and_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "short.yaml"
+    result = CliRunner().invoke(app, ["fit", SOURCE, "--gpus", "8", "--set", "rl.steps=100", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    fitted = load_recipe(out).recipe
+    assert fitted.rl.steps == 100
+    assert fitted.algorithm_sha256() == load_recipe(REPO / SOURCE, ["rl.steps=100"]).recipe.algorithm_sha256()
+    header = " ".join(ln.lstrip("#").strip() for ln in out.read_text().splitlines() if ln.startswith("#"))
+    assert "--set rl.steps=100" in header and "h for its 100 steps" in header
+
+
 def test_async_recipe_keeps_its_lag(tmp_path, monkeypatch):
     out, _ = _fit_to(tmp_path, monkeypatch, "recipes/7b_boba_async.yaml", 8, 2, 80, "async_2x8.yaml")
     fitted, source = load_recipe(out).recipe, load_recipe(REPO / "recipes/7b_boba_async.yaml").recipe

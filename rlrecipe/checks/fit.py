@@ -29,7 +29,7 @@ from rlrecipe.checks.step_time import (
     weight_load_s,
 )
 from rlrecipe.core.errors import UserError
-from rlrecipe.recipe.schema import LoadedRecipe, Recipe, load_recipe, recipe_from_dict
+from rlrecipe.recipe.schema import LoadedRecipe, Recipe, apply_overrides, load_recipe, recipe_from_dict
 
 # Of each GPU's memory, what a layout leaves unplanned beyond the plan's own reserve (1 GiB + 5%):
 # the plan's figures are within a few percent of measured peaks (docs/gpu.md), not exact.
@@ -434,11 +434,8 @@ def fitted_recipe(fitted: Fit, layout: Layout, out: Path) -> tuple[str, Recipe]:
     the layout's) and the recipe it loads as."""
     loaded, src = fitted.source, fitted.source.recipe
     search = Search(loaded, fitted.machine)
-    data = yaml.safe_load(Path(loaded.path).read_text())
-    for item in loaded.overrides:  # --set given to fit: part of the source as fitted
-        from rlrecipe.recipe.schema import apply_overrides
-
-        data = apply_overrides(data, [item])
+    # the source as fit saw it, --set included
+    data = apply_overrides(yaml.safe_load(Path(loaded.path).read_text()), loaded.overrides)
     name = out.stem.replace("_", "-")
     changes = {"run.name": name} | {k: v for k, v in fitted_fields(layout, src).items() if _get(src, k) != v}
     why = reasons(search, layout) | {"run.name": "this layout's runs apart from the source's"}

@@ -280,13 +280,15 @@ def test_an_rl_run_whose_attached_server_cannot_read_the_export_stops_before_its
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["distributed", "disk"])
+@pytest.mark.parametrize("sync, sglang", [("distributed", "0.5.23"), ("disk", "0.5.23"), ("disk", "0.5.1"),
+                                          ("distributed", "0.5.1")])
 def test_an_rl_run_stops_at_the_push_a_server_keeps_its_weights_and_keeps_what_it_saved(
-        sync, tmp_path, tiny_model_dir):
+        sync, sglang, tmp_path, tiny_model_dir, capfd, monkeypatch):
     """A server answering as SGLang 0.5.23 (a weight-update session for broadcasts, Qwen2 without
-    /get_weights_by_name) trains through step 1's push; from weight version 2 on it answers 200 and keeps
-    version 1's weights: the run stops at step 2's push with one line naming the server and the weights
-    it still serves, and step 1's checkpoint stays whole."""
+    /get_weights_by_name: checksums decide) or as 0.5.1 (no session, no checksums: the probe's log-probs
+    decide) trains through step 1's push; from weight version 2 on it answers 200 and keeps version 1's
+    weights: the run stops at step 2's push with one line naming the server and the weights it still
+    serves, and step 1's checkpoint stays whole."""
     from rlrecipe.core.errors import UserError
     from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
     from rlrecipe.run.manifest import check_manifest
@@ -295,6 +297,7 @@ def test_an_rl_run_stops_at_the_push_a_server_keeps_its_weights_and_keeps_what_i
 
     (tmp_path / "sabotaged.py").write_text(SABOTAGED)
     port = free_port()
+    monkeypatch.setenv("RLRECIPE_SERVE_SGLANG", sglang)  # the server's rules (the run itself reads none of it)
     proc, url = start([sys.executable, str(tmp_path / "sabotaged.py"), str(tiny_model_dir), str(port), "2"], port,
                       tmp_path / "server.log")
     try:
@@ -312,6 +315,8 @@ def test_an_rl_run_stops_at_the_push_a_server_keeps_its_weights_and_keeps_what_i
     assert "\n" not in msg
     assert msg.startswith(f"SGLang server {url}: after the update to weight version 2, it still serves the weights "
                           "of version 1 (")
+    assert ("its log-probs of the probe are" in msg) == (sglang == "0.5.1")
+    assert "after the update to weight version 1" not in capfd.readouterr().err  # step 1's push was verified
     log = (tmp_path / "server.log").read_text()
     if sync == "distributed":
         assert "joined weight update group" in log

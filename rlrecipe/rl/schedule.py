@@ -19,7 +19,9 @@ from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.recipe.schema import Recipe
 from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
 from rlrecipe.rl.pool import RolloutStats
+from rlrecipe.rollout.weight_probe import Scores, probe_sequences
 from rlrecipe.rollout.weight_transport import WeightTransport
+from rlrecipe.train.base import TrainSample
 from rlrecipe.trajectory.arrays import broadcast_batch_from_rank_zero
 
 ROLLOUT_EXPORTS = "weights_for_rollout"
@@ -35,6 +37,19 @@ class WeightsOut:
 
     def __init__(self, trainer, engine, run, tokenizer, transport: WeightTransport):
         self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, engine, run, tokenizer, transport
+        # servers are checked against the trainer's log-probs of a fixed probe where no exact check
+        # reaches them (rollout/weight_probe.py): scored now for the weights they start with
+        self.probe = probe_sequences(tokenizer) if transport is not WeightTransport.IN_MEMORY else None
+        self._expect(engine.version if engine is not None else 0)
+
+    def _expect(self, version: int) -> None:
+        """The probe scored under the trainer's weights now (collective), handed to the engine as
+        what `version` must give."""
+        if not self.probe:
+            return
+        logp = [lp.tolist() for lp, _ in self.trainer.compute_logprobs([TrainSample(s, 1) for s in self.probe])]
+        if self.engine is not None:
+            self.engine.expect_logprobs(Scores(version, self.probe, logp, getattr(self.trainer, "temperature", 1.0)))
 
     @property
     def exports(self) -> Path:
@@ -43,6 +58,7 @@ class WeightsOut:
     def push(self, version: int) -> None:
         """Into the engine now (collective; rank 0 pushes): in memory, by broadcast, or by an HF
         export the servers load."""
+        self._expect(version)
         if self.transport is WeightTransport.DISK:
             export = self.trainer.export_hf(self.exports, self.tokenizer)
             if self.engine is not None:
@@ -55,6 +71,7 @@ class WeightsOut:
     def freeze(self, version: int):
         """A copy of the weights now, for the worker to install later (collective): cloned tensors
         in memory, or an export of its own on disk. None on ranks without the engine."""
+        self._expect(version)
         if self.transport is WeightTransport.DISK:
             export = self.trainer.export_hf(self.exports / f"v{version:07d}", self.tokenizer)
             return export if self.engine is not None else None

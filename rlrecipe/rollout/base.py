@@ -45,6 +45,10 @@ class RolloutEngine(ABC):
         """Faster path where the engine shares memory with the trainer; default: not supported."""
         raise NotImplementedError
 
+    def expect_logprobs(self, scores) -> None:  # noqa: B027 - optional hook
+        """The trainer's log-probs of a fixed probe under the weights of `scores.version`, which the
+        engine may check its servers against (rollout/weight_probe.py); ignored by default."""
+
     def fleet_metrics(self) -> dict[str, float]:
         """What a step logs of the engine's servers (none by default: one process, nothing to lose)."""
         return {}

@@ -149,6 +149,9 @@ class SGLangEngine(RolloutEngine):
     def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
         self.weights.verify_export(model_dir, version, when)
 
+    def expect_logprobs(self, scores) -> None:
+        self.weights.expect(scores)
+
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:

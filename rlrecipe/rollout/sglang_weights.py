@@ -43,6 +43,9 @@ class WeightPusher:
         self.served_dtype = served_dtype
         self.broadcast: WeightBroadcast | None = None  # weight_sync: distributed, made on first use
         self.check = None  # weight_check.WeightCheck, made on first use (it needs torch)
+        # the trainer's log-probs of the probe by version (weight_probe.py), and those of the last check
+        self.scores: dict[int, object] = {}
+        self.last_scores = None
         fleet.on_members_changed = self._members_changed
 
     @property
@@ -128,7 +131,19 @@ class WeightPusher:
         if self.check is None:
             self.check = WeightCheck(self.fleet)
         served = getattr(torch, self.served_dtype) if self.served_dtype else None
-        self.check.run(TrainerWeights(state=state, model_dir=model_dir), version, served, when)
+        scores, prev = self.scores.get(version), self.last_scores
+        if prev is not None and prev.version == version:
+            prev = None  # the same version pushed again (a resumed run): nothing earlier to tell apart
+        self.check.run(TrainerWeights(state=state, model_dir=model_dir), version, served, when, scores, prev)
+        if scores is not None:
+            self.last_scores = scores
+            self.scores = {v: s for v, s in self.scores.items() if v > version}
+
+    def expect(self, scores) -> None:
+        """The trainer's log-probs of the probe under the weights of `scores.version` (weight_probe.py)."""
+        self.scores[scores.version] = scores
+        if self.last_scores is None and scores.version == self.fleet.version:
+            self.last_scores = scores  # the weights the servers start with: the first push is told apart from them
 
     def _forget(self, servers) -> None:
         if self.check is not None:

@@ -16,7 +16,9 @@ server that kept its previous weights). Two exact checks, each where the server 
   A server one step behind can fall inside that tolerance in bf16; the checksums and the
   weight_version every answer carries catch that.
 
-A server with neither is said once and not verified; a check that cannot decide says so.
+Where neither reaches a server, or the checksums cannot decide, the trainer's log-probs of a fixed
+probe decide where the caller gave them (weight_probe.py); what no check can decide is said in one
+line, never passed over.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from rlrecipe.rollout.weight_checksum import (
     rank_checksums,
     tensor_checksum,
 )
+from rlrecipe.rollout.weight_probe import Scores, judge_scores, server_scores
 
 TRUNCATE_ROWS = 2
 SAMPLES = 4
@@ -162,7 +165,7 @@ class WeightCheck:
     """Verifies, after each push and at start, that each server holds the trainer's weights: by
     SGLang's /weights_checker checksums where the server has them (weight_checksum.py), and by
     /get_weights_by_name rows where the model supports it (SGLang implements it for Llama-like
-    models, not Qwen2). A server with neither is said once and not verified."""
+    models, not Qwen2), else by the probe's log-probs (weight_probe.py) where given."""
 
     def __init__(self, servers):
         self.servers = servers  # what it needs: urls, live, post(i, path, body, timeout), dialect(i)
@@ -186,9 +189,12 @@ class WeightCheck:
             self.said.discard(i)
             self.hash_dtype.pop(i, None)
 
-    def run(self, weights: TrainerWeights, version: int, served: torch.dtype | None, when: str | None = None) -> None:
+    def run(self, weights: TrainerWeights, version: int, served: torch.dtype | None, when: str | None = None,
+            scores: Scores | None = None, prev_scores: Scores | None = None) -> None:
         """Raise WeightMismatch naming the first server found not to hold `weights`; say in one line
-        each server the checks cannot decide for."""
+        each server no check can decide for. `scores`, `prev_scores`: the trainer's log-probs of the
+        probe under these weights and the previous push's (weight_probe.py), for servers the exact
+        checks do not reach."""
         import time
 
         from rlrecipe.core.console import console
@@ -199,6 +205,7 @@ class WeightCheck:
         rows = None
         for i in list(self.servers.live):
             url = self.servers.urls[i]
+            undecided = None  # why no check decided for server i
             if i not in self.no_rows:
                 if rows is None:
                     rows = weights.read(sample_names(weights.shapes(), version), TRUNCATE_ROWS)
@@ -217,14 +224,31 @@ class WeightCheck:
                 if verdict == "ok" or (verdict == "undecided" and before is None):
                     self.before[i] = ServerChecksums(answer, ours, version)
                 if verdict == "undecided" and i in self.no_rows:
-                    console.print(f"[yellow]warning[/]: SGLang server {url}: {when}, its weights cannot be verified: "
-                                  f"{detail}", highlight=False, soft_wrap=True)
-            if i in self.unverified and i not in self.said:
-                self.said.add(i)
-                console.print(f"[yellow]warning[/]: SGLang server {url} answers neither /weights_checker checksums "
-                              f"nor /get_weights_by_name for this model ({self.servers.dialect(i).label()}); its "
-                              "weights are not verified after updates", highlight=False, soft_wrap=True)
+                    undecided = detail
+            elif i in self.no_rows:
+                undecided = (f"it answers neither /weights_checker checksums nor /get_weights_by_name for this "
+                             f"model ({self.servers.dialect(i).label()})")
+            if undecided is not None and scores is not None:
+                undecided = self._probe(i, scores, prev_scores, when)
+            if undecided is not None and (scores is not None or i not in self.said):
+                self.said.add(i)  # without the probe, what cannot be checked is said once, not at every push
+                console.print(f"[yellow]warning[/]: SGLang server {url}: {when}, its weights cannot be verified: "
+                              f"{undecided}", highlight=False, soft_wrap=True)
         self.seconds = time.perf_counter() - t0
+
+    def _probe(self, i: int, scores: Scores, prev: Scores | None, when: str) -> str | None:
+        """The check through generation (weight_probe.py): None when it decided and the server passed."""
+        got = server_scores(self.servers, i, scores)
+        if got is None:
+            return "it gives no input_token_logprobs for the probe either"
+        verdict, detail = judge_scores(got, scores, prev)
+        url = self.servers.urls[i]
+        if verdict == "stale":
+            raise WeightMismatch(f"SGLang server {url}: {when}, it still serves the weights of version {prev.version} "
+                                 f"(its log-probs of the probe are {detail})")
+        if verdict == "wrong":
+            raise WeightMismatch(f"SGLang server {url}: {when}, its weights are not the trainer's ({detail})")
+        return None if verdict == "ok" else f"by the probe's log-probs, {detail}"
 
     def _trainer_sums(self, i: int, weights: TrainerWeights, names: list[str], rank0: dict[str, str],
                       served: torch.dtype | None, cache: dict) -> dict[str, str]:

@@ -12,7 +12,9 @@ It follows the rules of the newest SGLang the pin allows (0.5.23, reported as /s
 only inside a weight-update session, unknown `sampling_params` keys are refused with 400, inputs of
 max_req_input_len (context - 6) tokens or more and input + new tokens above the context are refused,
 and /get_weights_by_name answers only for the architectures SGLang implements it for (400 for
-Qwen2, as there).
+Qwen2, as there). With RLRECIPE_SERVE_SGLANG set to an older version of the pin (e.g. 0.5.1) it
+follows that version's rules instead, as docs/gpu.md's version table has them: the tests run the
+client against both ends.
 
 Endpoints (request and response shapes as SGLang's): POST /generate (input_ids or text, single
 or batch; sampling_params; return_logprob; rid), POST /abort_request, POST
@@ -29,7 +31,7 @@ Also: stop strings (`sampling_params.stop`: the text is cut before the match unl
 no_stop_trim; finish_reason matched is the string) and `n` parallel samples (results prompt by
 prompt, rids suffixed _0.._n-1, a list even for one prompt), and `stream` for one prompt (server-
 sent events, each with the output so far, as SGLang streams by default). Not supported (HTTP
-400): batch streams, logprob_start_len >= 0 (prompt log-probs), min_new_tokens. `ignore_eos`
+400): batch streams, prompt log-probs (logprob_start_len >= 0) for a batch or n > 1, min_new_tokens. `ignore_eos`
 runs to max_new_tokens.
 
 Limits (beyond SGLang's, which sets none): `sampling_params.n` is at most 256 and one request holds

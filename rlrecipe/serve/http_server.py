@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -11,9 +12,11 @@ from pathlib import Path
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.api_key import is_authorized
+from rlrecipe.rollout.sglang_versions import LOWEST, NEWEST, Dialect, parse_version
 from rlrecipe.serve.protocol import (
     BadRequest,
     GenRequest,
+    ServerError,
     UnknownField,
     build_requests,
     health_probe,
@@ -22,8 +25,9 @@ from rlrecipe.serve.protocol import (
 )
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
 
-# the SGLang version whose rules this server follows, reported as /server_info's version
-SGLANG_RULES = "0.5.23"
+# An older SGLang version whose rules to follow instead of the newest's (tests of the client
+# against both ends of the pin): its version, e.g. 0.5.1, in this environment variable.
+RULES_ENV = "RLRECIPE_SERVE_SGLANG"
 HEALTH_GENERATE_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT: a probe not answered by then is a 503
 # A request body larger than this is refused with 413 before any of it is read.
 MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -109,7 +113,7 @@ class Handler(BaseHTTPRequestHandler):
         elif path in ("/server_info", "/get_server_info"):
             self._send(200, {"model_path": self.sched.model_path, "context_length": self.sched.context_len,
                              "max_req_input_len": max_input_len(self.sched.context_len), "tp_size": 1, "dp_size": 1,
-                             "version": SGLANG_RULES, "frontend": "rlrecipe-serve",
+                             "version": self.sched.rules.label(), "frontend": "rlrecipe-serve",
                              "device": "cpu", "dtype": self.sched.dtype})
         elif path == "/get_weight_version":
             self._send(200, {"weight_version": self.sched.weight_version})
@@ -117,7 +121,7 @@ class Handler(BaseHTTPRequestHandler):
             self._flush()
         elif path == "/get_weights_by_name":  # SGLang takes its JSON body on GET as on POST
             self._weights_by_name()
-        elif path == "/weights_checker":
+        elif path == "/weights_checker" and self.sched.rules.weights_checksum:
             self._weights_checker()
         else:
             self._error(404, f"no route GET {path}")
@@ -211,15 +215,15 @@ class Handler(BaseHTTPRequestHandler):
                 self._reply(self.sched.update_weights(str(body["model_path"]), body.get("weight_version")))
             elif path == "/init_weights_update_group":
                 self._reply(self.sched.init_group(body))
-            elif path == "/begin_weight_update":
+            elif path == "/begin_weight_update" and self.sched.rules.weight_update_session:
                 self._reply(self.sched.begin_weight_update())
-            elif path == "/end_weight_update":
+            elif path == "/end_weight_update" and self.sched.rules.weight_update_session:
                 self._reply(self.sched.end_weight_update())
             elif path == "/update_weights_from_distributed":
                 self._reply(self.sched.update_weights_from_distributed(body))
-            elif path == "/weights_checker":
+            elif path == "/weights_checker" and self.sched.rules.weights_checksum:
                 self._weights_checker(body)
-            elif path == "/destroy_weights_update_group":
+            elif path == "/destroy_weights_update_group" and self.sched.rules.destroy_group:
                 self._reply(self.sched.destroy_group(body))
             elif path == "/flush_cache":
                 self._flush()
@@ -227,6 +231,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._weights_by_name(body)
             else:
                 self._error(404, f"no route POST {path}")
+        except ServerError as err:
+            self._error(500, str(err))
         except UnknownField as err:
             self._send(400, {"error": str(err)})  # SGLang's contract gate answers in this shape
         except BadRequest as err:
@@ -278,6 +284,12 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
     sched = Scheduler(engine, tokenizer, str(model), context_len, chunk_tokens=chunk_tokens, seed=seed,
                       join_timeout_s=join_timeout_s)
     sched.dtype = dtype  # /server_info's dtype, as SGLang's --dtype
+    if os.environ.get(RULES_ENV):
+        rules = Dialect(parse_version(os.environ[RULES_ENV]))
+        if rules.version is None or not LOWEST <= rules.version <= NEWEST:
+            raise UserError(f"{RULES_ENV}={os.environ[RULES_ENV]!r}: expected an SGLang version from "
+                            f"{'.'.join(map(str, LOWEST))} to {'.'.join(map(str, NEWEST))}")
+        sched.rules = rules
     try:
         server = Server((host, port), make_handler(sched, api_key))
     except OSError as err:

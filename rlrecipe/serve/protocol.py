@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rlrecipe.rollout.sglang_versions import NEWEST, Dialect
+
 if TYPE_CHECKING:
     from rlrecipe.serve.scheduler import Scheduler
 
@@ -59,6 +61,7 @@ class GenRequest:
     skip_special_tokens: bool
     no_stop_trim: bool
     stop_strs: tuple[str, ...] = ()
+    input_logprobs: list = field(default_factory=list)  # input_token_logprobs (logprob_start_len >= 0)
     ignore_eos: bool = False  # throughput tests: run to max_new_tokens (the engine stops at eos; the next chunk goes on)
     chunks: int = 0  # decoding chunks it has had (the scheduler serves the fewest first)
     output_ids: list[int] = field(default_factory=list)
@@ -84,6 +87,10 @@ def health_probe(kind: str = "HEALTH_CHECK") -> GenRequest:
                       skip_special_tokens=True, no_stop_trim=False)
 
 
+# the SGLang version whose rules `rlrecipe serve` follows by default: the newest in the pin
+RULES = Dialect(NEWEST)
+
+
 class UnknownField(BadRequest):
     """A key SGLang's contract does not know: 400 with {"error": "unknown field ..."}, as SGLang."""
 
@@ -94,12 +101,18 @@ def max_input_len(context_len: int) -> int:
     return context_len - 6
 
 
-def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
+class ServerError(Exception):
+    """What SGLang answers with HTTP 500: a TypeError from SamplingParams(**keys) before 0.5.22."""
+
+
+def parse_sampling(sp: dict | None, context_len: int, n_input: int, rules: Dialect = RULES) -> dict:
     sp = dict(sp or {})
-    unknown = sorted(set(sp) - set(SAMPLING_KEYS))
+    known = [k for k in SAMPLING_KEYS if k != "sampling_seed" or rules.sampling_seed]
+    unknown = sorted(set(sp) - set(known))
+    if unknown and rules.version is not None and rules.version < (0, 5, 22):
+        raise ServerError(f"SamplingParams.__init__() got an unexpected keyword argument '{unknown[0]}'")
     if unknown:
-        raise UnknownField(f"unknown field `{unknown[0]}`, expected one of "
-                           + ", ".join(f"`{k}`" for k in SAMPLING_KEYS))
+        raise UnknownField(f"unknown field `{unknown[0]}`, expected one of " + ", ".join(f"`{k}`" for k in known))
     for k in NOT_IMPLEMENTED:
         if sp.get(k) not in (None, {}, []):
             raise BadRequest(f"sampling_params.{k} is not supported by rlrecipe serve")
@@ -129,7 +142,7 @@ def parse_sampling(sp: dict | None, context_len: int, n_input: int) -> dict:
     if n_input >= max_input_len(context_len):
         raise BadRequest(f"Input length ({n_input} tokens) exceeds the maximum allowed length "
                          f"({max_input_len(context_len)} tokens).")
-    if n_input + max_new > context_len:
+    if n_input + max_new > context_len or (n_input + max_new == context_len and not rules.full_context):
         raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} "
                          f"tokens: {n_input} input + {max_new} new.")
     # exactly at the context it is accepted, one token short (SGLang's max_req_len is context - 1)
@@ -186,9 +199,17 @@ def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool
         if not all(0 <= t < sched.vocab_size for t in seq):
             bad = next(t for t in seq if not 0 <= t < sched.vocab_size)
             raise BadRequest(f"input_ids: token id {bad} is outside the vocabulary (0..{sched.vocab_size - 1})")
-        if starts[i] is not None and starts[i] >= 0 and want_lp[i]:
-            raise BadRequest("logprob_start_len >= 0 (prompt log-probs) is not supported by rlrecipe serve; use -1")
-        sp = parse_sampling(sps[i], sched.context_len, len(seq))
+        prompt_from = starts[i] if starts[i] is not None and starts[i] >= 0 and want_lp[i] else None
+        if prompt_from is not None and (batch or prompt_from >= len(seq)):
+            raise BadRequest("logprob_start_len >= 0 (prompt log-probs): one prompt per request, and less than "
+                             "its length, in rlrecipe serve")
+        sp = parse_sampling(sps[i], sched.context_len, len(seq), sched.rules)
+        if prompt_from is not None:
+            if sp["n"] != 1:
+                raise BadRequest("logprob_start_len >= 0 takes n = 1 in rlrecipe serve")
+            # SGLang's input_token_logprobs: from logprob_start_len on, the first token's is null
+            lps = [None, *sched.prompt_logprobs(list(seq), sp["temperature"] or 1.0)]
+            prompt_lps = [[lps[k], seq[k], None] for k in range(prompt_from, len(seq))]
         for j in range(sp["n"]):  # parallel samples come back prompt by prompt, as in SGLang
             rid_j = str(rids[i]) if sp["n"] == 1 else f"{rids[i]}_{j}"
             out.append(GenRequest(rid=rid_j, input_ids=list(seq), max_new_tokens=sp["max_new_tokens"],
@@ -196,7 +217,8 @@ def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool
                                   stop_ids=sp["stop_ids"], return_logprob=bool(want_lp[i]),
                                   return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                                   skip_special_tokens=sp["skip_special_tokens"], no_stop_trim=sp["no_stop_trim"],
-                                  stop_strs=sp["stop_strs"], ignore_eos=sp["ignore_eos"]))
+                                  stop_strs=sp["stop_strs"], ignore_eos=sp["ignore_eos"],
+                                  input_logprobs=prompt_lps if prompt_from is not None else []))
         if len(out) > MAX_SAMPLES_PER_REQUEST:
             raise BadRequest(f"more than {MAX_SAMPLES_PER_REQUEST} samples (prompts x n) in one request; "
                              "split it")
@@ -219,7 +241,7 @@ def response_body(r: GenRequest, tokenizer, weight_version: str) -> dict:
     if r.return_logprob:
         texts = ([tokenizer.decode([t]) for t in ids] if r.return_text_in_logprobs else [None] * len(ids))
         meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(logprobs, ids, texts, strict=True)]
-        meta["input_token_logprobs"] = []
+        meta["input_token_logprobs"] = r.input_logprobs
     text = tokenizer.decode(shown, skip_special_tokens=r.skip_special_tokens)
     if isinstance(matched, str) and not r.no_stop_trim:
         text = text[:text.find(matched)] if matched in text else text

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from rlrecipe.modeling import read_export_for
 from rlrecipe.rollout.weight_checksum import model_checksums
 from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
-from rlrecipe.serve.protocol import BadRequest, GenRequest, health_probe
+from rlrecipe.serve.protocol import RULES, BadRequest, GenRequest, health_probe
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 # /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
@@ -48,6 +48,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.dtype = "auto"  # what /server_info reports (make_server sets the served one)
+        self.rules = RULES  # the SGLang version whose rules it follows (make_server may set an older one)
         self.weight_version = "default"
         self.context_len = context_len
         # ids at or past it would index out of the embedding and fail the whole batch they join
@@ -118,6 +119,11 @@ class Scheduler:
     def update_weights(self, model_path: str, weight_version: str | None, timeout: float = 3600.0) -> dict:
         return self._run_update({"model_path": model_path, "weight_version": weight_version}, timeout)
 
+    def prompt_logprobs(self, ids: list[int], temperature: float) -> list[float]:
+        """Teacher-forced log-probs of `ids` after the first, under the weights served now."""
+        with self.weights_lock:
+            return self.engine.prompt_logprobs(ids, temperature)
+
     def begin_weight_update(self) -> dict:
         with self.cond:
             if self.session_open:
@@ -135,7 +141,7 @@ class Scheduler:
         return {"success": True, "message": "Success"}
 
     def update_weights_from_distributed(self, body: dict, timeout: float = 3600.0) -> dict:
-        if not self.session_open:
+        if self.rules.weight_update_session and not self.session_open:
             return {"success": False, "message": "update_weights_from_distributed must run between "
                                                  "begin_weight_update() and end_weight_update()"}
         group = self.groups.get(body.get("group_name", DEFAULT_GROUP))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from rlrecipe.recipe.base import RecipeError
 from rlrecipe.recipe.schema import LoadedRecipe, load_recipe, recipe_from_dict
 from rlrecipe.rl.ahead import Collected, RolloutAhead, load_pending, save_pending, weights_version
-from rlrecipe.rl.pool import RolloutStats
+from rlrecipe.rl.pool import DynamicTally, RolloutStats
 from rlrecipe.stages.rl import run_rl
 from rlrecipe.trajectory.arrays import TrajectoryBatch
 from rlrecipe.trajectory.record import Status, Trajectory
@@ -91,12 +91,13 @@ def test_a_failing_collection_reaches_the_trainer():
 
 
 def test_pending_batches_round_trip_through_a_checkpoint(tmp_path):
-    saved = [Collected(s, _batch(s), RolloutStats(generated_tokens=7 * s, pool_size=s, extra={"graded": s}), s - 1,
-                       0.5 * s) for s in (5, 6)]
+    saved = [Collected(s, _batch(s), RolloutStats(generated_tokens=7 * s, pool_size=s, graded=s,
+                                                  dynamic=DynamicTally(judged=s, held=1)), s - 1, 0.5 * s)
+             for s in (5, 6)]
     save_pending(tmp_path, saved)
     back = load_pending(tmp_path, range(5, 7))
-    assert [(c.step, c.version, c.seconds, c.roll.generated_tokens, c.roll.extra) for c in back] == \
-        [(5, 4, 2.5, 35, {"graded": 5}), (6, 5, 3.0, 42, {"graded": 6})]
+    assert [(c.step, c.version, c.seconds, c.roll.generated_tokens, c.roll.graded, c.roll.dynamic) for c in back] == \
+        [(5, 4, 2.5, 35, 5, DynamicTally(judged=5, held=1)), (6, 5, 3.0, 42, 6, DynamicTally(judged=6, held=1))]
     for a, b in zip(saved, back, strict=True):
         assert a.batch.uids == b.batch.uids and a.batch.group_ids == b.batch.group_ids
         assert all(torch.equal(a.batch.arrays[k], b.batch.arrays[k]) for k in a.batch.arrays)

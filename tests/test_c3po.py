@@ -1,4 +1,3 @@
-import json
 
 import pytest
 
@@ -130,12 +129,12 @@ def test_stale_rollouts_are_dropped_and_counted(tiny_model_dir):
     assert stats.dropped == stale and pool.total_dropped == stale
 
 
-def test_pool_state_round_trips_through_json(tiny_model_dir):
+def test_pool_state_round_trips_through_its_checkpoint_file(tiny_model_dir, tmp_path):
     pool, engine = _setup(tiny_model_dir)
     pool.collect(engine, SamplingParams(max_new_tokens=40), seed=1)
-    state = json.loads(json.dumps(pool.state_dict()))
+    pool.save(tmp_path / "pool.safetensors")
     other, _ = _setup(tiny_model_dir)
-    other.load_state_dict(state)
+    other.load(tmp_path / "pool.safetensors")
     assert other.stream.cursor == pool.stream.cursor
     assert [t.to_dict() for t in other.in_flight] == [t.to_dict() for t in pool.in_flight]
     assert pool.carried and [t.to_dict() for t in other.carried] == [t.to_dict() for t in pool.carried]

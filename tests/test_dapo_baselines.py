@@ -251,7 +251,7 @@ def test_synchronous_dynamic_sampling_replaces_groups_without_signal(monkeypatch
     assert sorted({_index(t) for t in batch}) == [1, 3, 5, 7]
     assert all(group_has_signal([t.correct for t in batch if t.group_id == g]) for g in {t.group_id for t in batch})
     assert len(batch) == 12 and all(t.meta["judged"] == 1 for t in batch)
-    assert stats.extra == {"ds_groups_judged": 8, "ds_groups_dropped": 4, "ds_dropped_tokens": 4 * 3 * 4,
+    assert stats.dynamic.metrics() == {"ds_groups_judged": 8, "ds_groups_dropped": 4, "ds_dropped_tokens": 4 * 3 * 4,
                            "ds_signal_share": 0.5, "ds_prompts_drawn": 8, "ds_extra_prompts": 4, "ds_cap_hit": 0.0,
                            "ds_groups_over_cap": 0}
     assert stats.generated_tokens == 8 * 3 * 4
@@ -267,9 +267,9 @@ def test_synchronous_dynamic_sampling_stops_at_its_cap_and_fills_with_dropped_gr
     # round 1 draws one extra group (4, all right): groups 1 and 3 have signal, and the last dropped
     # group (4) fills one place, the one before it (2) the other
     assert sorted({_index(t) for t in batch}) == [1, 2, 3, 4]
-    assert stats.extra["ds_cap_hit"] == 1.0 and stats.extra["ds_extra_prompts"] == 1
-    assert stats.extra["ds_groups_dropped"] == 1 and stats.extra["ds_groups_judged"] == 5
-    assert stats.extra["ds_groups_over_cap"] == 2
+    assert stats.dynamic.metrics()["ds_cap_hit"] == 1.0 and stats.dynamic.metrics()["ds_extra_prompts"] == 1
+    assert stats.dynamic.metrics()["ds_groups_dropped"] == 1 and stats.dynamic.metrics()["ds_groups_judged"] == 5
+    assert stats.dynamic.metrics()["ds_groups_over_cap"] == 2
 
 
 def test_without_dynamic_sampling_a_synchronous_step_samples_the_same(monkeypatch):
@@ -306,7 +306,7 @@ def test_budgeted_dynamic_sampling_trains_whole_groups_with_signal_up_to_phi(mon
     for step in range(6):
         engine.version = step
         batch, stats = pool.collect(engine, params, seed=step, judge=judge_by_pattern)
-        ds = stats.extra
+        ds = stats.dynamic.metrics()
         groups = {}
         for t in batch:
             groups.setdefault(t.group_id, []).append(t)
@@ -356,9 +356,9 @@ def test_budgeted_dynamic_sampling_past_its_cap_trains_groups_without_signal(mon
                  c3po={"enabled": True, "token_budget": 30, "pool_capacity": 8, "max_staleness": 2})
     batch, stats = pool.collect(ScriptedEngine(lambda t: 5), SamplingParams(max_new_tokens=9), seed=0,
                                 judge=judge_by_pattern)
-    assert stats.extra["ds_cap_hit"] == 1.0 and stats.extra["ds_groups_dropped"] == 0
-    assert stats.extra["ds_groups_over_cap"] == stats.extra["ds_groups_judged"] - round(
-        stats.extra["ds_signal_share"] * stats.extra["ds_groups_judged"]) > 0
+    assert stats.dynamic.metrics()["ds_cap_hit"] == 1.0 and stats.dynamic.metrics()["ds_groups_dropped"] == 0
+    assert stats.dynamic.metrics()["ds_groups_over_cap"] == stats.dynamic.metrics()["ds_groups_judged"] - round(
+        stats.dynamic.metrics()["ds_signal_share"] * stats.dynamic.metrics()["ds_groups_judged"]) > 0
     assert {_index(t) % 4 for t in batch} & {0, 2}  # all-right and all-wrong groups trained
 
 

@@ -122,7 +122,7 @@ def load_pending(ckpt_dir: Path, expected: range) -> list[Collected]:
             batch = TrajectoryBatch(arrays, json.loads(meta["uids"]), json.loads(meta["group_ids"]))
         except Exception as err:  # noqa: BLE001 - any damage: one clear message naming the file
             raise UserError(f"{path}: not a readable pending batch ({type(err).__name__}: {err})") from None
-        out.append(Collected(info["step"], batch, RolloutStats(**info["roll"]), info["version"], info["seconds"]))
+        out.append(Collected(info["step"], batch, RolloutStats.from_dict(info["roll"]), info["version"], info["seconds"]))
     steps = [c.step for c in out]
     if steps != list(expected):
         raise UserError(f"{ckpt_dir}: holds the collected batches of steps {steps}, but an asynchronous run "

@@ -78,7 +78,35 @@ class PromptStream:
 
 
 @dataclass
+class DynamicTally:
+    """One step's dynamic sampling (DAPO): groups judged, with signal, dropped, let through past the cap."""
+
+    judged: int = 0
+    signal: int = 0
+    dropped: int = 0
+    dropped_tokens: int = 0
+    over_cap: int = 0  # groups without signal that trained because the step had dropped its cap
+    prompts_drawn: int = 0
+    extra_prompts: int = 0
+    held: int | None = None  # under C3PO++: finished rollouts waiting for the rest of their group
+    collect_s: float | None = None  # generation and grading of the judged groups together
+
+    def metrics(self) -> dict[str, float]:
+        out = {"ds_groups_judged": self.judged, "ds_groups_dropped": self.dropped, "ds_groups_over_cap": self.over_cap,
+               "ds_dropped_tokens": self.dropped_tokens, "ds_signal_share": self.signal / max(1, self.judged),
+               "ds_prompts_drawn": self.prompts_drawn, "ds_extra_prompts": self.extra_prompts,
+               "ds_cap_hit": float(self.over_cap > 0)}
+        if self.held is not None:
+            out["ds_held"] = self.held
+        if self.collect_s is not None:
+            out["ds_collect_s"] = self.collect_s
+        return out
+
+
+@dataclass
 class RolloutStats:
+    """A step's rollout: what the pool did, and what rank 0 adds once the batch is graded."""
+
     generated_tokens: int = 0
     finished: int = 0
     resumed: int = 0
@@ -87,7 +115,32 @@ class RolloutStats:
     mean_age: float = 0.0
     max_age: int = 0
     carried: int = 0  # finished past the budget, left to train next step
-    extra: dict = field(default_factory=dict)
+    dynamic: DynamicTally | None = None  # with rl.dynamic_sampling only
+    # added by the RL stage once the batch is graded
+    graded: int = 0
+    grade_s: float = 0.0
+    dropped_total: int = 0
+    resumed_total: int = 0
+    prompts_skipped_too_long: int = 0
+    overlong_penalty_mean: float | None = None  # with rl.overlong.cache only
+    engine: dict[str, float] = field(default_factory=dict)  # the engine's own counters (its fleet's)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"tokens_generated": self.generated_tokens, "pool_size": self.pool_size, "pool_mean_age": self.mean_age,
+               "pool_max_age": self.max_age, "dropped": self.dropped, "resumed": self.resumed, "carried": self.carried,
+               **(self.dynamic.metrics() if self.dynamic is not None else {}),
+               "dropped_total": self.dropped_total, "resumed_total": self.resumed_total,
+               "prompts_skipped_too_long": self.prompts_skipped_too_long, "graded": self.graded,
+               "grade_s": self.grade_s, **self.engine}  # grade_s is part of rollout_s
+        if self.overlong_penalty_mean is not None:
+            out["overlong_penalty_mean"] = self.overlong_penalty_mean
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RolloutStats:
+        """Back from `dataclasses.asdict` (a checkpoint's batches collected ahead)."""
+        dynamic = d.get("dynamic")
+        return cls(**{**d, "dynamic": DynamicTally(**dynamic) if dynamic is not None else None})
 
 
 def _split_at_budget(units: list, size: Callable, budget: int) -> tuple[list, list]:
@@ -147,13 +200,9 @@ class DynamicCount:
         self.let_through += 1
         return True
 
-    def metrics(self, prompts_drawn: int, extra_prompts: int) -> dict[str, float]:
-        """ds_cap_hit: 1 when groups without signal trained because the cap was reached (as many
-        as ds_groups_over_cap)."""
-        return {"ds_groups_judged": self.judged, "ds_groups_dropped": self.dropped, "ds_groups_over_cap": self.let_through,
-                "ds_dropped_tokens": self.dropped_tokens, "ds_signal_share": self.signal / max(1, self.judged),
-                "ds_prompts_drawn": prompts_drawn, "ds_extra_prompts": extra_prompts,
-                "ds_cap_hit": float(self.let_through > 0)}
+    def tally(self, prompts_drawn: int, extra_prompts: int, held: int | None = None) -> DynamicTally:
+        return DynamicTally(self.judged, self.signal, self.dropped, self.dropped_tokens, self.let_through,
+                            prompts_drawn, extra_prompts, held)
 
 
 class RolloutPool:
@@ -267,7 +316,7 @@ class RolloutPool:
         count.let_through = len(filled)
         batch = [t for g in kept + filled for t in g]
         stats = RolloutStats(generated_tokens=generated, finished=len(batch), pool_size=len(batch))
-        stats.extra = count.metrics(self.stream.cursor - cursor0, extra)
+        stats.dynamic = count.tally(self.stream.cursor - cursor0, extra)
         return batch, stats
 
     def _collect_budgeted_dynamic(self, engine, params, seed, judge: Judge):
@@ -311,7 +360,7 @@ class RolloutPool:
         ages = [t.age for t in self.in_flight] or [0]
         stats.mean_age, stats.max_age = sum(ages) / len(ages), max(ages)
         self.total_dropped += stats.dropped
-        stats.extra = {**count.metrics(self.stream.cursor - cursor0, count.dropped), "ds_held": len(self.held)}
+        stats.dynamic = count.tally(self.stream.cursor - cursor0, count.dropped, held=len(self.held))
         return ready, stats
 
     def _complete_groups(self, ended: list[Trajectory], judge: Judge, count: DynamicCount) -> list[Trajectory]:
@@ -359,19 +408,6 @@ class RolloutPool:
         return refill
 
     # -- checkpoint ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"cursor": self.stream.cursor, "in_flight": [t.to_dict() for t in self.in_flight],
-                "carried": [t.to_dict() for t in self.carried], "held": [t.to_dict() for t in self.held],
-                "total_dropped": self.total_dropped, "total_resumed": self.total_resumed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.cursor = state["cursor"]
-        self.in_flight = [Trajectory.from_dict(d) for d in state["in_flight"]]
-        self.carried = [Trajectory.from_dict(d) for d in state.get("carried", [])]  # absent before surplus carry
-        self.held = [Trajectory.from_dict(d) for d in state.get("held", [])]
-        self.total_dropped = state["total_dropped"]
-        self.total_resumed = state["total_resumed"]
-
     def save(self, path: str | Path) -> None:
         """The rollouts in the pool as arrays (safetensors), the counters beside them; the carried
         ones are those finished (their status tells them apart), and with dynamic sampling the

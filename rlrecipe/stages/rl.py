@@ -67,15 +67,15 @@ def collect_graded(pool: RolloutPool, engine, params: SamplingParams, tokenizer,
     batch, roll = pool.collect(engine, params, seed=seed, judge=judge if pool.dynamic else None)
     t1 = time.time()
     grade([t for t in batch if t.correct is None], tokenizer, grader, cfg, params.max_new_tokens)
-    roll.extra.update({"dropped_total": pool.total_dropped, "resumed_total": pool.total_resumed,
-                       "prompts_skipped_too_long": pool.stream.skipped_too_long,
-                       "graded": len(batch), "grade_s": time.time() - t1,  # grade_s is part of rollout_s
-                       **engine.fleet_metrics()})
-    if pool.dynamic:
-        roll.extra["ds_collect_s"] = t1 - t0  # generation and grading of the judged groups together
+    roll.graded, roll.grade_s = len(batch), time.time() - t1
+    roll.dropped_total, roll.resumed_total = pool.total_dropped, pool.total_resumed
+    roll.prompts_skipped_too_long = pool.stream.skipped_too_long
+    roll.engine = engine.fleet_metrics()
+    if roll.dynamic is not None:
+        roll.dynamic.collect_s = t1 - t0
     if cfg.overlong.cache:
         ov = cfg.overlong
-        roll.extra["overlong_penalty_mean"] = sum(
+        roll.overlong_penalty_mean = sum(
             overlong_penalty(len(t.response_ids), params.max_new_tokens, ov.cache, ov.penalty) for t in batch
         ) / max(1, len(batch))
     return TrajectoryBatch.from_trajectories(batch), roll
@@ -274,7 +274,7 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                     update = ppo_update(trainer, samples, cfg)
                     guard.check(update, step + 1)
                     rollout.trained(step + 1)  # synchronous: push the weights (when due)
-                metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **pool_metrics(roll),
+                metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **roll.metrics(),
                            **timer.seconds, **rollout.timing(timer.seconds["rollout_s"], roll.generated_tokens)}
                 metrics.update(watch.update(metrics["entropy"], step + 1))
                 if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
@@ -306,12 +306,6 @@ def make_pool(recipe: Recipe, tokenizer) -> RolloutPool:
 def sampling_params(ro: RolloutSection) -> SamplingParams:
     return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                           max_new_tokens=ro.max_new_tokens, logit_noise=ro.stress_logit_noise)
-
-
-def pool_metrics(roll) -> dict[str, float]:
-    return {"tokens_generated": roll.generated_tokens, "pool_size": roll.pool_size, "pool_mean_age": roll.mean_age,
-            "pool_max_age": roll.max_age, "dropped": roll.dropped, "resumed": roll.resumed, "carried": roll.carried,
-            **roll.extra}
 
 
 class StepTimer:

@@ -26,7 +26,8 @@ from rlrecipe.rollout.api_key import auth_headers
 from rlrecipe.rollout.http_pool import HttpPool
 from rlrecipe.rollout.server_recovery import ServerRecovery
 from rlrecipe.rollout.sglang_api import context_length
-from rlrecipe.rollout.sglang_server import ServerProcess, launch_servers, start_router, wait_until_healthy
+from rlrecipe.rollout.sglang_router import start_router
+from rlrecipe.rollout.sglang_server import ServerProcess, launch_servers, wait_until_healthy
 from rlrecipe.rollout.sglang_versions import NEWEST, Dialect, dialect_of
 
 

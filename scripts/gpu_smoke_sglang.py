@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlrecipe.modeling import load_tokenizer
     from rlrecipe.recipe.systems import SGLangServer
     from rlrecipe.rollout.sglang import SGLangEngine
+    from rlrecipe.rollout.weight_transport import weight_transport
     from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu-smoke-sglang-"))
@@ -148,15 +149,19 @@ def main(argv: list[str] | None = None) -> dict:
                     p.mul_(0.5)
         engine.cfg = cfg.model_copy(update={"weight_sync": "distributed", "weight_sync_backend": args.sync_backend,
                                             "weight_sync_port": args.port + 50})
+        engine.transport = weight_transport("sglang", engine.cfg)  # decided at construction: decided again
         dtype = getattr(torch, args.dtype)
         state = {k: v.to("cpu" if args.sync_backend == "gloo" else "cuda", dtype) for k, v in hf.state_dict().items()}
         t2 = time.time()
         engine.update_weights_from_state(state, 2)
         summary["broadcast_update_s"] = round(time.time() - t2, 2)
-        # the fingerprint after each push (rollout/weight_check.py): a mismatch raised already; here,
-        # whether this SGLang answers /get_weights_by_name for the model at all, and what it cost
-        summary["weight_fingerprint_s"] = round(engine.weight_check_s, 3)
-        summary["weight_fingerprint_verified"] = not engine.no_weight_check
+        # the check after each push (rollout/weight_check.py): a mismatch raised already; here, which
+        # exact checks this SGLang answers for the model (checksums, rows), and what it cost
+        check = engine.weights.check
+        summary["sglang_version"] = engine.fleet.dialect(0).label()
+        summary["weight_check_s"] = round(engine.weight_check_s, 3)
+        summary["weight_checksums"] = 0 not in check.no_checksum
+        summary["weight_rows"] = 0 not in check.no_rows
         after = engine.generate(fresh(1, "c"), params)
         ref = recompute_logprobs(hf, after, args.temperature, "cuda")
         gaps = torch.cat([(r - torch.tensor(t.logp_infer)).abs() for r, t in zip(ref, after, strict=True)])

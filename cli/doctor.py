@@ -17,7 +17,8 @@ def doctor(recipe: Annotated[Path | None, typer.Argument(help="recipe YAML; with
            ) -> None:
     """Check versions, GPUs, attention, SGLang, DeepSpeed, the model, disk, host memory and the output
     directory against the recipe; exit 1 if any check fails."""
-    from rlrecipe.checks.doctor import FAIL, OK, run_checks
+    from rlrecipe.checks.check import FAIL, OK
+    from rlrecipe.checks.doctor import run_checks
     from rlrecipe.recipe.schema import load_recipe
 
     loaded = load_recipe(recipe, set_ or []) if recipe is not None else None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlrecipe.checks import doctor
+from rlrecipe.checks import doctor, host_checks
 from rlrecipe.checks.preflight import check_stage_inputs
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import LoadedRecipe, load_recipe, recipe_from_dict
@@ -88,12 +88,12 @@ def test_flash_attention_that_cannot_load_stops_the_stage_in_one_line(tmp_path, 
 def test_a_disk_too_small_for_the_checkpoints_stops_the_stage(tmp_path, monkeypatch):
     ld = loaded(tiny_rl(tmp_path), tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(host_checks.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(UserError) as err:
         check_stage_inputs(ld, "rl")
     [line] = [x for x in str(err.value).splitlines() if "disk for run.dir" in x]
     assert "checkpoints (2 kept + 1 being written)" in line and "0.0 GB free" in line
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p: usage(10**12, 0, 10**12))
+    monkeypatch.setattr(host_checks.shutil, "disk_usage", lambda p: usage(10**12, 0, 10**12))
     check_stage_inputs(ld, "rl")
 
 
@@ -110,25 +110,25 @@ def test_an_output_directory_that_cannot_be_written_stops_the_stage(tmp_path):
 def test_disk_weight_sync_with_remote_servers_needs_a_shared_absolute_output_dir(tmp_path, monkeypatch):
     ro = {"engine": "sglang", "max_new_tokens": 64, "urls": ["http://10.255.0.7:30000"]}
     rel = LoadedRecipe(recipe=recipe_from_dict({"run": {"name": "t"}, **tiny_rl(tmp_path), "rollout": ro}), path="r.yaml")
-    check = doctor.check_shared_export(rel.recipe)
+    check = host_checks.check_shared_export(rel.recipe)
     assert check.status == doctor.FAIL and check.fatal and "relative run.output_dir 'runs'" in check.have
     with pytest.raises(UserError, match="export seen by servers"):
         check_stage_inputs(rel, "rl")
     # absolute, on a local filesystem: said, but not a refusal (the path may be mounted elsewhere too)
-    monkeypatch.setattr(doctor, "filesystem_type", lambda p: "ext4")
-    local = doctor.check_shared_export(loaded({**tiny_rl(tmp_path), "rollout": ro}, tmp_path).recipe)
+    monkeypatch.setattr(host_checks, "filesystem_type", lambda p: "ext4")
+    local = host_checks.check_shared_export(loaded({**tiny_rl(tmp_path), "rollout": ro}, tmp_path).recipe)
     assert local.status == doctor.FAIL and not local.fatal and "local ext4" in local.have
-    monkeypatch.setattr(doctor, "filesystem_type", lambda p: "nfs4")
-    assert doctor.check_shared_export(loaded({**tiny_rl(tmp_path), "rollout": ro}, tmp_path).recipe).status == doctor.OK
+    monkeypatch.setattr(host_checks, "filesystem_type", lambda p: "nfs4")
+    assert host_checks.check_shared_export(loaded({**tiny_rl(tmp_path), "rollout": ro}, tmp_path).recipe).status == doctor.OK
     # servers on this machine, or weights broadcast: nothing to check
     own = {"engine": "sglang", "urls": ["http://127.0.0.1:30000", "http://localhost:30001"]}
-    assert doctor.check_shared_export(loaded({**tiny_rl(tmp_path), "rollout": own}, tmp_path).recipe) is None
+    assert host_checks.check_shared_export(loaded({**tiny_rl(tmp_path), "rollout": own}, tmp_path).recipe) is None
     dist = {**ro, "sglang": {"weight_sync": "distributed"}}
-    assert doctor.check_shared_export(loaded({**tiny_rl(tmp_path), "rollout": dist}, tmp_path).recipe) is None
+    assert host_checks.check_shared_export(loaded({**tiny_rl(tmp_path), "rollout": dist}, tmp_path).recipe) is None
 
 
 def test_filesystem_type_of_a_path_comes_from_the_longest_mount_point():
-    kind = doctor.filesystem_type(Path("/proc/self"))
+    kind = host_checks.filesystem_type(Path("/proc/self"))
     assert kind == "proc"
 
 

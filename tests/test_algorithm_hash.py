@@ -22,7 +22,7 @@ def test_every_field_of_the_schema_is_on_exactly_one_side():
         if "*" in algo or "*" in layout:
             assert algo | layout in ({"*"},), section  # a whole section is on one side, alone
             continue
-        assert algo | layout == names, f"{section}: unclassified {names - algo - layout}, unknown {algo | layout - names}"
+        assert algo | layout == names, f"{section}: unclassified {names - algo - layout}, unknown {(algo | layout) - names}"
         assert not algo & layout, section
     assert set(ALGORITHM_FIELDS) == set(LAYOUT_FIELDS) == set(Recipe.model_fields)
 
@@ -46,6 +46,7 @@ def test_where_and_how_it_runs_leaves_the_algorithm_hash(override):
     "rl.prompts_per_step=256", "rl.samples_per_prompt=8", "rl.eps_clip_high=0.28", "rl.async_lag=1",
     "rl.icepop.mode=icepop", "rl.c3po.enabled=true", "rollout.temperature=0.7", "rollout.max_new_tokens=16384",
     "data.max_prompt_tokens=2048", "model.revision=" + "a" * 40, "rl.steps=200", "trainer.engine=torch",
+    "rl.max_token_staleness=4",
 ])
 def test_what_is_trained_changes_the_algorithm_hash(override):
     base, other = load_recipe(BOBA), load_recipe(BOBA, [override])

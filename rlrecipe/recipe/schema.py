@@ -69,7 +69,7 @@ ALGORITHM_FIELDS: dict[str, set[str]] = {
            "dual_clip", "adv_norm", "loss_agg", "reward_correct", "reward_wrong", "kl_coef", "kl_estimator",
            "ratio_level", "gspo_eps_low", "gspo_eps_high", "cov", "entropy_coef", "entropy_watch",
            "negative_adv_scale", "icepop", "offpolicy_seq_delta", "early_stop_imp_ratio", "c3po", "async_lag",
-           "adv_quantile", "dynamic_sampling", "overlong"},
+           "adv_quantile", "dynamic_sampling", "overlong", "max_token_staleness"},
     "rollout": {"dtype", "temperature", "top_p", "top_k", "max_new_tokens", "weight_update_every",
                 "stress_logit_noise"},
     "trainer": {"engine", "lr", "lr_schedule", "warmup_ratio", "warmup_steps", "min_lr_ratio", "weight_decay",

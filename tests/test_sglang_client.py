@@ -400,6 +400,11 @@ def test_distributed_weight_sync_broadcasts_into_the_server(server, tok, tiny_mo
         with pytest.raises(UserError, match="not_a_weight"):
             eng.update_weights_from_state({"not_a_weight": torch.zeros(3)}, 9)
         assert eng.weights.broadcast.group is None and eng.version == 3
+        # the failed push closed its weight-update session (SGLang 0.5.21 on): the next one opens it again
+        eng.update_weights_from_state(base.state_dict(), 4)  # the module's server keeps the base weights
+        assert eng.model_info(0)["weight_version"] == "4"
+        r = requests.post(server["url"] + "/end_weight_update", json={}, timeout=10)
+        assert r.status_code == 400 and "no weight-update session is open" in r.json()["message"]
     finally:
         eng.close()
 

@@ -52,9 +52,11 @@ def server_scores(servers, i: int, scores: Scores) -> list[list[float]] | None:
             entries = (r.json().get("meta_info") or {}).get("input_token_logprobs") if r.status_code == 200 else None
         except ValueError:
             entries = None
-        if not isinstance(entries, list) or len(entries) != len(seq):
+        if isinstance(entries, list) and len(entries) == len(seq):
+            entries = entries[1:]  # the first token's: null, nothing before it
+        if not isinstance(entries, list) or len(entries) != len(seq) - 1 or any(e[0] is None for e in entries):
             return None
-        out.append([float(e[0]) for e in entries[1:]])
+        out.append([float(e[0]) for e in entries])
     return out
 
 

@@ -277,6 +277,8 @@ def test_run_records_and_offline_wandb(tmp_path, monkeypatch):
     run.finish(token_columns=("tokens",))
     env = json.loads((tmp_path / "r" / "env.json").read_text())
     assert env["recipe_sha256"] == recipe.sha256() and env["seed"] == 1 and "commit" in env and "dirty" in env
+    # what is trained, not where: the same for the recipe fitted to other GPUs
+    assert env["algorithm_sha256"] == recipe.algorithm_sha256() != recipe.sha256()
     assert env["packages"]["torch"] and env["python"]
     import torch
 

@@ -117,6 +117,7 @@ class Run:
         atomic_write_text(self.dir / "recipe.yaml", self.recipe.to_yaml())
         atomic_write_text(self.dir / "recipe.sha256", f"{loaded.sha256}  {loaded.path}\n")
         meta = {"stage": self.stage, "recipe_path": loaded.path, "recipe_sha256": loaded.sha256,
+                "algorithm_sha256": self.recipe.algorithm_sha256(),
                 "overrides": loaded.overrides, "seed": self.recipe.run.seed, "started": time.time(),
                 **environment()}
         atomic_write_text(self.dir / "env.json", json.dumps(meta, indent=2))

@@ -44,6 +44,6 @@ fewest chunks first, so a request of many samples takes turns with the others. A
 weight_version as they were (SGLang reloads its original weights after a failed load).
 
 Modules: `protocol` (request parsing and validation, response bodies), `scheduler` (batches
-requests onto the in-process engine, applies aborts and weight updates), `http_server` (the
-endpoints, the server, `serve_forever`).
+requests onto the in-process engine, applies aborts and weight updates), `weights` (the update
+group and session, the weights read back), `http_server` (the endpoints, the server, `serve_forever`).
 """

@@ -159,7 +159,7 @@ class Handler(BaseHTTPRequestHandler):
         rows (dim 0) as float32 nested lists; a name the model lacks is a 400 {"error": {"message"}}."""
         try:
             body = self._body() if body is None else body
-            rows = self.sched.weights_by_name(str(body.get("name", "")), int(body.get("truncate_size", 100)))
+            rows = self.sched.weights.weights_by_name(str(body.get("name", "")), int(body.get("truncate_size", 100)))
         except TooLarge as err:
             self.close_connection = True
             self._error(413, str(err))
@@ -179,7 +179,7 @@ class Handler(BaseHTTPRequestHandler):
         if action != "checksum":
             self._send(400, {"success": False, "message": f"Unsupported action={action!r} in rlrecipe serve"})
         else:
-            self._send(200, self.sched.checksums())
+            self._send(200, self.sched.weights.checksums())
 
     def _flush(self):
         self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
@@ -214,17 +214,17 @@ class Handler(BaseHTTPRequestHandler):
                 log(f"update_weights_from_disk {body['model_path']}")
                 self._reply(self.sched.update_weights(str(body["model_path"]), body.get("weight_version")))
             elif path == "/init_weights_update_group":
-                self._reply(self.sched.init_group(body))
+                self._reply(self.sched.weights.init_group(body))
             elif path == "/begin_weight_update" and self.sched.rules.weight_update_session:
-                self._reply(self.sched.begin_weight_update())
+                self._reply(self.sched.weights.begin_session())
             elif path == "/end_weight_update" and self.sched.rules.weight_update_session:
-                self._reply(self.sched.end_weight_update())
+                self._reply(self.sched.weights.end_session())
             elif path == "/update_weights_from_distributed":
-                self._reply(self.sched.update_weights_from_distributed(body))
+                self._reply(self.sched.weights.update_weights_from_distributed(body))
             elif path == "/weights_checker" and self.sched.rules.weights_checksum:
                 self._weights_checker(body)
             elif path == "/destroy_weights_update_group" and self.sched.rules.destroy_group:
-                self._reply(self.sched.destroy_group(body))
+                self._reply(self.sched.weights.destroy_group(body))
             elif path == "/flush_cache":
                 self._flush()
             elif path == "/get_weights_by_name":

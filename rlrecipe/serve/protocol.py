@@ -7,12 +7,20 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rlrecipe.rollout.sglang_versions import NEWEST, Dialect
 
-if TYPE_CHECKING:
-    from rlrecipe.serve.scheduler import Scheduler
+
+class Served(Protocol):
+    """What of the scheduler a request is checked against: its tokenizer, vocabulary, context and
+    rules, and its weights' prompt log-probs."""
+
+    tokenizer: Any
+    vocab_size: int
+    context_len: int
+    rules: Dialect
+    weights: Any
 
 # SGLang 0.5.23's sampling_params (its api/v1 SamplingParams): any other key is refused with 400, as
 # there; those this server does not implement are refused unless they have their neutral value.
@@ -163,7 +171,7 @@ def _as_list(value, n: int, name: str) -> list:
     return [value] * n
 
 
-def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool]:
+def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
     """A /generate body as requests, and whether it was a batch (list in, list out)."""
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
@@ -208,7 +216,7 @@ def build_requests(body: dict, sched: Scheduler) -> tuple[list[GenRequest], bool
             if sp["n"] != 1:
                 raise BadRequest("logprob_start_len >= 0 takes n = 1 in rlrecipe serve")
             # SGLang's input_token_logprobs: from logprob_start_len on, the first token's is null
-            lps = [None, *sched.prompt_logprobs(list(seq), sp["temperature"] or 1.0)]
+            lps = [None, *sched.weights.prompt_logprobs(list(seq), sp["temperature"] or 1.0)]
             prompt_lps = [[lps[k], seq[k], None] for k in range(prompt_from, len(seq))]
         for j in range(sp["n"]):  # parallel samples come back prompt by prompt, as in SGLang
             rid_j = str(rids[i]) if sp["n"] == 1 else f"{rids[i]}_{j}"

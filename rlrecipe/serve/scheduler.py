@@ -11,31 +11,18 @@ SGLang's model-update lock does).
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import random
 import threading
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from rlrecipe.modeling import read_export_for
-from rlrecipe.rollout.weight_checksum import model_checksums
-from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group, receive
-from rlrecipe.serve.protocol import RULES, BadRequest, GenRequest, health_probe
+from rlrecipe.rollout.weight_sync import receive
+from rlrecipe.serve.protocol import RULES, GenRequest, health_probe
+from rlrecipe.serve.weights import JOIN_TIMEOUT_S, ServedWeights, log
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
-# /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
-# weight broadcast may take: an unreachable address must not hold the request that long.
-JOIN_TIMEOUT_S = 120.0
 GATHER_S = 0.005
-# the architectures SGLang 0.5.23 implements /get_weights_by_name for (its models' get_weights_by_name)
-WEIGHTS_BY_NAME_ARCHS = {"LlamaForCausalLM", "GraniteForCausalLM", "OPTForCausalLM", "Exaone4ForCausalLM"}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 class Scheduler:
@@ -59,9 +46,8 @@ class Scheduler:
         self.pending: list[GenRequest] = []
         self.active: list[GenRequest] = []
         self.updates: list[dict] = []
-        self.groups: dict[str, object] = {}  # weight update groups joined, by name
-        self.session_open = False  # SGLang >= 0.5.21: distributed updates run inside a weight-update session
         self.weights_lock = threading.Lock()  # a weight update and a read of the weights (get_weights_by_name)
+        self.weights = ServedWeights(self)  # the update group and session, and reads of the served weights
         self.stopped = False
         # set once a first one-token generation went through (SGLang's warm-up): until then, and
         # once stopped, /health and /health_generate answer 503 as SGLang's do
@@ -119,97 +105,9 @@ class Scheduler:
     def update_weights(self, model_path: str, weight_version: str | None, timeout: float = 3600.0) -> dict:
         return self._run_update({"model_path": model_path, "weight_version": weight_version}, timeout)
 
-    def prompt_logprobs(self, ids: list[int], temperature: float) -> list[float]:
-        """Teacher-forced log-probs of `ids` after the first, under the weights served now."""
-        with self.weights_lock:
-            return self.engine.prompt_logprobs(ids, temperature)
-
-    def begin_weight_update(self) -> dict:
-        with self.cond:
-            if self.session_open:
-                return {"success": False, "message": "a weight-update session is already open; "
-                                                     "call end_weight_update() first"}
-            self.session_open = True
-        return {"success": True, "message": "Success"}
-
-    def end_weight_update(self) -> dict:
-        with self.cond:
-            if not self.session_open:
-                return {"success": False, "message": "no weight-update session is open; "
-                                                     "call begin_weight_update() first"}
-            self.session_open = False
-        return {"success": True, "message": "Success"}
-
-    def update_weights_from_distributed(self, body: dict, timeout: float = 3600.0) -> dict:
-        if self.rules.weight_update_session and not self.session_open:
-            return {"success": False, "message": "update_weights_from_distributed must run between "
-                                                 "begin_weight_update() and end_weight_update()"}
-        group = self.groups.get(body.get("group_name", DEFAULT_GROUP))
-        if group is None:
-            raise BadRequest(f"no weight update group {body.get('group_name', DEFAULT_GROUP)!r}: "
-                             "call /init_weights_update_group first")
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
-            raise BadRequest("names, dtypes and shapes must be lists of one length")
-        own = self.engine.model.state_dict()
-        for name, shape in zip(names, shapes, strict=True):
-            if name not in own or list(own[name].shape) != list(shape):
-                raise BadRequest(f"tensor {name} {shape} does not fit the served model")
-        return self._run_update({"group": group, "names": names, "dtypes": dtypes, "shapes": shapes,
-                                 "weight_version": body.get("weight_version")}, timeout)
-
-    def weights_by_name(self, name: str, truncate_size: int) -> list | None:
-        """The parameter's first `truncate_size` rows as float32 lists (SGLang's /get_weights_by_name);
-        None for a name the model does not have, or a model whose architecture SGLang does not
-        implement it for (Qwen2 among them)."""
-        archs = set(getattr(self.engine.model.config, "architectures", None) or [])
-        if not archs & WEIGHTS_BY_NAME_ARCHS:
-            log(f"get_weights_by_name: not implemented for {sorted(archs)} (as in SGLang)")
-            return None
-        with self.weights_lock:
-            tensor = self.engine.model.state_dict().get(name)
-            if tensor is None:
-                log(f"get_weights_by_name: no parameter {name!r}")
-                return None
-            return tensor.detach()[:max(0, truncate_size)].float().tolist()
-
-    def checksums(self) -> dict:
-        """SGLang's /weights_checker {"action": "checksum"} of a one-rank server on the CPU."""
-        with self.weights_lock:
-            named = {**dict(self.engine.model.named_parameters()), **dict(self.engine.model.named_buffers())}
-            sums = model_checksums(named)
-        h = hashlib.sha256()
-        for name in sorted(sums):
-            h.update(name.encode())
-            h.update(sums[name].encode())
-        info = {"checksums": sums, "per_gpu_checksum": h.hexdigest(),
-                "parallelism_info": [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
-                                      "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}]}
-        return {"success": True, "message": "Success.", "ranks": [info],
-                "per_engine_checksum": hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()}
-
-    def init_group(self, body: dict) -> dict:
-        """Join the trainer's weight update group (blocks until every member has joined)."""
-        try:
-            name = str(body.get("group_name", DEFAULT_GROUP))
-            if name in self.groups:  # a trainer that starts over replaces its group
-                dist.destroy_process_group(self.groups.pop(name))
-            self.groups[name] = init_custom_group(str(body.get("backend", "nccl")), str(body["master_address"]),
-                                                  int(body["master_port"]), int(body["rank_offset"]),
-                                                  int(body["world_size"]), name,
-                                                  join_timeout=datetime.timedelta(seconds=self.join_timeout_s))
-            log(f"joined weight update group {name} as rank {body['rank_offset']} of {body['world_size']}")
-            return {"success": True, "message": "Succeeded to initialize custom process group."}
-        except Exception as err:  # noqa: BLE001 - reported to the client
-            return {"success": False, "message": f"Failed to initialize custom process group: {err}."}
-
-    def destroy_group(self, body: dict) -> dict:
-        group = self.groups.pop(str(body.get("group_name", DEFAULT_GROUP)), None)
-        if group is None:
-            return {"success": False, "message": "The group to be destroyed does not exist."}
-        dist.destroy_process_group(group)
-        return {"success": True, "message": "Succeeded to destroy custom process group."}
+    def run_update(self, job: dict, timeout: float) -> dict:
+        """Queue a weight update for the scheduler thread (it waits for running requests) and wait for it."""
+        return self._run_update(job, timeout)
 
     def _run_update(self, job: dict, timeout: float) -> dict:
         job.update(done=threading.Event(), result=None)

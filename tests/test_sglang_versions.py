@@ -132,3 +132,13 @@ def test_the_probe_decides_only_past_the_noise():
     tiny_step = Scores(1, [[1, 2, 3]], [[-1.0001, -2.0001]])
     verdict, detail = judge_scores([[-1.02, -1.98]], new, tiny_step)  # bf16 noise beyond what the step moved
     assert verdict == "undecided" and "the push moved them by 0.0001" in detail
+
+
+def test_rules_of_a_version_outside_the_pin_are_refused_in_one_line(monkeypatch, tiny_model_dir):
+    from rlrecipe.core.errors import UserError
+    from rlrecipe.serve.http_server import make_server
+
+    monkeypatch.setenv("RLRECIPE_SERVE_SGLANG", "0.4.9")
+    with pytest.raises(UserError) as err:
+        make_server(tiny_model_dir, port=0)
+    assert str(err.value) == "RLRECIPE_SERVE_SGLANG='0.4.9': expected an SGLang version from 0.5.1 to 0.5.23"

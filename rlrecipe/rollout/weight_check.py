@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -203,6 +204,10 @@ class WeightCheck:
         when = when or f"after the update to weight version {version}"
         trainer_sums: dict[tuple, dict] = {}  # the trainer's tensors by names, their checksums by names and dtype
         rows = None
+        # every server hashes its own weights: asked side by side, not one after another
+        ask = [i for i in self.servers.live if i not in self.no_checksum]
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(ask)))) as pool:
+            answers = dict(zip(ask, pool.map(self._checksums, ask), strict=True))
         for i in list(self.servers.live):
             url = self.servers.urls[i]
             undecided = None  # why no check decided for server i
@@ -210,7 +215,7 @@ class WeightCheck:
                 if rows is None:
                     rows = weights.read(sample_names(weights.shapes(), version), TRUNCATE_ROWS)
                 self._check_rows(i, rows, served, when)
-            answer = None if i in self.no_checksum else self._checksums(i)
+            answer = answers.get(i)
             if answer is not None:
                 names = checksum_names(weights.shapes(), set().union(*answer))
                 ours = self._trainer_sums(i, weights, names, answer[0], served, trainer_sums)

@@ -51,13 +51,13 @@ done
 step logprob-7b 240 "$PY" -m bench.logprob_memory --model 7b --tokens 4096,16384,30720 --json "$OUT/logprob_7b.json"
 step plan-vs-7b-peak 60 "$PY" -m bench.plan_7b_gpu "$OUT/logprob_7b.json"
 step plan-vs-deepspeed-gpu 420 "$PY" -m bench.plan_vs_measured_ds --device cuda --json "$OUT/plan_ds_gpu.json"
-step weight-fingerprint 300 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_weight_check.py && \
+step weight-fingerprint 300 bash -c "$PY -m pytest -q -p no:cacheprovider tests/rollout/test_weight_check.py && \
   $PY -m bench.weight_fingerprint --hidden 512 --layers 4"
 for attn in sdpa varlen_sdpa; do
   step "attention-7b-$attn" 240 "$PY" -m bench.logprob_memory --model 7b --tokens 4096,16384,30720 --paths chunked \
     --attn "$attn" --json "$OUT/logprob_7b_$attn.json"
 done
-step deepspeed-gpu 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_deepspeed_engine.py -k single_process
+step deepspeed-gpu 180 "$PY" -m pytest -q -p no:cacheprovider tests/train/test_deepspeed_engine.py -k single_process
 step gpu-marked 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
 TAIL=40 step suite-with-gpu "$SUITE_S" "$PY" -m pytest -q -p no:cacheprovider --maxfail=30 -rfE \
   --junitxml="$OUT/junit.xml" ${SUITE_ARGS:-} tests

@@ -5,7 +5,7 @@
 tests/data/sglang_contract.json: for each version, the routed HTTP endpoints, the fields of the
 request dataclasses the client fills, the accepted `sampling_params` keys, the launch flags, and
 where each response field the client reads is produced, with the files each was read from. The
-test suite checks the client against that summary offline (tests/test_sglang_contract.py, with
+test suite checks the client against that summary offline (tests/rollout/test_sglang_contract.py, with
 `problems` below), so a field SGLang renames fails a test, not a run.
 
     python -m scripts.sglang_contract [--versions 0.5.1 0.5.23] [--wheels DIR] [--out FILE]

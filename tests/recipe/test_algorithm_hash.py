@@ -1,0 +1,101 @@
+"""The algorithm sha256: what decides what is trained, not where it runs; printed, recorded, reported."""
+
+from __future__ import annotations
+
+import pytest
+from rlrecipe.cli.app import app
+from rlrecipe.eval.report import algorithm_sha256, public_record, result_rows
+from typer.testing import CliRunner
+
+from rlrecipe.recipe.schema import ALGORITHM_FIELDS, LAYOUT_FIELDS, Recipe, load_recipe
+from tests.conftest import REPO
+from tests.helpers import write_recipe
+
+BOBA = REPO / "recipes" / "7b_boba.yaml"
+
+
+def test_every_field_of_the_schema_is_on_exactly_one_side():
+    for section, field in Recipe.model_fields.items():
+        algo, layout = ALGORITHM_FIELDS[section], LAYOUT_FIELDS[section]
+        names = set(field.annotation.model_fields)
+        if "*" in algo or "*" in layout:
+            assert algo | layout in ({"*"},), section  # a whole section is on one side, alone
+            continue
+        assert algo | layout == names, f"{section}: unclassified {names - algo - layout}, unknown {(algo | layout) - names}"
+        assert not algo & layout, section
+    assert set(ALGORITHM_FIELDS) == set(LAYOUT_FIELDS) == set(Recipe.model_fields)
+
+
+@pytest.mark.parametrize("override", [
+    "run.seed=9", "run.name=elsewhere", "trainer.nproc=2", "trainer.nodes=3", "trainer.zero_stage=2",
+    "trainer.offload_optimizer=true", "trainer.max_tokens_per_microbatch=28672",  # hence grad accumulation
+    "trainer.logprob_chunk_tokens=256", "trainer.gpu_memory_gib=40", "rollout.sglang.tp_size=2",
+    "rollout.sglang.num_servers=32", "rollout.sglang.nodes=1", "rollout.sglang.mem_fraction_static=0.9",
+    "model.gradient_checkpointing=false", "model.attn_implementation=sdpa", "rl.save_every=20",
+    "eval.temperature=0.6",
+])
+def test_where_and_how_it_runs_leaves_the_algorithm_hash(override):
+    base, other = load_recipe(BOBA), load_recipe(BOBA, [override])
+    assert other.sha256 != base.sha256
+    assert other.recipe.algorithm_sha256() == base.recipe.algorithm_sha256()
+
+
+@pytest.mark.parametrize("override", [
+    "model.dtype=bfloat16", "rollout.dtype=bfloat16", "trainer.lr=1e-5", "trainer.adam_eps=1e-8",
+    "rl.prompts_per_step=256", "rl.samples_per_prompt=8", "rl.eps_clip_high=0.28", "rl.async_lag=1",
+    "rl.icepop.mode=icepop", "rl.c3po.enabled=true", "rollout.temperature=0.7", "rollout.max_new_tokens=16384",
+    "data.max_prompt_tokens=2048", "model.revision=" + "a" * 40, "rl.steps=200", "trainer.engine=torch",
+    "rl.max_token_staleness=4",
+])
+def test_what_is_trained_changes_the_algorithm_hash(override):
+    base, other = load_recipe(BOBA), load_recipe(BOBA, [override])
+    assert other.recipe.algorithm_sha256() != base.recipe.algorithm_sha256()
+
+
+def test_validate_prints_both_hashes(tmp_path):
+    path = write_recipe(tmp_path / "r.yaml", {"run": {"name": "ok"}, "model": {"tiny": {}}})
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    loaded = load_recipe(path)
+    assert result.exit_code == 0
+    assert f"ok  {loaded.sha256}  algorithm {loaded.recipe.algorithm_sha256()}  {path}" in result.output
+
+
+def test_results_rows_show_the_algorithm_hash(monkeypatch):
+    monkeypatch.chdir(REPO)
+    boba = load_recipe(BOBA)
+    recorded = {"recipe": "recipes/7b_boba.yaml", "model": "m", "benchmark": "aime24", "avg": 0.5,
+                "recipe_sha256": "f" * 64, "algorithm_sha256": "a" * 64}
+    # recorded before runs wrote it: from the recipe file, while its sha256 (even cut to 12) is the recorded one
+    older = {**recorded, "recipe_sha256": boba.sha256[:12]}
+    older.pop("algorithm_sha256")
+    changed = {**older, "recipe_sha256": "0" * 12}
+    header, rows = result_rows([recorded, older, changed])
+    col = header.index("algorithm sha256")
+    assert [r[col] for r in rows] == ["a" * 12, boba.recipe.algorithm_sha256()[:12], "-"]
+    assert algorithm_sha256({**older, "recipe": "recipes/nope.yaml"}) is None
+    # `rlrecipe results --json` gives the same
+    assert public_record(older)["algorithm_sha256"] == boba.recipe.algorithm_sha256()
+    assert public_record(changed)["algorithm_sha256"] is None
+
+
+def test_an_evaluation_summary_records_the_algorithm_hash(tmp_path, tiny_model_dir):
+    from rlrecipe.eval.runner import evaluate_benchmarks
+
+    from rlrecipe.modeling import load_tokenizer
+    from rlrecipe.recipe.schema import recipe_from_dict
+    from rlrecipe.reward import Grader
+    from rlrecipe.rollout.inprocess import InProcessEngine
+    from tests.helpers import write_tiny_data
+
+    data = write_tiny_data(tmp_path / "data", n=2)
+    recipe = recipe_from_dict({"run": {"name": "ev", "output_dir": str(tmp_path / "runs")},
+                               "model": {"path": str(tiny_model_dir)}, "data": {"prompt_template": "plain"},
+                               "eval": {"benchmarks": [{"name": "tiny", "path": str(data / "eval.jsonl")}],
+                                        "n_samples": 1, "max_new_tokens": 4, "pass_k": [1]}})
+    tok = load_tokenizer(tiny_model_dir)
+    engine = InProcessEngine(tiny_model_dir, tok.eos_token_id, tok.pad_token_id, dtype="float32", max_batch=4)
+    with Grader(timeout=2.0) as grader:
+        summary = evaluate_benchmarks(recipe, engine, tok, grader, out_dir=tmp_path / "eval", model="m",
+                                      recipe_path="r.yaml", recipe_sha256=recipe.sha256())["tiny"]
+    assert summary["algorithm_sha256"] == recipe.algorithm_sha256() != recipe.sha256()
+    assert '"algorithm_sha256"' in (tmp_path / "eval" / "tiny" / "summary.json").read_text()

@@ -276,8 +276,9 @@ def test_kl_to_the_reference_through_ppo_update(tiny_model_dir):
     samples, logp_old, _ = recompute_old_logprobs(eng, batch, ref)
     attach_ppo_fields(samples, batch, logp_old, cfg)
     second = ppo_update(eng, samples, cfg)
-    # one step later: the k3 estimate (ratio 1 before this step's update) by hand from the fields
-    by_hand = sum(float((torch.exp(s.columns.logp_ref - s.columns.logp_old) - 1
-                         - (s.columns.logp_ref - s.columns.logp_old)).sum()) for s in samples)
+    # one step later: the k3 estimate (ratio 1 before this step's update) by hand from the fields, each
+    # token weighted by its behaviour correction (the weight column) as the policy term is
+    by_hand = sum(float(((torch.exp(s.columns.logp_ref - s.columns.logp_old) - 1
+                          - (s.columns.logp_ref - s.columns.logp_old)) * s.columns.weight).sum()) for s in samples)
     assert second["kl_ref"] == pytest.approx(by_hand / sum(s.num_response for s in samples), rel=1e-4)
     assert second["kl_ref"] > 1e-6

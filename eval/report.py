@@ -17,6 +17,7 @@ from typing import Any
 
 from rlrecipe.eval.results_store import (
     ASYNC_STUDY,
+    ASYNC_STUDY_EQUAL_STEPS,
     OPTIONS_STUDY,
     STORE,
     load_records,
@@ -321,10 +322,9 @@ def study_section(study: dict[str, Any]) -> str:
 ASYNC_STUDY_FILE = Path("async-study") / "study.json"  # written by scripts/async_study.py
 
 
-def async_section(study: dict[str, Any]) -> str:
-    """RESULTS.md's "Asynchronous RL": one line per (lag, correction), over seeds."""
+def _async_rows(study: dict[str, Any]) -> list[list[str]]:
     rows = []
-    for t in sorted(study.get("table", []), key=lambda t: (t["level"], t["correction"] != "off")):
+    for t in sorted(study.get("table", []), key=lambda t: (t["level"], t["correction"] != "off", t["correction"])):
         evals = None if t["eval_avg_mean"] is None else 100 * t["eval_avg_mean"]
         eval_sd = None if t["eval_avg_sd"] is None else 100 * t["eval_avg_sd"]
         rows.append(["synchronous" if not t["level"] else f"async L={t['level']:g}", t["correction"],
@@ -333,15 +333,73 @@ def async_section(study: dict[str, Any]) -> str:
                      _num(t["mismatch_kl_mean"], ".4f"), f"{t['collapsed']} of {len(t['seeds'])}", t["recipe"],
                      " ".join(sha[:12] for sha in t["recipe_sha256"]),
                      " ".join(c[:7] for c in t.get("commits", [])) or "-"])
-    intro = ("The mismatch study's *off* and *icepop* arms (recipes/mismatch_off.yaml, recipes/mismatch_icepop.yaml) "
-             "trained from the tiny SFT model synchronously and with `rl.async_lag` L: the batch of step s is "
-             "collected under the weights of step s - L. Final reward: mean training reward of the last steps "
-             "(± sd across seeds); held-out: avg@n on tiny-arith eval, percent. "
-             f"Collapse: {study.get('collapse_rule', '-')}. `make async-study` reruns it.")
-    intro = _wrapped(intro)
-    header = ["schedule", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
-              "mismatch KL", "collapsed", "recipe", "sha256 (with the lag set)", "commit"]
-    return "## Asynchronous RL\n\n" + intro + "\n" + _table(header, rows)
+    return rows
+
+
+ASYNC_HEADER = ["schedule", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
+                "mismatch KL", "collapsed", "recipe", "sha256 (with the lag set)", "commit"]
+EQUAL_STEPS_INTRO = (
+    "The mismatch study's *off* and *icepop* arms (recipes/mismatch_off.yaml, recipes/mismatch_icepop.yaml) "
+    "trained from the tiny SFT model synchronously and with `rl.async_lag` L: the batch of step s is "
+    "collected under the weights of step s - L. Final reward: mean training reward of the last steps "
+    "(± sd across seeds); held-out: avg@n on tiny-arith eval, percent. ")
+
+
+def _time_rows(study: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for t in study.get("time_table", []):
+        reach = ("never within the run" if t["reach_wall_s"] is None
+                 else f"{t['reach_wall_s']:.0f} s (step {t['reach_step']})")
+        seeds = ", ".join("never" if x is None else f"{x:.0f}" for x in t.get("reach_wall_s_seeds", []))
+        final = None if t["final_avg"] is None else 100 * t["final_avg"]
+        sd = None if t.get("final_avg_sd") is None else 100 * t["final_avg_sd"]
+        rows.append(["synchronous" if not t["lag"] else f"async L={t['lag']}", t["correction"],
+                     " ".join(str(x) for x in t["seeds"]), _num(t["s_per_step"], ".2f"), _num(t["wall_s_total"], ".0f"),
+                     _num(t["drain_s_total"], ".0f"), _mean_sd(final, sd, ".1f"),
+                     _num(None if t["target_avg"] is None else 100 * t["target_avg"], ".1f"), reach,
+                     f"{t['seeds_reaching']} of {len(t['seeds'])} ({seeds or '-'})"])
+    return rows
+
+
+def async_section(study: dict[str, Any] | None, earlier: dict[str, Any] | None = None) -> str:
+    """RESULTS.md's "Asynchronous RL": with a time axis (held-out accuracy against wall-clock, the time each
+    arm takes to reach the synchronous arm's final accuracy) when the study has one; one line per (lag,
+    correction) over seeds at equal steps; and the earlier equal-steps study below it."""
+    out = "## Asynchronous RL\n\n"
+    if study and study.get("time_table"):
+        plan = study.get("plan", {})
+        intro = (
+            "Synchronous (the best use of the 2 cores: the in-process engine, two threads in every phase) against "
+            "`rl.async_lag` L (the batch of step s collected under the weights of step s - L, on a worker thread "
+            "beside the trainer), each with IcePop and with TIS (recipes/mismatch_icepop.yaml, "
+            "recipes/mismatch_tis.yaml: the weight pi_old/pi_infer masked outside [0.5, 5], or truncated at 2; "
+            "under a lag pi_old is the proximal policy recomputed at the trainer's weights and pi_infer the "
+            "behaviour policy, so TIS is AReaL's decoupled PPO weight truncated), trained from the tiny SFT model. "
+            f"Held-out avg@8 on tiny-arith every {plan.get('eval_every', '-')} steps (`rl.eval_every`). "
+            "Wall-clock: the RL loop's seconds per step, validation left out; an asynchronous run's wait for the "
+            "batches collected ahead before each validation (drain) is counted, which is pessimistic for async. "
+            "Reach: the wall-clock at which the seed-mean held-out accuracy first reaches the synchronous arm's final "
+            "one (same correction), then per seed. "
+            + (f"Note: {plan['note']} " if plan.get("note") else "")
+            + (f"Figure: [{study['figure']}]({study['figure']}). " if study.get("figure") else "")
+            + "`make async-study` reruns it.")
+        out += _wrapped(intro) + "\n" + _table(
+            ["schedule", "correction", "seeds", "s / step", "wall-clock s", "of which drain s", "final held-out avg",
+             "sync's final", "reach sync's final at", "seeds reaching it (s)"], _time_rows(study))
+        if study.get("figure"):
+            out += f"\n![held-out accuracy against wall-clock and steps]({study['figure']})\n"
+        out += ("\nAt equal steps (the same runs): final reward: mean training reward of the last steps (± sd "
+                "across seeds); held-out: the final evaluation, avg@8, percent. "
+                f"Collapse: {study.get('collapse_rule', '-')}.\n\n")
+        out += _table(ASYNC_HEADER, _async_rows(study))
+    elif study:
+        intro = EQUAL_STEPS_INTRO + f"Collapse: {study.get('collapse_rule', '-')}. `make async-study` reruns it."
+        out += _wrapped(intro) + "\n" + _table(ASYNC_HEADER, _async_rows(study))
+    if earlier:
+        out += (("\n" if study else "") + "### Equal steps only (the first async study)\n\n"
+                + _wrapped(EQUAL_STEPS_INTRO + f"Collapse: {earlier.get('collapse_rule', '-')}.") + "\n"
+                + _table(ASYNC_HEADER, _async_rows(earlier)))
+    return out
 
 
 OPTIONS_STUDY_FILE = Path("options-study") / "study.json"  # written by scripts/options_study.py
@@ -388,7 +446,8 @@ def load_study(runs_dir: str | Path = "runs", name: Path = STUDY_FILE) -> dict[s
 
 def render_results_md(results: list[dict[str, Any]], published: list[dict[str, Any]] | None = None,
                       study: dict[str, Any] | None = None, async_study: dict[str, Any] | None = None,
-                      options_study: dict[str, Any] | None = None) -> str:
+                      options_study: dict[str, Any] | None = None,
+                      async_earlier: dict[str, Any] | None = None) -> str:
     results = [r for r in results if not str(r.get("recipe", "")).startswith(STUDY_RECIPES)
                and not str(r.get("run", "")).startswith(STUDY_RUNS)]
     parts = [HEADER, "## Recorded results\n"]
@@ -426,8 +485,8 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
         parts.append(published_table(published))
     if study:
         parts.append(study_section(study))
-    if async_study:
-        parts.append(async_section(async_study))
+    if async_study or async_earlier:
+        parts.append(async_section(async_study, async_earlier))
     if options_study:
         parts.append(options_section(options_study))
     return "\n".join(parts)
@@ -443,8 +502,9 @@ def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, An
     study = load_stored_study(store) or load_study(runs_dir)
     async_study = load_stored_study(store, ASYNC_STUDY) or load_study(runs_dir, ASYNC_STUDY_FILE)
     options_study = load_stored_study(store, OPTIONS_STUDY) or load_study(runs_dir, OPTIONS_STUDY_FILE)
+    async_earlier = load_stored_study(store, ASYNC_STUDY_EQUAL_STEPS)
     atomic_write_text(path, render_results_md(all_results(runs_dir, store) if results is None else results, published,
-                                              study, async_study, options_study))
+                                              study, async_study, options_study, async_earlier))
     return path
 
 

@@ -21,6 +21,7 @@ STORE = Path("results")
 RECORDS = "records"
 STUDY = "mismatch-study.json"
 ASYNC_STUDY = "async-study.json"
+ASYNC_STUDY_EQUAL_STEPS = "async-study-equal-steps.json"  # the first async study: equal steps only
 OPTIONS_STUDY = "options-study.json"
 DROP = {"per_problem"}  # per-problem detail stays in the run directory
 
@@ -79,7 +80,8 @@ def load_stored_study(store: str | Path = STORE, name: str = STUDY) -> dict[str,
 
 def save_study(study: dict[str, Any], store: str | Path = STORE, name: str = STUDY) -> Path:
     """A study's table and plan (what RESULTS.md renders), without the per-run detail."""
-    kept = {k: study[k] for k in ("plan", "table", "collapse_rule", "provenance") if k in study}
+    kept = {k: study[k] for k in ("plan", "table", "collapse_rule", "provenance", "time_table", "figure")
+            if k in study}
     path = Path(store) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(kept, indent=2, sort_keys=True) + "\n")

@@ -259,6 +259,7 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                                                                               recipe.rollout.sglang))
     params = sampling_params(recipe.rollout)
     t_start = time.time()
+    t_mark = t_start  # the end of the last step's row: a step's wall time runs from there (validation left out)
     rollout = None
     try:
         with Grader() as grader:
@@ -277,9 +278,18 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                 metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **roll.metrics(),
                            **timer.seconds, **rollout.timing(timer.seconds["rollout_s"], roll.generated_tokens)}
                 metrics.update(watch.update(metrics["entropy"], step + 1))
+                validation_s = 0.0
                 if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                    rollout.hold_current_weights(step + 1)
+                    t0 = time.time()
+                    rollout.hold_current_weights(step + 1)  # asynchronous: the worker's batches ahead finish first
+                    t1 = time.time()
                     metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
+                    validation_s = time.time() - t1
+                    metrics.update(validation_s=validation_s, validation_drain_s=t1 - t0)
+                # wall time of the step as training sees it: since the last row (its checkpoint included),
+                # less the validation itself (the drain before it stays: it is rollout work)
+                now = time.time()
+                metrics["step_wall_s"], t_mark = now - t_mark - validation_s, now
                 run.log(step + 1, metrics, total=cfg.steps)
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                     save_rl_checkpoint(run, step + 1, trainer, pool, rollout)

@@ -195,3 +195,27 @@ def test_committed_results_md_is_what_the_kept_results_give_on_a_fresh_clone(tmp
     monkeypatch.chdir(ROOT)
     out = write_results_md(tmp_path / "RESULTS.md", runs_dir=tmp_path / "no-runs")
     assert out.read_text() == (ROOT / "RESULTS.md").read_text()
+
+
+def test_the_async_study_renders_its_time_axis_and_the_time_to_reach_sync_accuracy(tmp_path):
+    from rlrecipe.eval.report import async_section
+
+    from scripts.async_study import time_table
+
+    def row(lag, seed, avgs, s_per_step):
+        curve = [{"step": 5 * (i + 1), "wall_s": 5 * (i + 1) * s_per_step, "drain_s": 0.0, "avg": a}
+                 for i, a in enumerate(avgs)]
+        return {"correction": "icepop", "level": lag, "seed": seed, "curve": curve}
+
+    rows = [row(0, s, [0.6, 0.7, 0.8], 2.0) for s in (1, 2)] + [row(1, s, [0.7, 0.8, 0.8], 1.5) for s in (1, 2)]
+    rows += [row(2, 1, [0.5, 0.6, 0.7], 1.0), row(2, 2, [0.5, 0.6, 0.9], 1.0)]
+    table = {t["lag"]: t for t in time_table(rows)}
+    assert table[0]["target_avg"] == 0.8 and table[0]["reach_wall_s"] == 30.0 and table[0]["s_per_step"] == 2.0
+    assert table[1]["reach_wall_s"] == 15.0 and table[1]["reach_step"] == 10 and table[1]["seeds_reaching"] == 2
+    # the seed mean of lag 2 ends at 0.8 (0.7 and 0.9): reached at its last point; one seed alone never does
+    assert table[2]["reach_step"] == 15 and table[2]["reach_wall_s_seeds"] == [None, 15.0]
+    study = {"plan": {"eval_every": 5}, "table": [], "time_table": list(table.values()), "figure": "results/x.png"}
+    md = async_section(study)
+    assert "reach sync's final at" in md and "| async L=1 | icepop | 1 2 | 1.50 | 22 | 0 | 80.0 ± 0.0 | 80.0 | 15 s (step 10) |" in md
+    never = async_section({**study, "time_table": [{**table[2], "reach_wall_s": None, "reach_step": None}]})
+    assert "never within the run" in never

@@ -25,7 +25,7 @@ from tests.conftest import REPO
 from tests.helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 
 TIMING = {"rollout_s", "train_s", "gen_tokens_per_s", "grade_s", "rollout_collect_s", "rollout_wait_s", "overlap_s",
-          "weight_check_s"}
+          "weight_check_s", "step_wall_s", "validation_s", "validation_drain_s"}
 
 
 def _rows(run_dir):

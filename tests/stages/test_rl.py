@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 
-TIMING = {"rollout_s", "train_s", "gen_tokens_per_s", "grade_s"}
+TIMING = {"rollout_s", "train_s", "gen_tokens_per_s", "grade_s", "step_wall_s"}
 REQUIRED = {"reward_mean", "accuracy", "response_len_mean", "response_len_max", "truncated_frac", "tokens_trained",
             "tokens_generated", "pool_size", "pool_mean_age", "dropped", "entropy", "grad_norm", "clip_frac",
             "icepop_masked_frac", "mismatch_abs_logp", "mismatch_kl", "rollout_s", "train_s", "gen_tokens_per_s"}

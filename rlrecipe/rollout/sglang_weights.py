@@ -1,7 +1,12 @@
 """Weights into an SGLang fleet: loads from an HF export or a broadcast, each verified after it lands.
 
-`weight_sync: disk` asks every live server to `/update_weights_from_disk`; `distributed` broadcasts
-the trainer's tensors (`weight_broadcast.py`). Either way, servers left out that answer again are
+`weight_sync: disk` asks every live server to `/update_weights_from_disk`, node by node: first one
+server of each node (the servers' URL hosts), side by side, then all the others at once. The export
+lies on the shared file system (the run directory), and the servers of a node share its page cache:
+the first load of a node reads the files from the shared file system, and its other servers find them
+in memory. A push thus costs the shared file system one read of the export per node, whatever the
+number of servers on it (80 one-GPU servers on 10 nodes: 10 reads of the 15 GB of a 7B model, not 80;
+bench/projection/push.py costs both). `distributed` broadcasts the trainer's tensors (`weight_broadcast.py`). Either way, servers left out that answer again are
 taken back first, so they get this push's weights, and afterwards every live server's weights are
 checked against the trainer's (`weight_check.py`), since an update that answers 200 has run a load,
 not necessarily loaded the trainer's weights.
@@ -12,6 +17,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import requests
 
@@ -30,6 +36,21 @@ def same_model(a: str | Path, b: str | Path) -> bool:
     if pa.exists() and pb.exists():
         return pa.resolve() == pb.resolve()
     return str(a).rstrip("/") == str(b).rstrip("/")
+
+
+def node_waves(urls: list[str], members: list[int]) -> tuple[list[int], list[int]]:
+    """`members` (indices into `urls`) in two waves: the first server of each node (URL host), then the
+    rest. A node is a host name as the URLs spell it: servers a node reaches under two names count twice,
+    which costs one more read, never a wrong load."""
+    first: dict[str, int] = {}
+    rest: list[int] = []
+    for i in members:
+        host = urlsplit(urls[i]).hostname or urls[i]
+        if host in first:
+            rest.append(i)
+        else:
+            first[host] = i
+    return list(first.values()), rest
 
 
 class WeightPusher:
@@ -83,15 +104,19 @@ class WeightPusher:
         model_path = model_arg(model_dir)
         back = set(fleet.take_back(version))
         self._forget(back)
-        with ThreadPoolExecutor(max_workers=min(len(fleet.live), 32)) as pool:
-            futures = {i: pool.submit(self._update_one, i, model_path, version) for i in fleet.live}
-            for i, fut in futures.items():
-                try:
-                    fut.result()
-                except UserError as err:
-                    if i not in back:
-                        raise
-                    fleet.leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
+        # one server per node reads the shared file system; the node's others load from its page cache
+        for wave in node_waves(fleet.urls, list(fleet.live)):
+            if not wave:
+                continue
+            with ThreadPoolExecutor(max_workers=min(len(wave), 32)) as pool:
+                futures = {i: pool.submit(self._update_one, i, model_path, version) for i in wave}
+                for i, fut in futures.items():
+                    try:
+                        fut.result()
+                    except UserError as err:
+                        if i not in back:
+                            raise
+                        fleet.leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
         fleet.version = version
         self.verify_export(model_dir, version)
 

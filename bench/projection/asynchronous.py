@@ -22,8 +22,11 @@ model on a cluster of G GPUs and compares four schedules per trained token, on t
 Training seconds: `CostModel.train_token_s` per trained token on one GPU (the H100 assumption: 8N
 FLOP per token, 6N forward and backward and 2N recomputing old log-probs, at 40% of 989 dense
 bf16 TFLOP/s), divided over the training GPUs (data parallel, linear), plus `train_step_s` per step
-for the optimizer step and the weight push. In async, the rollout side also pauses `load_s` per
-step to load the pushed weights.
+for the optimizer step. The weight push is costed by `bench.projection.push` for every layout with
+separate rollout GPUs: the trainer writes the export (its side) and the rollout side pauses until
+every server has loaded it (over disk: one shared-file-system read per node, then the page cache);
+a synchronous step waits for both, an asynchronous one overlaps them with the other side's work.
+Colocated layouts load the weights in place (one load from memory per engine, no file system).
 
     python -m bench.projection.asynchronous recipes/7b_boba_icepop_c3po.yaml --lognormal 10000,0.4,0.45
     python -m bench.projection.asynchronous recipes/7b_boba_icepop_c3po.yaml --areal bench/data/areal_aime24_lengths.json
@@ -36,11 +39,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from bench.projection.push import WEIGHT_BYTES_7B, PushModel, describe, push_cost
 from bench.projection.rollout import _steady, gpu_cost_model, lognormal_groups, lognormal_label, recipe_trace
 from bench.projection.sim import CostModel, simulate
 
 AREAL_LENGTHS = Path(__file__).parents[1] / "data" / "areal_aime24_lengths.json"
-LOAD_S = 2.0  # ASSUMPTION: 15.2 GB of bf16 weights loaded by an engine at ~8 GB/s, generation paused meanwhile
 NODE = 8  # GPUs per node: the grid the rollout / training split is chosen on
 
 
@@ -122,17 +125,20 @@ def rollout_steps(loaded, engines: int, cost: CostModel, groups: list[list[int]]
 
 
 def schedule_row(name: str, steps: list[dict], *, gpus: int, rollout_gpus: int, train_gpus: int, eta: int,
-                 colocated: bool, cost: CostModel, load_s: float) -> dict:
+                 colocated: bool, cost: CostModel, push: dict) -> dict:
     """One schedule's steady step on the cluster: rollout seconds are one engine's (all engines run
-    alike shares), the step's trained tokens are every engine's, trained over `train_gpus`."""
-    rollout = [s["seconds"] + (load_s if eta else 0.0) for s in steps]
+    alike shares), the step's trained tokens are every engine's, trained over `train_gpus`; `push`
+    (push_cost's) adds its trainer side to each training step and its rollout side to each rollout step."""
+    rollout = [s["seconds"] + push["rollout_s"] for s in steps]
     tokens = [s["tokens"] * rollout_gpus for s in steps]
-    train = [cost.train_token_s * n / train_gpus + cost.train_step_s for n in tokens]
+    train = [cost.train_token_s * n / train_gpus + cost.train_step_s + push["trainer_s"] for n in tokens]
     step = steady_step_s(rollout, train, eta)
     mean_tokens = sum(tokens) / len(tokens)
     mean_r, mean_t = sum(rollout) / len(rollout), sum(train) / len(train)
     return {"schedule": name, "gpus": gpus, "rollout_gpus": rollout_gpus, "train_gpus": train_gpus,
             "colocated": colocated, "eta": eta, "rollout_s": mean_r, "train_push_s": mean_t, "step_s": step,
+            "push_trainer_s": push["trainer_s"], "push_rollout_s": push["rollout_s"],
+            "push_transport": push["transport"], "shared_fs_reads_per_step": push.get("shared_fs_reads_per_step", 0),
             "trained_tokens_per_step": mean_tokens, "s_per_1m_trained_tokens": 1e6 * step / mean_tokens,
             # busy share of each side: colocated GPUs do both, one after the other
             "rollout_busy": mean_r / step if not colocated else (mean_r + mean_t) / step,
@@ -141,7 +147,8 @@ def schedule_row(name: str, steps: list[dict], *, gpus: int, rollout_gpus: int, 
 
 def async_projection(recipe_path: str | Path, groups: list[list[int]], *, lengths_label: str = "",
                      etas: tuple[int, ...] = (1, 2), steps: int = 5, cost: CostModel | None = None,
-                     cost_name: str = "", load_s: float = LOAD_S, train_scale: float = 1.0,
+                     cost_name: str = "", load_s: float | None = None, train_scale: float = 1.0,
+                     push_model: PushModel = PushModel(), per_node: bool = True, weight_bytes: float = WEIGHT_BYTES_7B,
                      splits: tuple[int, ...] | None = None, overrides: list[str] | None = None,
                      cache: dict | None = None) -> dict:
     # Long (~65 lines) on purpose: the rows are built in one pass so each schedule's row reads
@@ -154,7 +161,10 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
     trained tokens, and speed-ups per trained token against both synchronous layouts.
     `splits`: rollout GPU counts to try for async (default: the node grid around the balance).
     `cache`: simulated rollout steps by engine count, shared by calls that differ only in the
-    training model (`train_scale`, `load_s`, `etas`)."""
+    training model (`train_scale`, `load_s`, `etas`, the push).
+    The push (`bench.projection.push`): over the recipe's transport (disk at eta >= 2), `per_node`
+    loading as sglang_weights.py does; `load_s`, when given, replaces the modelled rollout-side pause of
+    every layout with separate rollout GPUs (the sensitivity to the push)."""
     from rlrecipe.checks.plan import kv_cache_tokens, rollout_engines
     from rlrecipe.recipe.schema import load_recipe
 
@@ -169,19 +179,27 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
     gpus = shipped_r + shipped_t
     cache = {} if cache is None else cache
     sim = lambda n: rollout_steps(loaded, n, cost, groups, steps=steps, kv_tokens=kv, cache=cache)  # noqa: E731
+    shipped_transport = "broadcast" if recipe.rollout.sglang.weight_sync == "distributed" else "disk"
+
+    def push(servers: int, eta: int) -> dict:
+        transport = "disk" if eta >= 2 else shipped_transport  # a copy held for later is an export
+        out = push_cost(transport, weight_bytes, servers, per_node=per_node, model=push_model)
+        return out if load_s is None else {**out, "rollout_s": load_s, "modelled_rollout_s": out["rollout_s"]}
+
+    in_place = {"transport": "in place", "trainer_s": 0.0, "rollout_s": weight_bytes / push_model.load_bps}
     rows = []
     for mode, label in (("sync", "sync"), ("c3po", "C3PO++")):
         rows.append(schedule_row(f"{label}, colocated", sim(gpus)[mode], gpus=gpus, rollout_gpus=gpus,
-                                 train_gpus=gpus, eta=0, colocated=True, cost=cost, load_s=load_s))
+                                 train_gpus=gpus, eta=0, colocated=True, cost=cost, push=in_place))
         rows.append(schedule_row(f"{label}, split as shipped", sim(shipped_r)[mode], gpus=gpus,
                                  rollout_gpus=shipped_r, train_gpus=shipped_t, eta=0, colocated=False, cost=cost,
-                                 load_s=load_s))
+                                 push=push(shipped_r, 0)))
     if splits is None:
         splits = balanced_splits(sim(shipped_r), shipped_r, gpus, cost)
     for mode, label in (("sync", "async"), ("c3po", "async + C3PO++")):
         for eta in etas:
             best = min((schedule_row(f"{label}, eta={eta}", sim(r)[mode], gpus=gpus, rollout_gpus=r,
-                                     train_gpus=gpus - r, eta=eta, colocated=False, cost=cost, load_s=load_s)
+                                     train_gpus=gpus - r, eta=eta, colocated=False, cost=cost, push=push(r, eta))
                         for r in splits), key=lambda row: row["s_per_1m_trained_tokens"])
             rows.append(best)
     base = {k: next(r for r in rows if r["schedule"] == f"sync, {k}")["s_per_1m_trained_tokens"]
@@ -202,8 +220,12 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
         "train": f"{cost.train_token_s * 1e6:.0f} us per trained token on one GPU (x{train_scale:g} of the cost "
                  f"model's), linear over the training GPUs, + {cost.train_step_s:g} s per step (optimizer step "
                  f"and weight push)",
-        "async": f"rollout side pauses {load_s:g} s per step to load weights; step k's rollouts start once "
-                 f"version k - eta is pushed; split chosen among {list(splits)} rollout GPUs",
+        "async": f"step k's rollouts start once version k - eta is pushed; split chosen among {list(splits)} "
+                 f"rollout GPUs",
+        "push": {**describe(push_model), "transport": f"{shipped_transport} (the recipe's), disk at eta >= 2",
+                 "per_node": per_node, "rollout_pause_override_s": load_s,
+                 "colocated": "in place: one load from memory per engine, nothing on the file system",
+                 "train_step_s": "the optimizer step alone; the push is added on its own"},
         "steps": f"{steps} simulated steps per engine share after a warm-up step, repeated to steady state",
     }
     return {"assumptions": assumptions, "rows": rows}
@@ -252,7 +274,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--splits", help="rollout GPU counts to try for async (default: node grid around the balance)")
     ap.add_argument("--cost", help="cost model JSON (CostModel fields); default: bench/cost_model.json or the H100 "
                                    "assumption")
-    ap.add_argument("--load-s", type=float, default=LOAD_S, help="seconds the rollout side pauses per weight load")
+    ap.add_argument("--load-s", type=float, default=None,
+                    help="seconds the rollout side pauses per push, in place of the push model's (sensitivity)")
+    ap.add_argument("--every-server-reads", action="store_true",
+                    help="disk push without the per-node load: every server reads the shared file system")
     ap.add_argument("--train-scale", default="1",
                     help="multiply the training seconds per token (e.g. 1.25: gradient checkpointing's extra "
                          "forward); comma-separated for several tables over the same simulated rollouts")
@@ -277,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = async_projection(args.recipe, groups, lengths_label=label,
                                   etas=tuple(int(x) for x in args.eta.split(",")), steps=args.steps, cost=cost,
                                   cost_name=cost_name, load_s=args.load_s, train_scale=scale,
+                                  per_node=not args.every_server_reads,
                                   splits=tuple(int(x) for x in args.splits.split(",")) if args.splits else None,
                                   overrides=args.set, cache=cache)
         print(json.dumps(result["assumptions"], indent=2))

@@ -50,16 +50,54 @@ def test_rollouts_never_start_before_the_weights_eta_versions_back():
 def test_schedule_row_by_hand():
     cost = CostModel(0, 0, 0, 0, 0, train_step_s=5.0, train_token_s=0.1)
     steps = [{"seconds": 30.0, "tokens": 100}]
-    # 2 engines x 100 tokens = 200 trained; train 0.1 x 200 / 2 GPUs + 5 = 15 s
+    push = {"transport": "disk", "trainer_s": 2.0, "rollout_s": 1.0}
+    # 2 engines x 100 tokens = 200 trained; train 0.1 x 200 / 2 GPUs + 5 + the 2 s export = 17 s; the
+    # servers' 1 s load before the next rollout: a synchronous step waits for all of it
     sync = schedule_row("sync", steps, gpus=4, rollout_gpus=2, train_gpus=2, eta=0, colocated=False, cost=cost,
-                        load_s=1.0)
-    assert (sync["rollout_s"], sync["train_push_s"], sync["step_s"]) == pytest.approx((30, 15, 45))
-    assert sync["s_per_1m_trained_tokens"] == pytest.approx(45 / 200 * 1e6)
-    assert sync["rollout_busy"] == pytest.approx(30 / 45) and sync["train_busy"] == pytest.approx(15 / 45)
-    # async pays the 1 s weight load on the rollout side: max(31, 15)
+                        push=push)
+    assert (sync["rollout_s"], sync["train_push_s"], sync["step_s"]) == pytest.approx((31, 17, 48))
+    assert sync["s_per_1m_trained_tokens"] == pytest.approx(48 / 200 * 1e6)
+    assert sync["rollout_busy"] == pytest.approx(31 / 48) and sync["train_busy"] == pytest.approx(17 / 48)
+    # async overlaps the two sides, each with its part of the push: max(31, 17)
     fast = schedule_row("async", steps, gpus=4, rollout_gpus=2, train_gpus=2, eta=1, colocated=False, cost=cost,
-                        load_s=1.0)
-    assert fast["step_s"] == pytest.approx(31) and fast["train_busy"] == pytest.approx(15 / 31)
+                        push=push)
+    assert fast["step_s"] == pytest.approx(31) and fast["train_busy"] == pytest.approx(17 / 31)
+
+
+def test_the_disk_push_reads_the_shared_file_system_once_per_node_by_hand():
+    from bench.projection.push import PushModel, broadcast_push, disk_push
+
+    m = PushModel(load_bps=8e9, node_read_bps=12.5e9, fs_read_bps=100e9, export_write_bps=2e9, broadcast_bps=10e9)
+    w = 16e9
+    # 80 one-GPU servers on 10 nodes: 10 reads of 16 GB; each at min(8, 12.5, 100 / 10) = 8 GB/s = 2 s, then
+    # the node's other 7 servers from the page cache, side by side: 2 s more; the export written at 2 GB/s
+    one = disk_push(w, 80, model=m)
+    assert (one["nodes"], one["shared_fs_reads_per_step"], one["shared_fs_bytes_per_step"]) == (10, 10, 160e9)
+    assert one["rollout_s"] == pytest.approx(4.0) and one["trainer_s"] == pytest.approx(8.0)
+    assert one["shared_fs_bytes_per_node"] == pytest.approx(w)
+    # every server reading: 80 reads, the aggregate shared 80 ways (1.25 GB/s) and each node's link 8 ways
+    every = disk_push(w, 80, per_node=False, model=m)
+    assert every["shared_fs_reads_per_step"] == 80 and every["rollout_s"] == pytest.approx(w / 1.25e9)
+    # more nodes: per node, the reads grow with the nodes, not the servers
+    assert disk_push(w, 160, model=m)["shared_fs_reads_per_step"] == 20
+    assert disk_push(w, 8, model=m)["rollout_s"] == pytest.approx(4.0)  # one node: its link is not the limit
+    b = broadcast_push(w, 80, model=m)
+    assert b["trainer_s"] == b["rollout_s"] == pytest.approx(1.6) and b["shared_fs_bytes_per_step"] == 0
+
+
+def test_the_projection_charges_the_push_and_its_override():
+    groups = [[200] * 16] * 8
+    kw = dict(steps=1, splits=(80,), etas=(2,), overrides=["rl.c3po.token_budget=1638400"], cache={})
+    modelled = {r["schedule"]: r for r in async_projection("recipes/7b_boba_icepop_c3po.yaml", groups, **kw)["rows"]}
+    forced = {r["schedule"]: r for r in async_projection("recipes/7b_boba_icepop_c3po.yaml", groups, load_s=30.0,
+                                                         **kw)["rows"]}
+    a = modelled["async + C3PO++, eta=2"]
+    assert a["push_transport"] == "disk" and a["shared_fs_reads_per_step"] == 10  # 80 servers, 10 nodes
+    assert forced["async + C3PO++, eta=2"]["push_rollout_s"] == 30.0
+    assert forced["sync, split as shipped"]["push_rollout_s"] == 30.0
+    assert forced["sync, colocated"]["step_s"] == pytest.approx(modelled["sync, colocated"]["step_s"])  # in place
+    assert forced["sync, split as shipped"]["step_s"] == pytest.approx(
+        modelled["sync, split as shipped"]["step_s"] - modelled["sync, split as shipped"]["push_rollout_s"] + 30.0)
 
 
 def test_areal_lengths_are_the_logged_ones():
@@ -102,6 +140,7 @@ def test_cli_reuses_the_rollouts_for_several_training_costs(tmp_path, capsys):
                 "--eta", "1", "--set", "rl.c3po.token_budget=1638400", "--train-scale", "1,2"])
     one, two = ({r["schedule"]: r for r in t["rows"]}["sync, split as shipped"] for t in out["tables"])
     assert two["rollout_s"] == one["rollout_s"]
-    # 512 x 16 x 200 tokens at 150 us over 64 GPUs = 3.84 s, doubled; the 5 s push stays
-    assert one["train_push_s"] == pytest.approx(5 + 3.84) and two["train_push_s"] == pytest.approx(5 + 7.68)
+    # 512 x 16 x 200 tokens at 150 us over 64 GPUs = 3.84 s, doubled; the 5 s optimizer step and the
+    # export (15.2 GB written at 2 GB/s) stay
+    assert one["train_push_s"] == pytest.approx(5 + 3.84 + 7.6) and two["train_push_s"] == pytest.approx(5 + 7.68 + 7.6)
     assert "| async, eta=1 | 64 + 64 | 1 |" in capsys.readouterr().out

@@ -144,3 +144,18 @@ def test_cli_reuses_the_rollouts_for_several_training_costs(tmp_path, capsys):
     # export (15.2 GB written at 2 GB/s) stay
     assert one["train_push_s"] == pytest.approx(5 + 3.84 + 7.6) and two["train_push_s"] == pytest.approx(5 + 7.68 + 7.6)
     assert "| async, eta=1 | 64 + 64 | 1 |" in capsys.readouterr().out
+
+
+def test_the_fast_form_gives_every_key_make_bench_writes():
+    from bench.projection.async_fast import PUSH_SENSITIVITY_S, async_split, markdown, one_distribution
+
+    assert async_split() == 80  # recipes/7b_boba_async.yaml: 80 one-GPU servers
+    res = one_distribution([[200] * 16] * 8, "flat", steps=1, overrides=["rl.c3po.token_budget=1638400"])
+    for key in ["", "every_server_reads_"] + [f"push{s:g}s_" for s in PUSH_SENSITIVITY_S]:
+        assert res[f"{key}async_c3po_vs_sync_split_per_trained_token"] > 0
+        assert res[f"{key}async_c3po_vs_sync_colocated_per_trained_token"] > 0
+    assert res["async_c3po_shared_fs_reads_per_step"] == 10
+    # against colocated (which loads in place) a dearer push only costs
+    assert res["push60s_async_c3po_vs_sync_colocated_per_trained_token"] <= res["push2s_async_c3po_vs_sync_colocated_per_trained_token"]
+    table = markdown({f"{p}{k}": v for p in ("lognormal_", "areal_") for k, v in res.items()})
+    assert "| 30 s | AReaL logs |" in table

@@ -141,6 +141,20 @@ def test_each_batch_comes_from_the_weights_its_step_names(tmp_path, tiny_model_d
     assert pending == [f"pending_step_{s:07d}.safetensors" for s in range(2, 2 + lag)]
 
 
+def test_a_lagged_run_with_validation_logs_its_wall_clock_without_the_validation(tmp_path, tiny_model_dir):
+    # the async study's time axis: step_wall_s per step, the validation's own seconds apart, the drain
+    # (the worker's batches ahead finished before validating) inside the step's wall time
+    data = write_tiny_data(tmp_path / "data")
+    spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=4, c3po={"enabled": False}, async_lag=2,
+                     save_every=4, eval_every=2)
+    run_rl(LoadedRecipe(recipe=recipe_from_dict(spec), path="async.yaml"))
+    rows = _rows(tmp_path / "runs" / "rl")
+    assert all(r["step_wall_s"] > 0 for r in rows)
+    validated = [r for r in rows if "validation_s" in r]
+    assert [r["step"] for r in validated] == [2, 4] and all("val/tiny/avg" in r for r in validated)
+    assert all(r["validation_s"] > 0 and r["validation_drain_s"] >= 0 for r in validated)
+
+
 def test_staleness_with_c3po_stays_within_lag_plus_pool_age(tmp_path, tiny_model_dir):
     data = write_tiny_data(tmp_path / "data")
     spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=5, async_lag=2, save_every=5)

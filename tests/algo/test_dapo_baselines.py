@@ -199,14 +199,17 @@ class ScriptedEngine:
         running = admit(trajs, params)
         budget = TokenBudget(token_budget)
         while running and not budget.reached:
+            ended = 0
             for t in running:
                 t.append(7, -0.5, self.version)
                 if len(t.response_ids) >= self.length(t):
                     t.status = Status.FINISHED
                 elif len(t.response_ids) >= params.max_new_tokens:
                     t.status = Status.TRUNCATED
-                budget.count(t)
+                ended += budget.count(t)
             running = [t for t in running if not t.done]
+            if refill is not None and ended and not budget.reached:  # refill: continuous
+                running += admit(refill(ended), params)
 
 
 def _index(t):
@@ -293,13 +296,13 @@ def _lengths(t):
     return 2 + (_index(t) * 5 + int(t.uid.split("#")[1]) * 3) % 9
 
 
-@pytest.mark.parametrize("surplus", ["carry", "train"])
-def test_budgeted_dynamic_sampling_trains_whole_groups_with_signal_up_to_phi(monkeypatch, tmp_path, surplus):
+@pytest.mark.parametrize(("surplus", "refill"), [("carry", "per_call"), ("train", "per_call"), ("carry", "continuous")])
+def test_budgeted_dynamic_sampling_trains_whole_groups_with_signal_up_to_phi(monkeypatch, tmp_path, surplus, refill):
     monkeypatch.setattr("rlrecipe.rl.pool.row_prompt_ids", lambda tok, row, template: [1, 2])
     budget, n = 40, 3
-    pool = _pool(prompts_per_step=4, samples_per_prompt=n, dynamic_sampling={"enabled": True},
-                 c3po={"enabled": True, "token_budget": budget, "pool_capacity": 9, "max_staleness": 2,
-                       "surplus": surplus})
+    c3po = {"enabled": True, "token_budget": budget, "pool_capacity": 9, "max_staleness": 2, "surplus": surplus,
+            "refill": refill}
+    pool = _pool(prompts_per_step=4, samples_per_prompt=n, dynamic_sampling={"enabled": True}, c3po=c3po)
     engine = ScriptedEngine(_lengths)
     params = SamplingParams(max_new_tokens=9)
     trained, dropped_total = [], 0
@@ -323,6 +326,7 @@ def test_budgeted_dynamic_sampling_trains_whole_groups_with_signal_up_to_phi(mon
         # held rollouts wait for a member still running; dropped groups are gone from the pool
         running = {t.group_id for t in pool.in_flight}
         assert all(t.done and t.group_id in running for t in pool.held)
+        assert len(pool.in_flight) <= 9  # held rollouts take no place in Omega, nor do new groups past it
         assert ds["ds_held"] == len(pool.held)
         assert ds["ds_groups_judged"] == ds["ds_groups_dropped"] + round(ds["ds_signal_share"] * ds["ds_groups_judged"])
         assert ds["ds_groups_over_cap"] == 0
@@ -337,9 +341,7 @@ def test_budgeted_dynamic_sampling_trains_whole_groups_with_signal_up_to_phi(mon
     assert not {_index(t) % 4 for t in trained} & {0, 2}  # no all-right or all-wrong group ever trained
     # the pool, held rollouts included, survives a checkpoint
     pool.save(tmp_path / "pool.safetensors")
-    again = _pool(prompts_per_step=4, samples_per_prompt=n, dynamic_sampling={"enabled": True},
-                  c3po={"enabled": True, "token_budget": budget, "pool_capacity": 9, "max_staleness": 2,
-                        "surplus": surplus})
+    again = _pool(prompts_per_step=4, samples_per_prompt=n, dynamic_sampling={"enabled": True}, c3po=c3po)
     again.load(tmp_path / "pool.safetensors")
     assert pool.held  # the checkpoint holds rollouts waiting for their groups
     for a, b in ((pool.in_flight, again.in_flight), (pool.held, again.held), (pool.carried, again.carried)):

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlrecipe.recipe.training import RLSection
-from rlrecipe.rl.pool import PromptStream, RolloutPool
+from rlrecipe.rl.pool import RolloutPool
+from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.rollout.base import RolloutEngine
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 

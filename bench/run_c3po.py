@@ -41,7 +41,8 @@ def bench_prefill(budget: int = 25_000, repeats: int = 3) -> dict:
     response, plus fresh groups up to capacity; settings of bench_c3po, two steps in), and of a
     synchronous step's fresh prompts (8 samples of each)."""
     from rlrecipe.recipe.training import RLSection
-    from rlrecipe.rl.pool import PromptStream, RolloutPool
+    from rlrecipe.rl.pool import RolloutPool
+    from rlrecipe.rl.prompts import PromptStream
 
     tok = load_tokenizer(MODEL)
     engine = InProcessEngine(MODEL, tok.eos_token_id, tok.pad_token_id, dtype="bfloat16", max_batch=1024)

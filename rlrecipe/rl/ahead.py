@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlrecipe.core.errors import UserError
-from rlrecipe.rl.pool import RolloutStats
+from rlrecipe.rl.rollout_stats import RolloutStats
 from rlrecipe.trajectory.arrays import TrajectoryBatch
 
 PENDING_PREFIX = "pending_step_"

@@ -25,122 +25,17 @@ dropped a step; past that they train (docs/design.md).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlrecipe.algo.dapo import group_has_signal
-from rlrecipe.core.errors import UserError
-from rlrecipe.core.seeds import DYNAMIC_ROUND, GENERATE_ROUND, PROMPT_EPOCH, mix_seed
-from rlrecipe.data.templates import row_prompt_ids
+from rlrecipe.core.seeds import DYNAMIC_ROUND, GENERATE_ROUND, mix_seed
 from rlrecipe.recipe.training import RLSection
+from rlrecipe.rl.prompts import PromptStream
+from rlrecipe.rl.rollout_stats import DynamicTally, RolloutStats
 from rlrecipe.rollout.base import RolloutEngine
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 from rlrecipe.trajectory.store import load_trajectories, save_trajectories
-
-
-class PromptStream:
-    """Endless, seeded, epoch-shuffled stream of RL prompts; its cursor is checkpointed."""
-
-    def __init__(self, rows: list[dict], tokenizer, template: str, seed: int, shuffle: bool = True,
-                 max_prompt_tokens: int | None = None):
-        """A prompt longer than `max_prompt_tokens` (after the template) is left out and counted in
-        `skipped_too_long`, as AReaL filters its RL set by prompt length when loading it."""
-        self.tokenizer, self.template = tokenizer, template
-        self.rows, self.skipped_too_long = rows, 0
-        if max_prompt_tokens is not None:
-            self.rows = [r for r in rows if len(row_prompt_ids(tokenizer, r, template)) <= max_prompt_tokens]
-            self.skipped_too_long = len(rows) - len(self.rows)
-            if rows and not self.rows:
-                raise UserError(f"data.max_prompt_tokens: all {len(rows)} prompts are longer than "
-                                f"{max_prompt_tokens} tokens")
-        self.seed, self.shuffle = seed, shuffle
-        self.cursor = 0
-        self._order: tuple[int, list[int]] | None = None
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        if self._order is None or self._order[0] != epoch:
-            order = list(range(len(self.rows)))
-            if self.shuffle:
-                random.Random(mix_seed(self.seed, epoch, PROMPT_EPOCH)).shuffle(order)
-            self._order = (epoch, order)
-        return self._order[1]
-
-    def next_group(self, n: int) -> list[Trajectory]:
-        epoch, i = divmod(self.cursor, len(self.rows))
-        row = self.rows[self._epoch_order(epoch)[i]]
-        self.cursor += 1
-        prompt = row_prompt_ids(self.tokenizer, row, self.template)
-        gid = f"{row['id']}@{self.cursor - 1}"
-        return [Trajectory(uid=f"{gid}#{j}", prompt_ids=prompt, group_id=gid, answers=list(row["answers"]))
-                for j in range(n)]
-
-
-@dataclass
-class DynamicTally:
-    """One step's dynamic sampling (DAPO): groups judged, with signal, dropped, let through past the cap."""
-
-    judged: int = 0
-    signal: int = 0
-    dropped: int = 0
-    dropped_tokens: int = 0
-    over_cap: int = 0  # groups without signal that trained because the step had dropped its cap
-    prompts_drawn: int = 0
-    extra_prompts: int = 0
-    held: int | None = None  # under C3PO++: finished rollouts waiting for the rest of their group
-    collect_s: float | None = None  # generation and grading of the judged groups together
-
-    def metrics(self) -> dict[str, float]:
-        out = {"ds_groups_judged": self.judged, "ds_groups_dropped": self.dropped, "ds_groups_over_cap": self.over_cap,
-               "ds_dropped_tokens": self.dropped_tokens, "ds_signal_share": self.signal / max(1, self.judged),
-               "ds_prompts_drawn": self.prompts_drawn, "ds_extra_prompts": self.extra_prompts,
-               "ds_cap_hit": float(self.over_cap > 0)}
-        if self.held is not None:
-            out["ds_held"] = self.held
-        if self.collect_s is not None:
-            out["ds_collect_s"] = self.collect_s
-        return out
-
-
-@dataclass
-class RolloutStats:
-    """A step's rollout: what the pool did, and what rank 0 adds once the batch is graded."""
-
-    generated_tokens: int = 0
-    finished: int = 0
-    resumed: int = 0
-    dropped: int = 0
-    pool_size: int = 0
-    mean_age: float = 0.0
-    max_age: int = 0
-    carried: int = 0  # finished past the budget, left to train next step
-    dynamic: DynamicTally | None = None  # with rl.dynamic_sampling only
-    # added by the RL stage once the batch is graded
-    graded: int = 0
-    grade_s: float = 0.0
-    dropped_total: int = 0
-    resumed_total: int = 0
-    prompts_skipped_too_long: int = 0
-    overlong_penalty_mean: float | None = None  # with rl.overlong.cache only
-    engine: dict[str, float] = field(default_factory=dict)  # the engine's own counters (its fleet's)
-
-    def metrics(self) -> dict[str, float]:
-        out = {"tokens_generated": self.generated_tokens, "pool_size": self.pool_size, "pool_mean_age": self.mean_age,
-               "pool_max_age": self.max_age, "dropped": self.dropped, "resumed": self.resumed, "carried": self.carried,
-               **(self.dynamic.metrics() if self.dynamic is not None else {}),
-               "dropped_total": self.dropped_total, "resumed_total": self.resumed_total,
-               "prompts_skipped_too_long": self.prompts_skipped_too_long, "graded": self.graded,
-               "grade_s": self.grade_s, **self.engine}  # grade_s is part of rollout_s
-        if self.overlong_penalty_mean is not None:
-            out["overlong_penalty_mean"] = self.overlong_penalty_mean
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RolloutStats:
-        """Back from `dataclasses.asdict` (a checkpoint's batches collected ahead)."""
-        dynamic = d.get("dynamic")
-        return cls(**{**d, "dynamic": DynamicTally(**dynamic) if dynamic is not None else None})
 
 
 def _split_at_budget(units: list, size: Callable, budget: int) -> tuple[list, list]:

@@ -18,7 +18,7 @@ from rlrecipe.core.dist import is_rank_zero
 from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.recipe.schema import Recipe
 from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
-from rlrecipe.rl.pool import RolloutStats
+from rlrecipe.rl.rollout_stats import RolloutStats
 from rlrecipe.rollout.weight_probe import Scores, probe_sequences
 from rlrecipe.rollout.weight_transport import WeightTransport
 from rlrecipe.train.base import TrainSample

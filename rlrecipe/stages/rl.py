@@ -26,7 +26,8 @@ from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.recipe.systems import RolloutSection
 from rlrecipe.recipe.training import RLSection
 from rlrecipe.reward import Grader, grade_trajectories
-from rlrecipe.rl.pool import PromptStream, RolloutPool
+from rlrecipe.rl.pool import RolloutPool
+from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.rl.schedule import StepRollout, WeightsOut
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.rollout.weight_transport import weight_transport

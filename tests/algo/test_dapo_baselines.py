@@ -11,7 +11,8 @@ import torch
 from rlrecipe.algo.advantages import empirical_quantile, sequence_advantages
 from rlrecipe.algo.dapo import group_has_signal, overlong_penalty
 from rlrecipe.recipe.training import RLSection
-from rlrecipe.rl.pool import PromptStream, RolloutPool
+from rlrecipe.rl.pool import RolloutPool
+from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.rollout.c3po_budget import TokenBudget, admit
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
@@ -244,7 +245,7 @@ class _CharTok:
 
 
 def test_synchronous_dynamic_sampling_replaces_groups_without_signal(monkeypatch):
-    monkeypatch.setattr("rlrecipe.rl.pool.row_prompt_ids", lambda tok, row, template: [1, 2])
+    monkeypatch.setattr("rlrecipe.rl.prompts.row_prompt_ids", lambda tok, row, template: [1, 2])
     pool = _pool(prompts_per_step=4, samples_per_prompt=3, c3po={"enabled": False},
                  dynamic_sampling={"enabled": True})
     engine = ScriptedEngine(lambda t: 4)
@@ -262,7 +263,7 @@ def test_synchronous_dynamic_sampling_replaces_groups_without_signal(monkeypatch
 
 
 def test_synchronous_dynamic_sampling_stops_at_its_cap_and_fills_with_dropped_groups(monkeypatch):
-    monkeypatch.setattr("rlrecipe.rl.pool.row_prompt_ids", lambda tok, row, template: [1, 2])
+    monkeypatch.setattr("rlrecipe.rl.prompts.row_prompt_ids", lambda tok, row, template: [1, 2])
     pool = _pool(prompts_per_step=4, samples_per_prompt=3, c3po={"enabled": False},
                  dynamic_sampling={"enabled": True, "max_extra_prompts": 1})
     batch, stats = pool.collect(ScriptedEngine(lambda t: 4), SamplingParams(max_new_tokens=8), seed=5,
@@ -278,7 +279,7 @@ def test_synchronous_dynamic_sampling_stops_at_its_cap_and_fills_with_dropped_gr
 def test_without_dynamic_sampling_a_synchronous_step_samples_the_same(monkeypatch):
     """Round 0 of a dynamic step uses the step's seed: a step where every group has signal is the
     step without dynamic sampling."""
-    monkeypatch.setattr("rlrecipe.rl.pool.row_prompt_ids", lambda tok, row, template: [1, 2])
+    monkeypatch.setattr("rlrecipe.rl.prompts.row_prompt_ids", lambda tok, row, template: [1, 2])
     seeds = []
     for ds in (False, True):
         pool = _pool(prompts_per_step=2, samples_per_prompt=2, c3po={"enabled": False},
@@ -298,7 +299,7 @@ def _lengths(t):
 
 @pytest.mark.parametrize(("surplus", "refill"), [("carry", "per_call"), ("train", "per_call"), ("carry", "continuous")])
 def test_budgeted_dynamic_sampling_trains_whole_groups_with_signal_up_to_phi(monkeypatch, tmp_path, surplus, refill):
-    monkeypatch.setattr("rlrecipe.rl.pool.row_prompt_ids", lambda tok, row, template: [1, 2])
+    monkeypatch.setattr("rlrecipe.rl.prompts.row_prompt_ids", lambda tok, row, template: [1, 2])
     budget, n = 40, 3
     c3po = {"enabled": True, "token_budget": budget, "pool_capacity": 9, "max_staleness": 2, "surplus": surplus,
             "refill": refill}
@@ -353,7 +354,7 @@ def test_budgeted_dynamic_sampling_trains_whole_groups_with_signal_up_to_phi(mon
 
 
 def test_budgeted_dynamic_sampling_past_its_cap_trains_groups_without_signal(monkeypatch):
-    monkeypatch.setattr("rlrecipe.rl.pool.row_prompt_ids", lambda tok, row, template: [1, 2])
+    monkeypatch.setattr("rlrecipe.rl.prompts.row_prompt_ids", lambda tok, row, template: [1, 2])
     pool = _pool(prompts_per_step=4, samples_per_prompt=2, dynamic_sampling={"enabled": True, "max_extra_prompts": 0},
                  c3po={"enabled": True, "token_budget": 30, "pool_capacity": 8, "max_staleness": 2})
     batch, stats = pool.collect(ScriptedEngine(lambda t: 5), SamplingParams(max_new_tokens=9), seed=0,
@@ -367,7 +368,7 @@ def test_budgeted_dynamic_sampling_past_its_cap_trains_groups_without_signal(mon
 def test_stale_groups_leave_whole(monkeypatch):
     """Members of a group enter together and age together: sigma drops the held ones with the
     running one, so no half group is ever judged."""
-    monkeypatch.setattr("rlrecipe.rl.pool.row_prompt_ids", lambda tok, row, template: [1, 2])
+    monkeypatch.setattr("rlrecipe.rl.prompts.row_prompt_ids", lambda tok, row, template: [1, 2])
     pool = _pool(prompts_per_step=4, samples_per_prompt=2, dynamic_sampling={"enabled": True},
                  c3po={"enabled": True, "token_budget": 12, "pool_capacity": 8, "max_staleness": 0})
     # the odd groups (mixed verdicts) end at 3 tokens and fill the budget; member #1 of an even

@@ -12,7 +12,8 @@ from bench.projection.rollout import project
 from bench.projection.sim import CostModel, Lengths, SimEngine, SyntheticStream, simulate
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe.training import RLSection
-from rlrecipe.rl.pool import PromptStream, RolloutPool
+from rlrecipe.rl.pool import RolloutPool
+from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.rollout.base import SEED_KEY
 from rlrecipe.rollout.inprocess import InProcessEngine
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory

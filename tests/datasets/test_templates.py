@@ -17,7 +17,7 @@ import pytest
 from rlrecipe.data.convert import convert_file
 from rlrecipe.data.templates import prompt_token_ids, row_prompt_ids
 from rlrecipe.recipe.schema import load_recipe
-from rlrecipe.rl.pool import PromptStream
+from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.stages.sft import build_sft_samples
 from tests.conftest import REPO
 from tests.helpers import DATA, build_r1_tokenizer

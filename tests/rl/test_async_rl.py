@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from rlrecipe.recipe.base import RecipeError
 from rlrecipe.recipe.schema import LoadedRecipe, load_recipe, recipe_from_dict
 from rlrecipe.rl.ahead import Collected, RolloutAhead, load_pending, save_pending, weights_version
-from rlrecipe.rl.pool import DynamicTally, RolloutStats
+from rlrecipe.rl.rollout_stats import DynamicTally, RolloutStats
 from rlrecipe.stages.rl import run_rl
 from rlrecipe.trajectory.arrays import TrajectoryBatch
 from rlrecipe.trajectory.record import Status, Trajectory

@@ -4,7 +4,8 @@ import pytest
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe.training import RLSection
-from rlrecipe.rl.pool import PromptStream, RolloutPool, within_budget
+from rlrecipe.rl.pool import RolloutPool, within_budget
+from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.rollout.inprocess import InProcessEngine
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 

@@ -29,10 +29,11 @@ import math
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rlrecipe.eval.results_store import save_study
+
+from scripts.study_runs import train
 
 CORRECTIONS = ["off", "tis", "icepop", "seqmask", "gspo"]
 DIALS = {"noise": "rollout.stress_logit_noise", "lag": "rollout.weight_update_every", "precision": "rollout.dtype",
@@ -61,27 +62,14 @@ def run_name(correction: str, dial: str, level: float, seed: int) -> str:
     return f"mm-{correction}-{level_label(dial, level)}-s{seed}"
 
 
-def _finished(run_dir: Path) -> bool:
-    return (run_dir / "run_summary.json").exists() and (run_dir / "eval").is_dir()
-
-
 def run_one(correction: str, dial: str, level: float, seed: int) -> dict:
     """Train (or keep a finished run); the run's row of the study."""
     name = run_name(correction, dial, level, seed)
     run_dir = Path("runs") / name
-    status = "done"
-    if not _finished(run_dir):
-        value = int(level) if dial in ("lag", "async") else level  # precision: a dtype name
-        args = ["rl", recipe_of(correction), "--set", f"{DIALS[dial]}={value}", "--set", f"run.seed={seed}",
-                "--set", f"run.name={name}"]
-        resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-        args.append("--resume" if resume else "--overwrite")
-        print(f"== rlrecipe {' '.join(args)}", flush=True)
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", *args])
-        print(f"== {name}: exit {proc.returncode} after {time.time() - t0:.0f}s", flush=True)
-        if proc.returncode != 0:
-            status = "stopped"  # e.g. the NaN guard: a failed run is a result, not a crash of the study
+    value = int(level) if dial in ("lag", "async") else level  # precision: a dtype name
+    args = ["rl", recipe_of(correction), "--set", f"{DIALS[dial]}={value}", "--set", f"run.seed={seed}",
+            "--set", f"run.name={name}"]
+    status = train(args, run_dir)  # a stopped run (the NaN guard, say) is a result, not a crash of the study
     return summarise_run(run_dir, correction, dial, level, seed, status)
 
 

@@ -17,12 +17,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rlrecipe.eval.results_store import OPTIONS_STUDY, save_study
 
-from scripts.mismatch_study import COLLAPSE_DROP, WINDOW, _finished, _mean, collapsed
+from scripts.mismatch_study import COLLAPSE_DROP, WINDOW, _mean, collapsed
+from scripts.study_runs import train
 
 # arm: (recipe, extra --set overrides)
 ARMS = {
@@ -49,20 +49,10 @@ def run_one(arm: str, seed: int) -> dict:
     recipe, sets = ARMS[arm]
     name = run_name(arm, seed)
     run_dir = Path("runs") / name
-    status = "done"
-    if not _finished(run_dir):
-        args = ["rl", recipe, "--set", f"run.seed={seed}", "--set", f"run.name={name}"]
-        for s in sets:
-            args += ["--set", s]
-        resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-        args.append("--resume" if resume else "--overwrite")
-        print(f"== rlrecipe {' '.join(args)}", flush=True)
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", *args])
-        print(f"== {name}: exit {proc.returncode} after {time.time() - t0:.0f}s", flush=True)
-        if proc.returncode != 0:
-            status = "stopped"
-    return summarise_run(run_dir, arm, seed, status)
+    args = ["rl", recipe, "--set", f"run.seed={seed}", "--set", f"run.name={name}"]
+    for s in sets:
+        args += ["--set", s]
+    return summarise_run(run_dir, arm, seed, train(args, run_dir))
 
 
 def summarise_run(run_dir: Path, arm: str, seed: int, status: str) -> dict:

@@ -47,7 +47,8 @@ class PushModel:
     # ASSUMPTION: trainer rank 0 writing the export (ZeRO-3 parameters gathered, then safetensors written by
     # one process): 2 GB/s. Measure: the trainer's `export_hf` seconds in a run's log at this size.
     export_write_bps: float = 2e9
-    # From the 3-7 s that RL systems report for a weight broadcast of 27-30B models over NCCL (54-60 GB in
+    # From the 3-7 s other RL systems report for a weight broadcast of 27-30B models over NCCL (as quoted in
+    # issue 43, not measured here; 54-60 GB in
     # bf16, so 8-20 GB/s end to end: bucketing and the servers' loading included), the low end: 10 GB/s.
     # Measure: `make gpu-smoke`'s broadcast step at the recipe's size.
     broadcast_bps: float = 10e9

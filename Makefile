@@ -61,8 +61,9 @@ async-study: $(STAMP)
 options-study: $(STAMP)
 	$(BIN)/python -m scripts.options_study
 
-# The fast set a developer runs before a change; bench-full adds the benchmarks that start processes of
-# their own (thread load, async overlap, DeepSpeed plan check). Both write bench/results.json.
+# The fast set a developer runs before a change (the thread-wait check included); bench-full adds the
+# slowest benchmarks that start processes of their own (async overlap, DeepSpeed plan check). Both
+# write bench/results.json.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 

@@ -308,7 +308,7 @@ def bench_weight_fingerprint() -> dict:
 
 # Benchmarks that start processes of their own (DeepSpeed ranks, a server beside a trainer): the
 # slowest, left to `make bench-full`. `sft_step_under_load` starts processes too (four runs of a
-# step, about a minute) but stays in the fast set: it checks the wait policy every process gets.
+# step, about a minute and a half) but stays in the fast set: it checks the wait policy every process gets.
 FULL_ONLY = ("async_vs_sync_cpu", "plan_vs_measured_deepspeed")
 
 

@@ -1,30 +1,83 @@
 """How the CPU kernels' threads wait for work, chosen before torch loads its OpenMP runtime.
 
-torch's CPU build runs its intra-op threads on GNU OpenMP, whose idle threads spin (by default
-300,000 rounds) waiting for the next parallel region. On a machine with other work running, a
-spinning thread burns the core its partner needs, and every parallel region then waits for a
-descheduled thread: training steps stall many times over instead of slowing by the CPU share that
-is taken. Threads that sleep at once stop the stall but pay a wake-up at every region on a quiet
-machine. A short spin (GOMP_SPINCOUNT, 1,000 rounds: microseconds) keeps the quiet speed, because
-back-to-back regions still find their threads awake, and gives the core up soon under load
-(docs/performance.md has the measurements: `python -m bench.thread_load`). The runtime reads these
-once, when torch is first imported, so they are set here, in the package's first import, and only
-where the user has set neither.
+torch's CPU build runs its intra-op threads on GNU OpenMP, whose idle threads spin (300,000
+rounds by default) waiting for the next parallel region. On a quiet machine that spin is the
+fastest wait. When other tasks want the cores, a spinning thread burns the core its partner needs
+and every parallel region waits for a descheduled thread: steps stall several times over. So the
+package looks once, at its first import, at how many other tasks are runnable (/proc/stat): if
+they want more cores than our threads leave free, idle threads sleep at once
+(OMP_WAIT_POLICY=PASSIVE); otherwise the runtime keeps its default. The runtime reads the setting
+once, when torch is first imported, so a load that starts later is not seen; a setting the user
+made is kept. The wait changes speed only, never results. Measurements and the candidates that
+lost: docs/performance.md ("Threads on a busy machine"), `python -m bench.thread_load`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
-SPIN_ENV, POLICY_ENV = "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"
-DEFAULT_SPINCOUNT = "1000"
+SPIN_ENV, POLICY_ENV, THREADS_ENV = "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS"
+PASSIVE = "PASSIVE"
+# How the package chose, in words, for env.json (None: it was not its choice to make)
+WAIT_CHOICE: str | None = None
+
+
+def _usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _planned_threads(cores: int) -> int:
+    """The intra-op threads torch will start: OMP_NUM_THREADS's first level, else one per core."""
+    try:
+        return max(1, int(os.environ.get(THREADS_ENV, "").split(",")[0]))
+    except ValueError:
+        return cores
+
+
+def others_running(samples: int = 3, gap_s: float = 0.001) -> int | None:
+    """Runnable tasks besides this process (the fewest of a few readings of /proc/stat's
+    procs_running, which counts this process too), or None where that cannot be read."""
+    counts = []
+    for i in range(samples):
+        if i:
+            time.sleep(gap_s)
+        try:
+            with open("/proc/stat", "rb") as f:
+                counts += [int(line.split()[1]) for line in f if line.startswith(b"procs_running ")]
+        except (OSError, ValueError, IndexError):
+            return None
+    return min(counts) - 1 if counts else None
+
+
+def choose_wait(others: int | None, threads: int, cores: int) -> str | None:
+    """OMP_WAIT_POLICY for a process about to start `threads` intra-op threads on `cores` while
+    `others` other tasks are runnable: PASSIVE (idle threads sleep at once) when those tasks want
+    more than the cores our threads leave free, or when the load cannot be read; None (the
+    runtime's default, a long spin) otherwise. More threads than cores alone is not load: the
+    runtime then shortens its spin itself."""
+    if others is None or others > max(0, cores - threads):
+        return PASSIVE
+    return None
 
 
 def default_wait_policy() -> None:
-    """A short spin before OpenMP threads sleep, unless the environment already chose how they wait."""
-    if "torch" not in sys.modules and SPIN_ENV not in os.environ and POLICY_ENV not in os.environ:
-        os.environ[SPIN_ENV] = DEFAULT_SPINCOUNT
+    """Choose how OpenMP threads wait, unless the environment already did or torch is loaded."""
+    global WAIT_CHOICE
+    if "torch" in sys.modules or SPIN_ENV in os.environ or POLICY_ENV in os.environ:
+        return
+    cores = _usable_cores()
+    threads, others = _planned_threads(cores), others_running()
+    policy = choose_wait(others, threads, cores)
+    load = "load unknown" if others is None else f"{others} other runnable task(s)"
+    WAIT_CHOICE = (f"{'busy' if policy else 'quiet'} at start ({load}, {threads} thread(s) on {cores} core(s)): "
+                   + (f"{POLICY_ENV}={policy}" if policy else "the runtime's default"))
+    if policy:
+        os.environ[POLICY_ENV] = policy
 
 
 def thread_record() -> dict:
@@ -37,7 +90,7 @@ def thread_record() -> dict:
     described = ", ".join(x for x in (f"{POLICY_ENV}={policy.upper()}" if policy else "",
                                       f"{SPIN_ENV}={spin}" if spin else "") if x)
     return {"torch_threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
-            "wait_policy": described or None}
+            "wait_policy": described or None, "wait_choice": WAIT_CHOICE}
 
 
 def thread_change(recorded: dict | None, now: dict) -> str | None:

@@ -4,38 +4,78 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
-from rlrecipe.core.threads import thread_change, thread_record
+from rlrecipe.core.threads import PASSIVE, choose_wait, others_running, thread_change, thread_record
 from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
 from rlrecipe.run.record import Run
 
-PROBE = ("import os, rlrecipe, torch; "
-         "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
+PROBE = ("import os, rlrecipe, torch; from rlrecipe.core.threads import WAIT_CHOICE; "
+         "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads()); "
+         "print(WAIT_CHOICE)")
 UNSET = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def _probe(env: dict, code: str = PROBE) -> list[str]:
     base = {k: v for k, v in os.environ.items() if k not in UNSET}
     return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          check=True).stdout.split()
+                          check=True).stdout.split("\n")[0].split()
 
 
-def test_importing_the_package_first_gives_openmp_a_short_spin():
-    assert _probe({"OMP_NUM_THREADS": "2"}) == ["1000", "None", "2"]
+def _probe_choice(env: dict) -> tuple[list[str], str]:
+    base = {k: v for k, v in os.environ.items() if k not in UNSET}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    return out[0].split(), out[1]
+
+
+def test_threads_sleep_at_once_only_where_other_tasks_want_their_cores():
+    assert choose_wait(0, 2, 2) is None  # quiet: the runtime's own (long) spin
+    assert choose_wait(0, 1, 2) is None
+    assert choose_wait(1, 1, 2) is None  # one task beside one thread on two cores
+    assert choose_wait(1, 2, 2) == PASSIVE
+    assert choose_wait(2, 2, 2) == PASSIVE
+    assert choose_wait(0, 4, 2) is None  # more threads than cores alone: the runtime shortens its spin
+    assert choose_wait(1, 4, 2) == PASSIVE
+    assert choose_wait(None, 2, 2) == PASSIVE  # load unknown: the safe side
+
+
+def test_importing_the_package_first_sets_what_it_chose():
+    (spin, policy, threads), choice = _probe_choice({"OMP_NUM_THREADS": "2"})
+    assert spin == "None" and threads == "2"
+    if choice.startswith("busy"):
+        assert policy == PASSIVE and choice.endswith(f"OMP_WAIT_POLICY={PASSIVE}"), choice
+    else:
+        assert choice.startswith("quiet") and policy == "None", choice
+
+
+def test_one_busy_loop_per_core_at_start_makes_openmp_threads_sleep_at_once():
+    cores = len(os.sched_getaffinity(0))
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)
+        assert others_running() >= cores
+        (spin, policy, _), choice = _probe_choice({"OMP_NUM_THREADS": str(cores)})
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+    assert (spin, policy) == ("None", PASSIVE)
+    assert choice.startswith("busy at start (") and f"{cores} thread(s) on {cores} core(s)" in choice
 
 
 def test_a_wait_setting_the_user_made_is_kept_and_nothing_added():
-    assert _probe({"OMP_WAIT_POLICY": "active"})[:2] == ["None", "active"]
+    got, choice = _probe_choice({"OMP_WAIT_POLICY": "active"})
+    assert got[:2] == ["None", "active"] and choice == "None"
     assert _probe({"GOMP_SPINCOUNT": "5"})[:2] == ["5", "None"]
 
 
 def test_torch_imported_first_is_recorded_as_the_runtime_default():
-    code = "import torch, rlrecipe; from rlrecipe.core.threads import thread_record; print(thread_record()['wait_policy'])"
-    assert _probe({}, code) == ["None"]
-    code = "import rlrecipe; from rlrecipe.core.threads import thread_record; print(thread_record()['wait_policy'])"
-    assert _probe({}, code) == ["GOMP_SPINCOUNT=1000"]
+    code = ("import torch, rlrecipe; from rlrecipe.core.threads import thread_record; r = thread_record(); "
+            "print(r['wait_policy'], r['wait_choice'])")
+    assert _probe({}, code) == ["None", "None"]
 
 
 def test_thread_change_names_both_counts_only_when_they_differ():

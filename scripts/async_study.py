@@ -55,11 +55,14 @@ def _finished(run_dir: Path) -> bool:
     return (run_dir / "run_summary.json").exists() and (run_dir / "eval").is_dir()
 
 
-def run_one(correction: str, lag: int, seed: int, eval_every: int = EVAL_EVERY) -> dict:
-    """Train one arm and seed (or keep a finished run); its row, with its curve."""
+def run_one(correction: str, lag: int, seed: int, eval_every: int = EVAL_EVERY, train: bool = True) -> dict | None:
+    """Train one arm and seed (or keep a finished run); its row, with its curve. With `train` False, only
+    a finished run's row (None for a run not finished)."""
     name = run_name(correction, lag, seed)
     run_dir = Path("runs") / name
     status = "done"
+    if not _finished(run_dir) and not train:
+        return None
     if not _finished(run_dir):
         args = ["rl", recipe_of(correction), "--set", f"rl.async_lag={lag}", "--set", f"rl.eval_every={eval_every}",
                 "--set", f"run.seed={seed}", "--set", f"run.name={name}"]
@@ -179,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corrections", default=",".join(CORRECTIONS))
     ap.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     ap.add_argument("--note", default="", help="recorded in the study beside the plan (e.g. what was cut, and why)")
+    ap.add_argument("--no-new-runs", action="store_true",
+                    help="summarise the finished runs of the plan only (a study cut short: say what in --note)")
     args = ap.parse_args(argv)
     if not (Path("runs") / "tiny-sft" / "final").is_dir():
         sys.exit("the study starts from the tiny SFT model: run `make demo` (or rlrecipe sft recipes/tiny_sft.yaml) first")
@@ -191,8 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     path = STUDY_DIR / "study.json"
     for seed in seeds:  # seed by seed: a study cut short still compares every arm
         for lag in lags:
-            rows += [run_one(c, lag, seed, args.eval_every) for c in corrections]
-            path = finish(rows, plan)
+            new = [run_one(c, lag, seed, args.eval_every, train=not args.no_new_runs) for c in corrections]
+            rows += [r for r in new if r is not None]
+            if rows:
+                path = finish(rows, plan)
     print(f"study: {path}; kept as {save_study(json.loads(path.read_text()), name=ASYNC_STUDY)}")
     subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)
 

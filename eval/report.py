@@ -357,7 +357,8 @@ def _time_rows(study: dict[str, Any]) -> list[list[str]]:
                      " ".join(str(x) for x in t["seeds"]), _num(t["s_per_step"], ".2f"), _num(t["wall_s_total"], ".0f"),
                      _num(t["drain_s_total"], ".0f"), _mean_sd(final, sd, ".1f"),
                      _num(None if t["target_avg"] is None else 100 * t["target_avg"], ".1f"), reach,
-                     f"{t['seeds_reaching']} of {len(t['seeds'])} ({seeds or '-'})"])
+                     f"{t['seeds_reaching']} of {len(t['seeds'])} ({seeds or '-'})",
+                     ", ".join(_num(x, ".2f") for x in t.get("s_per_step_seeds", [])) or "-"])
     return rows
 
 
@@ -385,12 +386,13 @@ def async_section(study: dict[str, Any] | None, earlier: dict[str, Any] | None =
             + "`make async-study` reruns it.")
         out += _wrapped(intro) + "\n" + _table(
             ["schedule", "correction", "seeds", "s / step", "wall-clock s", "of which drain s", "final held-out avg",
-             "sync's final", "reach sync's final at", "seeds reaching it (s)"], _time_rows(study))
+             "sync's final", "reach sync's final at", "seeds reaching it (s)", "s / step per seed"], _time_rows(study))
         if study.get("figure"):
             out += f"\n![held-out accuracy against wall-clock and steps]({study['figure']})\n"
-        out += ("\nAt equal steps (the same runs): final reward: mean training reward of the last steps (± sd "
-                "across seeds); held-out: the final evaluation, avg@8, percent. "
-                f"Collapse: {study.get('collapse_rule', '-')}.\n\n")
+        out += "\n" + _wrapped(
+            "At equal steps (the same runs): final reward: mean training reward of the last steps (± sd across seeds); "
+            f"held-out: the final evaluation, avg@8, percent. Collapse: {study.get('collapse_rule', '-')}.") + "\n"
+
         out += _table(ASYNC_HEADER, _async_rows(study))
     elif study:
         intro = EQUAL_STEPS_INTRO + f"Collapse: {study.get('collapse_rule', '-')}. `make async-study` reruns it."

@@ -136,6 +136,9 @@ def time_table(rows: list[dict]) -> list[dict]:
                 "reach_wall_s": hit["wall_s"] if hit else None, "reach_step": hit["step"] if hit else None,
                 "seeds_reaching": sum(p is not None for p in per_seed),
                 "reach_wall_s_seeds": [None if p is None else p["wall_s"] for p in per_seed],
+                # the machine's speed drifts between runs: each seed's own seconds per step
+                "s_per_step_seeds": [r["curve"][-1]["wall_s"] / r["curve"][-1]["step"] if r.get("curve") else None
+                                     for r in group],
             })
     return out
 

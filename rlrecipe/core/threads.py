@@ -1,15 +1,17 @@
 """How the CPU kernels' threads wait for work, chosen before torch loads its OpenMP runtime.
 
 torch's CPU build runs its intra-op threads on GNU OpenMP, whose idle threads spin (300,000
-rounds by default) waiting for the next parallel region. On a quiet machine that spin is the
-fastest wait. When other tasks want the cores, a spinning thread burns the core its partner needs
-and every parallel region waits for a descheduled thread: steps stall several times over. So the
-package looks once, at its first import, at how many other tasks are runnable (/proc/stat): if
-they want more cores than our threads leave free, idle threads sleep at once
-(OMP_WAIT_POLICY=PASSIVE); otherwise the runtime keeps its default. The runtime reads the setting
-once, when torch is first imported, so a load that starts later is not seen; a setting the user
-made is kept. The wait changes speed only, never results. Measurements and the candidates that
-lost: docs/performance.md ("Threads on a busy machine"), `python -m bench.thread_load`.
+rounds by default) waiting for the next parallel region. When other tasks want the cores, a
+spinning thread burns the core its partner needs and every parallel region waits for a
+descheduled thread: steps stall several times over. So the package looks once, at its first
+import, at how many other tasks are runnable (/proc/stat): if they want more cores than our threads
+leave free, idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE); otherwise they spin briefly
+(GOMP_SPINCOUNT=1000) rather than the runtime's long default, because a process that also runs
+Python threads beside its kernels (`rlrecipe serve`'s HTTP threads, the rollout-ahead worker) is
+its own competing load: under the long spin a clean clone's server tests missed their streamed
+chunks and aborts. The runtime reads the setting once, when torch is first imported, so a load that
+starts later is not seen; a setting the user made is kept. The wait changes speed only, never
+results. Measurements: docs/performance.md ("Threads on a busy machine"), `python -m bench.thread_load`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 SPIN_ENV, POLICY_ENV, THREADS_ENV = "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS"
 PASSIVE = "PASSIVE"
+SHORT_SPIN = "1000"  # rounds: microseconds
 # How the package chose, in words, for env.json (None: it was not its choice to make)
 WAIT_CHOICE: str | None = None
 
@@ -57,9 +60,8 @@ def others_running(samples: int = 3, gap_s: float = 0.001) -> int | None:
 def choose_wait(others: int | None, threads: int, cores: int) -> str | None:
     """OMP_WAIT_POLICY for a process about to start `threads` intra-op threads on `cores` while
     `others` other tasks are runnable: PASSIVE (idle threads sleep at once) when those tasks want
-    more than the cores our threads leave free, or when the load cannot be read; None (the
-    runtime's default, a long spin) otherwise. More threads than cores alone is not load: the
-    runtime then shortens its spin itself."""
+    more than the cores our threads leave free, or when the load cannot be read; None (quiet: a
+    short spin) otherwise. More threads than cores alone is not load."""
     if others is None or others > max(0, cores - threads):
         return PASSIVE
     return None
@@ -75,9 +77,11 @@ def default_wait_policy() -> None:
     policy = choose_wait(others, threads, cores)
     load = "load unknown" if others is None else f"{others} other runnable task(s)"
     WAIT_CHOICE = (f"{'busy' if policy else 'quiet'} at start ({load}, {threads} thread(s) on {cores} core(s)): "
-                   + (f"{POLICY_ENV}={policy}" if policy else "the runtime's default"))
+                   + (f"{POLICY_ENV}={policy}" if policy else f"{SPIN_ENV}={SHORT_SPIN}"))
     if policy:
         os.environ[POLICY_ENV] = policy
+    else:
+        os.environ[SPIN_ENV] = SHORT_SPIN
 
 
 def thread_record() -> dict:

@@ -38,33 +38,35 @@ def _pinned(core: int) -> list[str]:
     return ["taskset", "-c", str(core % cores)] if cores > 1 else []
 
 
+def _train(out: Path, over: dict, threads: int, prefix: list[str]) -> list[dict]:
+    """`rlrecipe rl` of the tiny recipe with these overrides, `threads` intra-op threads, under `prefix`
+    (a core pinning); its metrics rows."""
+    sets = [x for k, v in over.items() for x in ("--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}")]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    subprocess.run([*prefix, sys.executable, "-m", "rlrecipe.cli.app", "rl", str(RECIPE), *sets], env=env,
+                   check=True, capture_output=True, timeout=1800)
+    rows = out / over["run.name"] / "metrics.jsonl"
+    return [json.loads(line) for line in rows.read_text().splitlines()]
+
+
+def _common(out: Path, name: str, lag: int, steps: int) -> dict:
+    return {"run.name": name, "run.output_dir": str(out), "run.init_from": str(MODEL.resolve()), "rl.steps": steps,
+            "rl.save_every": steps, "rl.async_lag": lag, "eval.benchmarks": []}
+
+
 def run_one(out: Path, lag: int, steps: int) -> list[dict]:
     """One RL run of the tiny recipe through a pinned `rlrecipe serve`; its metrics rows."""
-    over = {"run.name": f"overlap-lag{lag}", "run.output_dir": str(out), "run.init_from": str(MODEL.resolve()),
-            "rl.steps": steps, "rl.save_every": steps, "rl.async_lag": lag, "eval.benchmarks": [],
-            "rollout.engine": "sglang", "rollout.dtype": "float32",
+    over = {**_common(out, f"overlap-lag{lag}", lag, steps), "rollout.engine": "sglang", "rollout.dtype": "float32",
             "rollout.sglang.base_port": _free_port(), "rollout.sglang.weight_sync": "disk",
             "rollout.sglang.launch_cmd": [*_pinned(0), sys.executable, "-m", "rlrecipe.cli.app", "serve", "{model}",
                                           "--host", "{host}", "--port", "{port}", "--dtype", "{dtype}"]}
-    sets = [x for k, v in over.items() for x in ("--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([*_pinned(1), sys.executable, "-m", "rlrecipe.cli.app", "rl", str(RECIPE), *sets], env=env,
-                   check=True, capture_output=True, timeout=1800)
-    rows = out / f"overlap-lag{lag}" / "metrics.jsonl"
-    return [json.loads(line) for line in rows.read_text().splitlines()]
+    return _train(out, over, threads=1, prefix=_pinned(1))
 
 
 def run_both_cores(out: Path, steps: int) -> list[dict]:
     """The synchronous run with both cores in each phase: the in-process engine, two threads."""
-    over = {"run.name": "overlap-both-cores", "run.output_dir": str(out), "run.init_from": str(MODEL.resolve()),
-            "rl.steps": steps, "rl.save_every": steps, "rl.async_lag": 0, "eval.benchmarks": [],
-            "rollout.engine": "inprocess"}
-    sets = [x for k, v in over.items() for x in ("--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(min(2, os.cpu_count() or 1))}
-    subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "rl", str(RECIPE), *sets], env=env, check=True,
-                   capture_output=True, timeout=1800)
-    rows = out / "overlap-both-cores" / "metrics.jsonl"
-    return [json.loads(line) for line in rows.read_text().splitlines()]
+    over = {**_common(out, "overlap-both-cores", 0, steps), "rollout.engine": "inprocess"}
+    return _train(out, over, threads=min(2, os.cpu_count() or 1), prefix=[])
 
 
 def summarise(rows: list[dict]) -> dict:

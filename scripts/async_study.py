@@ -32,12 +32,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rlrecipe.eval.results_store import ASYNC_STUDY, save_study
 
 from scripts.mismatch_study import recipe_of, summarise_run, write_study
+from scripts.study_runs import finished
+from scripts.study_runs import train as run_arm
 
 LAGS = [0, 1, 2]
 CORRECTIONS = ["icepop", "tis"]
@@ -51,30 +52,17 @@ def run_name(correction: str, lag: int, seed: int) -> str:
     return f"as-{correction}-lag{lag}-s{seed}"
 
 
-def _finished(run_dir: Path) -> bool:
-    return (run_dir / "run_summary.json").exists() and (run_dir / "eval").is_dir()
-
-
 def run_one(correction: str, lag: int, seed: int, eval_every: int = EVAL_EVERY, train: bool = True) -> dict | None:
     """Train one arm and seed (or keep a finished run); its row, with its curve. With `train` False, only
     a finished run's row (None for a run not finished)."""
     name = run_name(correction, lag, seed)
     run_dir = Path("runs") / name
-    status = "done"
-    if not _finished(run_dir) and not train:
+    if not finished(run_dir) and not train:
         return None
-    if not _finished(run_dir):
-        args = ["rl", recipe_of(correction), "--set", f"rl.async_lag={lag}", "--set", f"rl.eval_every={eval_every}",
-                "--set", f"run.seed={seed}", "--set", f"run.name={name}"]
-        resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-        args.append("--resume" if resume else "--overwrite")
-        print(f"== rlrecipe {' '.join(args)}", flush=True)
-        t0 = time.time()
-        env = {**os.environ, "OMP_NUM_THREADS": str(min(2, os.cpu_count() or 1))}
-        proc = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", *args], env=env)
-        print(f"== {name}: exit {proc.returncode} after {time.time() - t0:.0f}s", flush=True)
-        if proc.returncode != 0:
-            status = "stopped"
+    args = ["rl", recipe_of(correction), "--set", f"rl.async_lag={lag}", "--set", f"rl.eval_every={eval_every}",
+            "--set", f"run.seed={seed}", "--set", f"run.name={name}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(min(2, os.cpu_count() or 1))}
+    status = run_arm(args, run_dir, env)
     row = summarise_run(run_dir, correction, "async", lag, seed, status)
     row["curve"] = curve(run_dir)
     return row

@@ -122,7 +122,7 @@ class Run:
                 **environment()}
         atomic_write_text(self.dir / "env.json", json.dumps(meta, indent=2))
         self._num_gpus = len(meta["gpus"])
-        self.metrics = MetricsLog(self.metrics_path, self.stage)
+        self.metrics.started = time.time()  # this session's clock (ETA, wall time): from when its records are written
         if self.recipe.run.tracking.wandb:
             self.metrics.start_wandb(self.recipe.run.tracking, self.recipe.run.name, self.dir,
                                      self.recipe.model_dump(mode="json"))

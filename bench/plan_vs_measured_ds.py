@@ -188,7 +188,10 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.child:
+        from rlrecipe.train.launch import end_process
+
         child(tuple(json.loads(args.child[0])), *(Path(a) for a in args.child[1:]), args.device)
+        end_process(0)  # a rank can abort in the interpreter's teardown after its result is written
     elif args.device == "cuda":
         import torch
 

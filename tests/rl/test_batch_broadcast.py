@@ -199,4 +199,7 @@ def test_an_error_on_rank_zero_raises_there_and_ends_the_other_rank_quietly(tmp_
 
 
 if __name__ == "__main__":
+    from rlrecipe.train.launch import end_process
+
     worker(json.loads(sys.argv[1]))
+    end_process(0)  # a rank can abort in the interpreter's teardown after its result is written

@@ -12,7 +12,6 @@ This file is also the worker: torchrun runs it with a JSON spec as its argument.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -289,10 +288,7 @@ def test_torchrun_command(tmp_path, monkeypatch):
 
 
 if __name__ == "__main__":
+    from rlrecipe.train.launch import end_process
+
     worker(json.loads(sys.argv[1]))
-    # Everything is written and the group is gone; skip interpreter teardown. A rank still aborted
-    # in it now and then after the barrier ("terminate called without an active exception", 1 CI
-    # run in ~10), a C++ thread destroyed while joinable, after its results were complete.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process(0)  # a rank can abort in the interpreter's teardown after its result is written

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import textwrap
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rlrecipe.eval.markdown import num, table
 from rlrecipe.eval.results_store import (
     ASYNC_STUDY,
     ASYNC_STUDY_EQUAL_STEPS,
@@ -25,6 +25,7 @@ from rlrecipe.eval.results_store import (
     merge,
     read_study,
 )
+from rlrecipe.eval.study_sections import async_section, options_section, study_section
 
 from rlrecipe.core.errors import UserError
 
@@ -151,21 +152,6 @@ def _date(r: dict[str, Any]) -> str:
         return date
 
 
-def _cell(x: Any) -> str:
-    return str(x).replace("|", "\\|").replace("\n", " ")
-
-
-def _wrapped(paragraph: str) -> str:
-    """A generated paragraph in lines of at most 100 characters, as the rest of the file."""
-    return textwrap.fill(paragraph, width=100, break_long_words=False, break_on_hyphens=False) + "\n"
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def algorithm_sha256(r: dict[str, Any]) -> str | None:
     """The result's algorithm sha256: as recorded, or, for a result recorded before runs wrote it,
     from its recipe file while that file's sha256 is still the recorded one (else None)."""
@@ -204,22 +190,15 @@ def result_rows(results: list[dict[str, Any]]) -> tuple[list[str], list[list[str
     return header, rows
 
 
-def _num(x: Any, fmt: str) -> str:
-    """A number in `fmt`; "-" for a missing one (None, not a number, NaN or inf)."""
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
-        return "-"
-    return format(x, fmt)
-
-
 def _settings_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
     def training(r: dict[str, Any]) -> list[str]:
         t = r.get("training") or {}
         tokens = t.get("tokens_trained_total", t.get("tokens_total"))
-        return [_num(t.get("gpu_hours_this_session"), ".2f"), _num(tokens, ",d"), _num(t.get("tokens_generated_total"), ",d")]
+        return [num(t.get("gpu_hours_this_session"), ".2f"), num(tokens, ",d"), num(t.get("tokens_generated_total"), ",d")]
 
-    return [[r.get("run", "-"), r["benchmark"], _num(r.get("temperature"), "g"), _num(r.get("top_p"), "g"),
-             _num(r.get("max_new_tokens"), "d"), _num(r.get("wall_time_s"), ".0f"),
-             _num(r.get("tokens_generated"), ",d"), *training(r), r.get("grader") or "-",
+    return [[r.get("run", "-"), r["benchmark"], num(r.get("temperature"), "g"), num(r.get("top_p"), "g"),
+             num(r.get("max_new_tokens"), "d"), num(r.get("wall_time_s"), ".0f"),
+             num(r.get("tokens_generated"), ",d"), *training(r), r.get("grader") or "-",
              r.get("summary_path", "-")] for r in results]
 
 
@@ -249,7 +228,7 @@ def seed_groups(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def seeds_table(groups: list[dict[str, Any]]) -> str:
     rows = [[g["recipe"], g["benchmark"], " ".join(map(str, g["seeds"])), f"{g['mean']:.1f}", f"{g['sd']:.1f}",
              f"{g['min']:.1f}", f"{g['max']:.1f}", g["experiment_sha256"][:12]] for g in groups]
-    return _table(["Recipe", "Benchmark", "seeds", "mean avg@n", "sd across seeds", "min", "max",
+    return table(["Recipe", "Benchmark", "seeds", "mean avg@n", "sd across seeds", "min", "max",
                    "experiment sha256"], rows)
 
 
@@ -272,7 +251,7 @@ def published_table(published: list[dict[str, Any]]) -> str:
     benches = sorted({b for p in published for b in p["references"]})
     rows = [[p["recipe"], p["model"], *(f"{p['references'][b]:.1f}" if b in p["references"] else "-"
                                          for b in benches)] for p in published]
-    return _table(["Recipe", "Model", *benches], rows)
+    return table(["Recipe", "Model", *benches], rows)
 
 
 STUDY_FILE = Path("mismatch-study") / "study.json"  # under the runs folder, written by scripts/mismatch_study.py
@@ -280,167 +259,10 @@ STUDY_RECIPES = "recipes/mismatch_"  # their evaluations are reported in the stu
 STUDY_RUNS = "opt-"  # the options study's runs (scripts/options_study.py), reported in its table
 
 
-def _mean_sd(mean: Any, sd: Any, fmt: str) -> str:
-    return _num(mean, fmt) + (f" ± {_num(sd, fmt)}" if sd is not None else "")
-
-
-def study_section(study: dict[str, Any]) -> str:
-    """RESULTS.md's "Mismatch study": one line per (mismatch, level, correction)."""
-    plan, rows = study.get("plan", {}), []
-    for t in study.get("table", []):
-        level = {"lag": lambda x: f"lag L={x:g}", "precision": lambda x: f"rollout {x}"}.get(
-            t["dial"], lambda x: f"noise sigma={x:g}")(t["level"])
-        evals = None if t["eval_avg_mean"] is None else 100 * t["eval_avg_mean"]
-        eval_sd = None if t["eval_avg_sd"] is None else 100 * t["eval_avg_sd"]
-        rows.append([level, t["correction"], " ".join(str(x) for x in t["seeds"]),
-                     _mean_sd(t["reward_final_mean"], t["reward_final_sd"], ".2f"), _mean_sd(evals, eval_sd, ".1f"),
-                     _num(t["grad_norm_max"], ".2f"), _num(t["masked_frac_mean"], ".4f"),
-                     _num(t["mismatch_kl_mean"], ".4f"), f"{t['collapsed']} of {len(t['seeds'])}", t["recipe"],
-                     " ".join(sha[:12] for sha in t["recipe_sha256"]),
-                     " ".join(c[:7] for c in t.get("commits", [])) or "-"])
-    head = plan.get("headline")
-    intro = (
-        "Five recipes that differ only in the train/inference-mismatch correction (recipes/mismatch_*.yaml), "
-        "trained from the tiny SFT model under a dialled mismatch: *noise sigma* is a stress test (Gaussian noise "
-        "of that standard deviation on the rollout engine's logits), *lag L* a rollout engine that receives "
-        "weights every L steps, *rollout DTYPE* the rollout in that dtype instead of bfloat16 (every other run "
-        "samples in bfloat16 against a float32 trainer). Final reward: "
-        f"mean training reward of the last steps (± sd across seeds); held-out: avg@n on tiny-arith eval, percent. "
-        f"Collapse: {study.get('collapse_rule', '-')}. "
-        + (f"Headline (all seeds): {head['dial']} {head['level']:g}. " if head else "")
-        + (f"Also all seeds at lag {plan['lag_headline']['level']:g}, the first lag where the uncorrected run "
-           "collapsed. " if plan.get("lag_headline") else "")
-        + (f"(The rule chose {plan['headline_by_rule']:g}; overridden: {plan['headline_override_why']}) "
-           if plan.get("headline_override_why") else "")
-        + "`make mismatch-study` reruns it; figures in runs/mismatch-study/figures/.")
-    intro = _wrapped(intro)
-    header = ["mismatch", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
-              "mismatch KL", "collapsed", "recipe", "sha256 (with the dial set)", "commit"]
-    return "## Mismatch study\n\n" + intro + "\n" + _table(header, rows)
-
-
 ASYNC_STUDY_FILE = Path("async-study") / "study.json"  # written by scripts/async_study.py
 
 
-def _async_rows(study: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for t in sorted(study.get("table", []), key=lambda t: (t["level"], t["correction"] != "off", t["correction"])):
-        evals = None if t["eval_avg_mean"] is None else 100 * t["eval_avg_mean"]
-        eval_sd = None if t["eval_avg_sd"] is None else 100 * t["eval_avg_sd"]
-        rows.append(["synchronous" if not t["level"] else f"async L={t['level']:g}", t["correction"],
-                     " ".join(str(x) for x in t["seeds"]), _mean_sd(t["reward_final_mean"], t["reward_final_sd"], ".2f"),
-                     _mean_sd(evals, eval_sd, ".1f"), _num(t["grad_norm_max"], ".2f"), _num(t["masked_frac_mean"], ".4f"),
-                     _num(t["mismatch_kl_mean"], ".4f"), f"{t['collapsed']} of {len(t['seeds'])}", t["recipe"],
-                     " ".join(sha[:12] for sha in t["recipe_sha256"]),
-                     " ".join(c[:7] for c in t.get("commits", [])) or "-"])
-    return rows
-
-
-ASYNC_HEADER = ["schedule", "correction", "seeds", "final reward", "held-out avg", "max grad norm", "masked frac",
-                "mismatch KL", "collapsed", "recipe", "sha256 (with the lag set)", "commit"]
-EQUAL_STEPS_INTRO = (
-    "The mismatch study's *off* and *icepop* arms (recipes/mismatch_off.yaml, recipes/mismatch_icepop.yaml) "
-    "trained from the tiny SFT model synchronously and with `rl.async_lag` L: the batch of step s is "
-    "collected under the weights of step s - L. Final reward: mean training reward of the last steps "
-    "(± sd across seeds); held-out: avg@n on tiny-arith eval, percent. ")
-
-
-def _time_rows(study: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for t in study.get("time_table", []):
-        reach = ("never within the run" if t["reach_wall_s"] is None
-                 else f"{t['reach_wall_s']:.0f} s (step {t['reach_step']})")
-        seeds = ", ".join("never" if x is None else f"{x:.0f}" for x in t.get("reach_wall_s_seeds", []))
-        final = None if t["final_avg"] is None else 100 * t["final_avg"]
-        sd = None if t.get("final_avg_sd") is None else 100 * t["final_avg_sd"]
-        rows.append(["synchronous" if not t["lag"] else f"async L={t['lag']}", t["correction"],
-                     " ".join(str(x) for x in t["seeds"]), _num(t["s_per_step"], ".2f"), _num(t["wall_s_total"], ".0f"),
-                     _num(t["drain_s_total"], ".0f"), _mean_sd(final, sd, ".1f"),
-                     _num(None if t["target_avg"] is None else 100 * t["target_avg"], ".1f"), reach,
-                     f"{t['seeds_reaching']} of {len(t['seeds'])} ({seeds or '-'})",
-                     ", ".join(_num(x, ".2f") for x in t.get("s_per_step_seeds", [])) or "-"])
-    return rows
-
-
-def async_section(study: dict[str, Any] | None, earlier: dict[str, Any] | None = None) -> str:
-    """RESULTS.md's "Asynchronous RL": with a time axis (held-out accuracy against wall-clock, the time each
-    arm takes to reach the synchronous arm's final accuracy) when the study has one; one line per (lag,
-    correction) over seeds at equal steps; and the earlier equal-steps study below it."""
-    out = "## Asynchronous RL\n\n"
-    if study and study.get("time_table"):
-        plan = study.get("plan", {})
-        intro = (
-            "Synchronous (the best use of the 2 cores: the in-process engine, two threads in every phase) against "
-            "`rl.async_lag` L (the batch of step s collected under the weights of step s - L, on a worker thread "
-            "beside the trainer), each with IcePop and with TIS (recipes/mismatch_icepop.yaml, "
-            "recipes/mismatch_tis.yaml: the weight pi_old/pi_infer masked outside [0.5, 5], or truncated at 2; "
-            "under a lag pi_old is the proximal policy recomputed at the trainer's weights and pi_infer the "
-            "behaviour policy, so TIS is AReaL's decoupled PPO weight truncated), trained from the tiny SFT model. "
-            f"Held-out avg@8 on tiny-arith every {plan.get('eval_every', '-')} steps (`rl.eval_every`). "
-            "Wall-clock: the RL loop's seconds per step, validation left out; an asynchronous run's wait for the "
-            "batches collected ahead before each validation (drain) is counted, which is pessimistic for async. "
-            "Reach: the wall-clock at which the seed-mean held-out accuracy first reaches the synchronous arm's final "
-            "one (same correction), then per seed. "
-            + (f"Note: {plan['note']} " if plan.get("note") else "")
-            + (f"Figure: [{study['figure']}]({study['figure']}). " if study.get("figure") else "")
-            + "`make async-study` reruns it.")
-        out += _wrapped(intro) + "\n" + _table(
-            ["schedule", "correction", "seeds", "s / step", "wall-clock s", "of which drain s", "final held-out avg",
-             "sync's final", "reach sync's final at", "seeds reaching it (s)", "s / step per seed"], _time_rows(study))
-        if study.get("figure"):
-            out += f"\n![held-out accuracy against wall-clock and steps]({study['figure']})\n"
-        out += "\n" + _wrapped(
-            "At equal steps (the same runs): final reward: mean training reward of the last steps (± sd across seeds); "
-            f"held-out: the final evaluation, avg@8, percent. Collapse: {study.get('collapse_rule', '-')}.") + "\n"
-
-        out += _table(ASYNC_HEADER, _async_rows(study))
-    elif study:
-        intro = EQUAL_STEPS_INTRO + f"Collapse: {study.get('collapse_rule', '-')}. `make async-study` reruns it."
-        out += _wrapped(intro) + "\n" + _table(ASYNC_HEADER, _async_rows(study))
-    if earlier:
-        out += (("\n" if study else "") + "### Equal steps only (the first async study)\n\n"
-                + _wrapped(EQUAL_STEPS_INTRO + f"Collapse: {earlier.get('collapse_rule', '-')}.") + "\n"
-                + _table(ASYNC_HEADER, _async_rows(earlier)))
-    return out
-
-
 OPTIONS_STUDY_FILE = Path("options-study") / "study.json"  # written by scripts/options_study.py
-OPTION_METRICS = {"dynamic_sampling": [("ds_signal_share", "signal share", ".2f"), ("ds_cap_hit", "cap hit", ".2f")],
-                  "overlong": [("overlong_filtered_frac", "filtered", ".3f"),
-                               ("overlong_penalty_mean", "penalty", ".3f")],
-                  "qae": [("adv_zero_frac", "zero advantage", ".2f")],
-                  "dr_grpo": [("adv_zero_frac", "zero advantage", ".2f")]}
-
-
-def options_section(study: dict[str, Any]) -> str:
-    """RESULTS.md's "DAPO, QAE and Dr. GRPO": one line per arm, over seeds."""
-    rows = []
-    for t in study.get("table", []):
-        evals = None if t["eval_avg_mean"] is None else 100 * t["eval_avg_mean"]
-        eval_sd = None if t["eval_avg_sd"] is None else 100 * t["eval_avg_sd"]
-        shown = t.get("arm_metrics", {})
-        own = ", ".join(f"{label} {_num(shown.get(key), fmt)}" for key, label, fmt in OPTION_METRICS.get(t["arm"], []))
-        rows.append([t["arm"], t["recipe"] + "".join(f" `--set {s}`" for s in t.get("sets", [])),
-                     " ".join(str(x) for x in t["seeds"]), _mean_sd(evals, eval_sd, ".1f"),
-                     _mean_sd(t["entropy_final_mean"], t["entropy_final_sd"], ".3f"),
-                     _num(t["reward_final_mean"], ".2f"), _num(t.get("tokens_generated_mean"), ",.0f"),
-                     _num(shown.get("truncated_frac"), ".3f"), own or "-",
-                     f"{t['collapsed']} of {len(t['seeds'])}", " ".join(sha[:12] for sha in t["recipe_sha256"]),
-                     " ".join(c[:7] for c in t.get("commits", [])) or "-"])
-    intro = ("Each option's recipe (tiny_rl with it on alone) against tiny_rl, trained from the tiny SFT model; "
-             "group_control is tiny_rl with `rl.adv_norm=group`, since QAE's and Dr. GRPO's baselines are per group "
-             "where tiny_rl normalises over the batch. Held-out: avg@8 on tiny-arith eval, percent (± sd across "
-             "seeds); entropy: mean token entropy of the last steps; final reward: mean training reward of the last "
-             "steps (with dynamic sampling, over the groups it kept: groups all right are left out, so it reads "
-             "lower); tokens generated: over the whole run; the option's own metrics are means over steps (cap hit: the share of steps where the cap let "
-             "groups without signal train). "
-             f"Collapse: {study.get('collapse_rule', '-')}. `make options-study` reruns it.")
-    header = ["arm", "recipe", "seeds", "held-out avg@8", "entropy at the end", "final reward", "tokens generated",
-              "truncated frac",
-              "its metrics", "collapsed", "sha256 (with the seed set)", "commit"]
-    return "## DAPO, QAE and Dr. GRPO\n\n" + _wrapped(intro) + "\n" + _table(header, rows)
-
-
 def load_study(runs_dir: str | Path = "runs", name: Path = STUDY_FILE) -> dict[str, Any] | None:
     """A local study.json, or None."""
     return read_study(Path(runs_dir) / name)
@@ -460,7 +282,7 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
         header, rows = result_rows(results)
         parts.append("Newest result per (recipe, model, benchmark). *published* is the reference number\n"
                      "the recipe declares for that benchmark; Δ is avg@n minus it, in points.\n")
-        parts.append(_table(header, rows))
+        parts.append(table(header, rows))
         if any(r.get("source") == "local" for r in results):
             parts.append("\\* from a run on this machine, not yet kept in `results/`: `rlrecipe results --record` "
                          "keeps it.\n")
@@ -470,7 +292,7 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
                      "what graded the answers: math-verify's verdict at the version named (docs/grader.md), or\n"
                      "\"-\" for a result recorded before graders were named, when a fast path in front of\n"
                      "math-verify cleaned some answers up first (a trailing dot, \\text{}, spaces in numbers).\n")
-        parts.append(_table(["Run", "Benchmark", "temperature", "top_p", "max new tokens", "wall time (s)",
+        parts.append(table(["Run", "Benchmark", "temperature", "top_p", "max new tokens", "wall time (s)",
                              "tokens generated", "train GPU-h", "train tokens trained", "train tokens generated",
                              "grader", "summary"], _settings_rows(results)))
     groups = seed_groups(results)

@@ -198,7 +198,7 @@ def test_committed_results_md_is_what_the_kept_results_give_on_a_fresh_clone(tmp
 
 
 def test_the_async_study_renders_its_time_axis_and_the_time_to_reach_sync_accuracy(tmp_path):
-    from rlrecipe.eval.report import async_section
+    from rlrecipe.eval.study_sections import async_section
 
     from scripts.async_study import time_table
 

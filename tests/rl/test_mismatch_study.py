@@ -171,7 +171,7 @@ def test_results_md_gets_the_study_table_and_keeps_study_runs_out_of_the_main_on
 
 
 def test_the_three_dials_summarise_and_sort_together(tmp_path):
-    from rlrecipe.eval.report import study_section
+    from rlrecipe.eval.study_sections import study_section
 
     from scripts.mismatch_study import aggregate, run_name, summarise_run
 

@@ -4,6 +4,14 @@ from pathlib import Path
 import pytest
 
 import rlrecipe  # noqa: F401 - before any test imports torch: OpenMP takes the package's wait policy
+from rlrecipe.core.threads import POLICY_ENV, SHORT_SPIN, SPIN_ENV
+
+# The suite starts its own load (servers, ranks, CLI runs) after each of its processes has chosen how
+# its threads wait, which the package's choice at start cannot see: where that choice was the quiet
+# one, every process of the suite (this one and those it starts) spins briefly instead. The package's
+# own choice is tested by tests/core/test_threads.py; RLRECIPE_TESTS_WAIT=shipped runs the suite under it.
+if os.environ.get("RLRECIPE_TESTS_WAIT") != "shipped" and POLICY_ENV not in os.environ and SPIN_ENV not in os.environ:
+    os.environ[SPIN_ENV] = SHORT_SPIN
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

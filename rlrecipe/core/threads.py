@@ -5,13 +5,14 @@ rounds by default) waiting for the next parallel region. When other tasks want t
 spinning thread burns the core its partner needs and every parallel region waits for a
 descheduled thread: steps stall several times over. So the package looks once, at its first
 import, at how many other tasks are runnable (/proc/stat): if they want more cores than our threads
-leave free, idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE); otherwise they spin briefly
-(GOMP_SPINCOUNT=1000) rather than the runtime's long default, because a process that also runs
-Python threads beside its kernels (`rlrecipe serve`'s HTTP threads, the rollout-ahead worker) is
-its own competing load: under the long spin a clean clone's server tests missed their streamed
-chunks and aborts. The runtime reads the setting once, when torch is first imported, so a load that
-starts later is not seen; a setting the user made is kept. The wait changes speed only, never
-results. Measurements: docs/performance.md ("Threads on a busy machine"), `python -m bench.thread_load`.
+leave free, idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE); otherwise the runtime keeps its
+long default spin, the fastest wait for kernels that run alone. A process that serves HTTP
+(`rlrecipe serve`) runs request threads beside its kernels and is its own competing load: under the
+long spin its streamed chunks and aborts arrived late, so importing the server package first turns
+a quiet choice into a short spin (GOMP_SPINCOUNT=1000). The runtime reads the setting once, when
+torch is first imported, so a load that starts later is not seen; a setting the user made is kept.
+The wait changes speed only, never results. Measurements: docs/performance.md ("Threads on a busy
+machine"), `python -m bench.thread_load`.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def others_running(samples: int = 3, gap_s: float = 0.001) -> int | None:
 def choose_wait(others: int | None, threads: int, cores: int) -> str | None:
     """OMP_WAIT_POLICY for a process about to start `threads` intra-op threads on `cores` while
     `others` other tasks are runnable: PASSIVE (idle threads sleep at once) when those tasks want
-    more than the cores our threads leave free, or when the load cannot be read; None (quiet: a
-    short spin) otherwise. More threads than cores alone is not load."""
+    more than the cores our threads leave free, or when the load cannot be read; None (quiet: the
+    runtime's default spin) otherwise. More threads than cores alone is not load."""
     if others is None or others > max(0, cores - threads):
         return PASSIVE
     return None
@@ -77,11 +78,19 @@ def default_wait_policy() -> None:
     policy = choose_wait(others, threads, cores)
     load = "load unknown" if others is None else f"{others} other runnable task(s)"
     WAIT_CHOICE = (f"{'busy' if policy else 'quiet'} at start ({load}, {threads} thread(s) on {cores} core(s)): "
-                   + (f"{POLICY_ENV}={policy}" if policy else f"{SPIN_ENV}={SHORT_SPIN}"))
+                   + (f"{POLICY_ENV}={policy}" if policy else "the runtime's default spin"))
     if policy:
         os.environ[POLICY_ENV] = policy
-    else:
-        os.environ[SPIN_ENV] = SHORT_SPIN
+
+
+def server_wait_policy() -> None:
+    """In a process about to serve HTTP beside its kernels: a quiet choice becomes the short spin.
+    Nothing changes where the user set the wait, the machine was busy, or torch is already loaded."""
+    global WAIT_CHOICE
+    if WAIT_CHOICE is None or "torch" in sys.modules or SPIN_ENV in os.environ or POLICY_ENV in os.environ:
+        return
+    os.environ[SPIN_ENV] = SHORT_SPIN
+    WAIT_CHOICE += f"; serving HTTP beside the kernels: {SPIN_ENV}={SHORT_SPIN}"
 
 
 def thread_record() -> dict:

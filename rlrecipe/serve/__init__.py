@@ -47,3 +47,7 @@ Modules: `protocol` (request parsing and validation, response bodies), `schedule
 requests onto the in-process engine, applies aborts and weight updates), `weights` (the update
 group and session, the weights read back), `http_server` (the endpoints, the server, `serve_forever`).
 """
+
+from rlrecipe.core.threads import server_wait_policy
+
+server_wait_policy()  # before the server's modules load torch: see rlrecipe/core/threads.py

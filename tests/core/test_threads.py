@@ -24,15 +24,16 @@ def _probe(env: dict, code: str = PROBE) -> list[str]:
                           check=True).stdout.split("\n")[0].split()
 
 
-def _probe_choice(env: dict) -> tuple[list[str], str]:
+def _probe_choice(env: dict, first: str = "rlrecipe") -> tuple[list[str], str]:
     base = {k: v for k, v in os.environ.items() if k not in UNSET}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
+    code = PROBE.replace("import os, rlrecipe,", f"import os, {first},")
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     return out[0].split(), out[1]
 
 
 def test_threads_sleep_at_once_only_where_other_tasks_want_their_cores():
-    assert choose_wait(0, 2, 2) is None  # quiet: a short spin
+    assert choose_wait(0, 2, 2) is None  # quiet: the runtime's default spin
     assert choose_wait(0, 1, 2) is None
     assert choose_wait(1, 1, 2) is None  # one task beside one thread on two cores
     assert choose_wait(1, 2, 2) == PASSIVE
@@ -48,8 +49,20 @@ def test_importing_the_package_first_sets_what_it_chose():
     if choice.startswith("busy"):
         assert (spin, policy) == ("None", PASSIVE) and choice.endswith(f"OMP_WAIT_POLICY={PASSIVE}"), choice
     else:
-        assert (spin, policy) == ("1000", "None") and choice.startswith("quiet"), choice
-        assert choice.endswith("GOMP_SPINCOUNT=1000"), choice
+        assert (spin, policy) == ("None", "None") and choice.startswith("quiet"), choice
+        assert choice.endswith("the runtime's default spin"), choice
+
+
+def test_a_server_process_spins_briefly_where_the_package_chose_the_long_spin():
+    (spin, policy, _), choice = _probe_choice({"OMP_NUM_THREADS": "2"}, first="rlrecipe.serve")
+    if choice.startswith("busy"):
+        assert (spin, policy) == ("None", PASSIVE) and "serving" not in choice, choice
+    else:
+        assert (spin, policy) == ("1000", "None"), choice
+        assert choice.endswith("serving HTTP beside the kernels: GOMP_SPINCOUNT=1000"), choice
+    # the user's setting is kept there too
+    got, choice = _probe_choice({"GOMP_SPINCOUNT": "7"}, first="rlrecipe.serve")
+    assert got[:2] == ["7", "None"] and choice == "None"
 
 
 def test_one_busy_loop_per_core_at_start_makes_openmp_threads_sleep_at_once():

@@ -48,8 +48,8 @@ demo: $(STAMP)
 mismatch-study: $(STAMP)
 	$(BIN)/python -m scripts.mismatch_study
 
-# Synchronous (in-process, both cores) vs rl.async_lag 1 and 2, IcePop and TIS, 3 seeds, held-out accuracy
-# every 5 steps against wall-clock and steps, from the demo's SFT model (run `make demo` first); about
+# Synchronous (in-process, both cores) vs rl.async_lag 1 and 2, IcePop, TIS and M2PO, 3 seeds, held-out
+# accuracy every 5 steps against wall-clock and steps, from the demo's SFT model (run `make demo` first); about
 # 45 minutes on 2 cores, on a quiet machine (it times the runs). Writes runs/async-study/, results/async-study.png
 # and RESULTS.md's section.
 async-study: $(STAMP)

@@ -66,6 +66,7 @@ def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mode: str
     k = exp(logp_train_old - logp_infer), detached.
     icepop: M(k) = k if alpha <= k <= beta else 0 (Ring-1T).
     tis:    min(k, cap) (truncated importance sampling).
+    m2po:   k; the batch-level mask is algo/m2po.py's, applied by the caller.
     off:    1.
     """
     k = safe_ratio(logp_old.detach(), logp_infer.detach())
@@ -74,6 +75,8 @@ def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mode: str
         return torch.where(inside, k, torch.zeros_like(k)), ~inside
     if mode == "tis":
         return torch.clamp(k, max=cap), torch.zeros_like(k, dtype=torch.bool)
+    if mode == "m2po":
+        return k, torch.zeros_like(k, dtype=torch.bool)
     if mode == "off":
         return torch.ones_like(k), torch.zeros_like(k, dtype=torch.bool)
     raise ValueError(f"unknown mismatch correction {mode!r}")

@@ -101,11 +101,14 @@ class SFTSection(Section):
 
 
 class IcePop(Section):
-    # icepop: M(k) = k in [alpha, beta] else 0; tis: min(k, tis_cap); off: weight 1.
-    mode: Literal["icepop", "tis", "off"] = "icepop"
+    # icepop: M(k) = k in [alpha, beta] else 0; tis: min(k, tis_cap); off: weight 1;
+    # m2po: k, with the batch's largest (log k)^2 trust-region tokens masked until the mean of the
+    # rest is at most m2_threshold (Zheng et al. 2025; algo/m2po.py).
+    mode: Literal["icepop", "tis", "m2po", "off"] = "icepop"
     alpha: float = Field(0.5, gt=0)
     beta: float = Field(5.0, gt=0)
     tis_cap: float = Field(2.0, gt=0)
+    m2_threshold: float = Field(0.04, gt=0, json_schema_extra=HASHED_WHEN_SET)
 
     @field_validator("mode", mode="before")
     @classmethod

@@ -17,6 +17,7 @@ import torch
 from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advantages
 from rlrecipe.algo.dapo import overlong_penalty
 from rlrecipe.algo.entropy_watch import EntropyWatch
+from rlrecipe.algo.m2po import batch_masks
 from rlrecipe.algo.ppo import LossSettings, Remedies, aggregation_scale, mismatch_weights, policy_loss
 from rlrecipe.core.atomic_io import atomic_write_text
 from rlrecipe.core.console import console
@@ -109,9 +110,17 @@ def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch,
     masked = total = 0
     abs_gap = kl = adv_sum = 0.0
     ice = cfg.icepop
+    # M2PO decides over the whole batch; the tokens already out of the loss are not candidates
+    second_moment = (batch_masks([lo - batch.logp_infer(i) for i, lo in enumerate(logp_old)],
+                                 [torch.full_like(lo, 0.0 if overlong[i] else a) for i, (a, lo) in
+                                  enumerate(zip(adv, logp_old, strict=True))], ice.m2_threshold)
+                     if ice.mode == "m2po" else None)
     for i, (s, a, lo) in enumerate(zip(samples, adv, logp_old, strict=True)):
         li = batch.logp_infer(i)  # a float32 view into the batch's array
         w, m = mismatch_weights(lo, li, ice.mode, ice.alpha, ice.beta, ice.tis_cap)
+        if second_moment is not None:
+            m = second_moment[i]
+            w = w.masked_fill(m, 0.0)
         if overlong[i]:
             w = torch.zeros_like(w)
         c = s.columns

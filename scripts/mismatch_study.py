@@ -114,12 +114,17 @@ def collapsed(row: dict) -> bool:
     return row["accuracy_final"] < row["accuracy_first"] - COLLAPSE_DROP
 
 
+def _correction_order(correction: str) -> tuple[int, str]:
+    """This study's corrections in their order, then any other study's (the async study's M2PO) by name."""
+    return (CORRECTIONS.index(correction), "") if correction in CORRECTIONS else (len(CORRECTIONS), correction)
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
     """One line per (dial, level, correction): means, sd across seeds, and collapses."""
     out = []
     keys = sorted({(r["dial"], r["level"], r["correction"]) for r in rows},
                   key=lambda k: (k[0], str(k[1]) if isinstance(k[1], str) else f"{k[1]:012.4f}",
-                                 CORRECTIONS.index(k[2])))
+                                 _correction_order(k[2])))
     for dial, level, corr in keys:
         group = [r for r in rows if (r["dial"], r["level"], r["correction"]) == (dial, level, corr)]
         finals = [r["reward_final"] for r in group if r.get("steps")]

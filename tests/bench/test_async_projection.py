@@ -147,10 +147,11 @@ def test_cli_reuses_the_rollouts_for_several_training_costs(tmp_path, capsys):
 
 
 def test_the_fast_form_gives_every_key_make_bench_writes():
-    from bench.projection.async_fast import PUSH_SENSITIVITY_S, async_split, markdown, one_distribution
+    from bench.projection.async_fast import PUSH_SENSITIVITY_S, async_lag, async_split, markdown, one_distribution
 
     assert async_split() == 80  # recipes/7b_boba_async.yaml: 80 one-GPU servers
-    res = one_distribution([[200] * 16] * 8, "flat", steps=1, overrides=["rl.c3po.token_budget=1638400"])
+    assert async_lag() == 1  # and its rl.async_lag
+    res = one_distribution([[200] * 16] * 8, "flat", async_lag(), steps=1, overrides=["rl.c3po.token_budget=1638400"])
     for key in ["", "every_server_reads_"] + [f"push{s:g}s_" for s in PUSH_SENSITIVITY_S]:
         assert res[f"{key}async_c3po_vs_sync_split_per_trained_token"] > 0
         assert res[f"{key}async_c3po_vs_sync_colocated_per_trained_token"] > 0

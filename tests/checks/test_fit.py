@@ -177,7 +177,7 @@ def test_overrides_of_the_source_are_fitted_and_named(tmp_path, monkeypatch):
 def test_async_recipe_keeps_its_lag(tmp_path, monkeypatch):
     out, _ = _fit_to(tmp_path, monkeypatch, "recipes/7b_boba_async.yaml", 8, 2, 80, "async_2x8.yaml")
     fitted, source = load_recipe(out).recipe, load_recipe(REPO / "recipes/7b_boba_async.yaml").recipe
-    assert fitted.rl.async_lag == source.rl.async_lag == 2
+    assert fitted.rl.async_lag == source.rl.async_lag == 1  # not the default 0
     assert fitted.algorithm_sha256() == source.algorithm_sha256()
 
 

@@ -103,6 +103,8 @@ def async_section(study: dict[str, Any] | None, earlier: dict[str, Any] | None =
             "batches collected ahead before each validation (drain) is counted, which is pessimistic for async. "
             "Reach: the wall-clock at which the seed-mean held-out accuracy first reaches the synchronous arm's final "
             "one (same correction), then per seed. "
+            + ("OpenMP wait, every arm: " + ", ".join(f"{k}={v}" for k, v in plan["openmp_wait"].items()) + ". "
+               if plan.get("openmp_wait") else "")
             + (f"Note: {plan['note']} " if plan.get("note") else "")
             + (f"Figure: [{study['figure']}]({study['figure']}). " if study.get("figure") else "")
             + "`make async-study` reruns it.")

@@ -214,8 +214,10 @@ def test_the_async_study_renders_its_time_axis_and_the_time_to_reach_sync_accura
     assert table[1]["reach_wall_s"] == 15.0 and table[1]["reach_step"] == 10 and table[1]["seeds_reaching"] == 2
     # the seed mean of lag 2 ends at 0.8 (0.7 and 0.9): reached at its last point; one seed alone never does
     assert table[2]["reach_step"] == 15 and table[2]["reach_wall_s_seeds"] == [None, 15.0]
-    study = {"plan": {"eval_every": 5}, "table": [], "time_table": list(table.values()), "figure": "results/x.png"}
+    study = {"plan": {"eval_every": 5, "openmp_wait": {"GOMP_SPINCOUNT": "300000"}}, "table": [],
+             "time_table": list(table.values()), "figure": "results/x.png"}
     md = async_section(study)
+    assert "OpenMP wait, every arm: GOMP_SPINCOUNT=300000." in " ".join(md.split())
     assert "reach sync's final at" in md and "| async L=1 | icepop | 1 2 | 1.50 | 22 | 0 | 80.0 ± 0.0 | 80.0 | 15 s (step 10) |" in md
     never = async_section({**study, "time_table": [{**table[2], "reach_wall_s": None, "reach_step": None}]})
     assert "never within the run" in never

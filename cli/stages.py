@@ -83,9 +83,13 @@ def sft(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite:
 def rl(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False,
        adopt_checkpoint: AdoptOpt = False) -> None:
     """Critic-free PPO with IcePop and C3PO++."""
+    loaded = _load(recipe, set_)
+    if loaded.recipe.rollout.engine == "sglang":  # before torch loads: see rlrecipe/core/threads.py
+        from rlrecipe.core.threads import threaded_wait_policy
+
+        threaded_wait_policy("an SGLang client beside the kernels")
     from rlrecipe.stages.rl import run_rl
 
-    loaded = _load(recipe, set_)
     _adopt(adopt_checkpoint)
     _relaunch("rl", loaded, resume, overwrite)
     run_rl(loaded, resume=resume, overwrite=overwrite)

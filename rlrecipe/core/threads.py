@@ -6,10 +6,10 @@ spinning thread burns the core its partner needs and every parallel region waits
 descheduled thread: steps stall several times over. So the package looks once, at its first
 import, at how many other tasks are runnable (/proc/stat): if they want more cores than our threads
 leave free, idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE); otherwise the runtime keeps its
-long default spin, the fastest wait for kernels that run alone. A process that serves HTTP
-(`rlrecipe serve`) runs request threads beside its kernels and is its own competing load: under the
-long spin its streamed chunks and aborts arrived late, so importing the server package first turns
-a quiet choice into a short spin (GOMP_SPINCOUNT=1000). The runtime reads the setting once, when
+long default spin, the fastest wait for kernels that run alone. A process that runs HTTP threads
+beside its kernels is its own competing load: under the long spin a server's streamed chunks and
+aborts, and an SGLang client's aborts, arrived late. So importing the server package first, or an
+RL stage whose rollout engine is SGLang, turns a quiet choice into a short spin (GOMP_SPINCOUNT=1000). The runtime reads the setting once, when
 torch is first imported, so a load that starts later is not seen; a setting the user made is kept.
 The wait changes speed only, never results. Measurements: docs/performance.md ("Threads on a busy
 machine"), `python -m bench.thread_load`.
@@ -83,14 +83,15 @@ def default_wait_policy() -> None:
         os.environ[POLICY_ENV] = policy
 
 
-def server_wait_policy() -> None:
-    """In a process about to serve HTTP beside its kernels: a quiet choice becomes the short spin.
-    Nothing changes where the user set the wait, the machine was busy, or torch is already loaded."""
+def threaded_wait_policy(why: str = "serving HTTP beside the kernels") -> None:
+    """In a process about to run HTTP threads beside its kernels (a server; an RL stage's SGLang
+    client, whose aborts must land while the trainer computes): a quiet choice becomes the short
+    spin. Nothing changes where the user set the wait, the machine was busy, or torch is loaded."""
     global WAIT_CHOICE
     if WAIT_CHOICE is None or "torch" in sys.modules or SPIN_ENV in os.environ or POLICY_ENV in os.environ:
         return
     os.environ[SPIN_ENV] = SHORT_SPIN
-    WAIT_CHOICE += f"; serving HTTP beside the kernels: {SPIN_ENV}={SHORT_SPIN}"
+    WAIT_CHOICE += f"; {why}: {SPIN_ENV}={SHORT_SPIN}"
 
 
 def thread_record() -> dict:

@@ -48,6 +48,6 @@ requests onto the in-process engine, applies aborts and weight updates), `weight
 group and session, the weights read back), `http_server` (the endpoints, the server, `serve_forever`).
 """
 
-from rlrecipe.core.threads import server_wait_policy
+from rlrecipe.core.threads import threaded_wait_policy
 
-server_wait_policy()  # before the server's modules load torch: see rlrecipe/core/threads.py
+threaded_wait_policy()  # before the server's modules load torch: see rlrecipe/core/threads.py

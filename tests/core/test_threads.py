@@ -11,6 +11,7 @@ import torch
 from rlrecipe.core.threads import PASSIVE, choose_wait, others_running, thread_change, thread_record
 from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
 from rlrecipe.run.record import Run
+from tests.conftest import REPO
 
 PROBE = ("import os, rlrecipe, torch; from rlrecipe.core.threads import WAIT_CHOICE; "
          "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads()); "
@@ -63,6 +64,35 @@ def test_a_server_process_spins_briefly_where_the_package_chose_the_long_spin():
     # the user's setting is kept there too
     got, choice = _probe_choice({"GOMP_SPINCOUNT": "7"}, first="rlrecipe.serve")
     assert got[:2] == ["7", "None"] and choice == "None"
+
+
+RL_PROBE = """
+import os, sys, types
+from pathlib import Path
+import rlrecipe
+from rlrecipe.core import threads
+stub = types.ModuleType("rlrecipe.stages.rl")  # the stage itself is not run: what torch would load with
+stub.run_rl = lambda loaded, **kw: print(os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules, threads.WAIT_CHOICE)
+sys.modules["rlrecipe.stages.rl"] = stub
+from rlrecipe.cli.stages import rl
+rl(Path(sys.argv[1]), set_=sys.argv[2:])
+"""
+
+
+def test_an_rl_stage_with_sglang_rollout_spins_briefly_and_an_in_process_one_keeps_the_long_spin():
+    base = {k: v for k, v in os.environ.items() if k not in UNSET}
+    recipe = str(REPO / "recipes" / "tiny_rl.yaml")
+
+    def probe(*sets: str) -> str:
+        return subprocess.run([sys.executable, "-c", RL_PROBE, recipe, *sets], env={**base, "OMP_NUM_THREADS": "2"},
+                              capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+
+    client, alone = probe("rollout.engine=sglang"), probe()
+    if "busy at start" in client or "busy at start" in alone:
+        return  # the machine was busy: both sleep at once, which the busy-loop test below covers
+    assert client.startswith("1000 False quiet at start") and client.endswith(
+        "an SGLang client beside the kernels: GOMP_SPINCOUNT=1000"), client
+    assert alone.startswith("None False quiet at start") and alone.endswith("the runtime's default spin"), alone
 
 
 def test_one_busy_loop_per_core_at_start_makes_openmp_threads_sleep_at_once():

@@ -147,7 +147,13 @@ def test_cli_reuses_the_rollouts_for_several_training_costs(tmp_path, capsys):
 
 
 def test_the_fast_form_gives_every_key_make_bench_writes():
-    from bench.projection.async_fast import PUSH_SENSITIVITY_S, async_lag, async_split, markdown, one_distribution
+    from bench.projection.async_fast import (
+        PUSH_SENSITIVITY_S,
+        async_lag,
+        async_split,
+        markdown,
+        one_distribution,
+    )
 
     assert async_split() == 80  # recipes/7b_boba_async.yaml: 80 one-GPU servers
     assert async_lag() == 1  # and its rl.async_lag

@@ -110,12 +110,12 @@ def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch,
     masked = total = 0
     abs_gap = kl = adv_sum = 0.0
     ice = cfg.icepop
+    gaps = [lo - batch.logp_infer(i) for i, lo in enumerate(logp_old)]  # log(pi_old / pi_infer) per token
     # M2PO decides over the whole batch; the tokens already out of the loss are not candidates
-    second_moment = (batch_masks([lo - batch.logp_infer(i) for i, lo in enumerate(logp_old)],
-                                 [torch.full_like(lo, 0.0 if overlong[i] else a) for i, (a, lo) in
-                                  enumerate(zip(adv, logp_old, strict=True))], ice.m2_threshold)
+    second_moment = (batch_masks(gaps, [torch.full_like(d, 0.0 if cut else a) for d, a, cut in
+                                        zip(gaps, adv, overlong, strict=True)], ice.m2_threshold)
                      if ice.mode == "m2po" else None)
-    for i, (s, a, lo) in enumerate(zip(samples, adv, logp_old, strict=True)):
+    for i, (s, a, lo, d) in enumerate(zip(samples, adv, logp_old, gaps, strict=True)):
         li = batch.logp_infer(i)  # a float32 view into the batch's array
         w, m = mismatch_weights(lo, li, ice.mode, ice.alpha, ice.beta, ice.tis_cap)
         if second_moment is not None:
@@ -129,7 +129,6 @@ def attach_ppo_fields(samples: list[TrainSample], batch: TrajectoryBatch,
         masked += int(m.sum())
         total += len(lo)
         adv_sum += a * len(lo)
-        d = lo - li
         abs_gap += float(d.abs().sum())
         kl += float((torch.exp(d) - 1 - d).sum())  # k3 estimate of KL(infer || train)
     out = {"icepop_masked_frac": masked / max(1, total), "mismatch_abs_logp": abs_gap / max(1, total),

@@ -9,10 +9,10 @@ leave free, idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE); otherwise the 
 long default spin, the fastest wait for kernels that run alone. A process that runs HTTP threads
 beside its kernels is its own competing load: under the long spin a server's streamed chunks and
 aborts, and an SGLang client's aborts, arrived late. So importing the server package first, or an
-RL stage whose rollout engine is SGLang, turns a quiet choice into a short spin (GOMP_SPINCOUNT=1000). The runtime reads the setting once, when
-torch is first imported, so a load that starts later is not seen; a setting the user made is kept.
-The wait changes speed only, never results. Measurements: docs/performance.md ("Threads on a busy
-machine"), `python -m bench.thread_load`.
+RL stage whose rollout engine is SGLang, turns a quiet choice into a short spin
+(GOMP_SPINCOUNT=1000). The runtime reads the setting once, when torch is first imported, so a load
+that starts later is not seen; a setting the user made is kept. The wait changes speed only, never
+results. Measurements: docs/performance.md ("Threads on a busy machine"), `python -m bench.thread_load`.
 """
 
 from __future__ import annotations
@@ -68,10 +68,15 @@ def choose_wait(others: int | None, threads: int, cores: int) -> str | None:
     return None
 
 
+def _wait_settled() -> bool:
+    """Too late, or not ours, to choose: torch (and its OpenMP runtime) is loaded, or a wait is set."""
+    return "torch" in sys.modules or SPIN_ENV in os.environ or POLICY_ENV in os.environ
+
+
 def default_wait_policy() -> None:
     """Choose how OpenMP threads wait, unless the environment already did or torch is loaded."""
     global WAIT_CHOICE
-    if "torch" in sys.modules or SPIN_ENV in os.environ or POLICY_ENV in os.environ:
+    if _wait_settled():
         return
     cores = _usable_cores()
     threads, others = _planned_threads(cores), others_running()
@@ -88,7 +93,7 @@ def threaded_wait_policy(why: str = "serving HTTP beside the kernels") -> None:
     client, whose aborts must land while the trainer computes): a quiet choice becomes the short
     spin. Nothing changes where the user set the wait, the machine was busy, or torch is loaded."""
     global WAIT_CHOICE
-    if WAIT_CHOICE is None or "torch" in sys.modules or SPIN_ENV in os.environ or POLICY_ENV in os.environ:
+    if WAIT_CHOICE is None or _wait_settled():
         return
     os.environ[SPIN_ENV] = SHORT_SPIN
     WAIT_CHOICE += f"; {why}: {SPIN_ENV}={SHORT_SPIN}"

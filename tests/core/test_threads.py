@@ -13,23 +13,25 @@ from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
 from rlrecipe.run.record import Run
 from tests.conftest import REPO
 
-PROBE = ("import os, rlrecipe, torch; from rlrecipe.core.threads import WAIT_CHOICE; "
+PROBE = ("import os, {first}, torch; from rlrecipe.core.threads import WAIT_CHOICE; "
          "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads()); "
          "print(WAIT_CHOICE)")
 UNSET = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def _probe(env: dict, code: str = PROBE) -> list[str]:
+def _run(code: str, env: dict, *args: str) -> str:
+    """`python -c code args` in a fresh process, with no wait setting inherited from this one; its stdout."""
     base = {k: v for k, v in os.environ.items() if k not in UNSET}
-    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          check=True).stdout.split("\n")[0].split()
+    return subprocess.run([sys.executable, "-c", code, *args], env={**base, **env}, capture_output=True, text=True,
+                          check=True, cwd=REPO).stdout
+
+
+def _probe(env: dict, code: str = PROBE.format(first="rlrecipe")) -> list[str]:
+    return _run(code, env).split("\n")[0].split()
 
 
 def _probe_choice(env: dict, first: str = "rlrecipe") -> tuple[list[str], str]:
-    base = {k: v for k, v in os.environ.items() if k not in UNSET}
-    code = PROBE.replace("import os, rlrecipe,", f"import os, {first},")
-    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = _run(PROBE.format(first=first), env).splitlines()
     return out[0].split(), out[1]
 
 
@@ -80,12 +82,10 @@ rl(Path(sys.argv[1]), set_=sys.argv[2:])
 
 
 def test_an_rl_stage_with_sglang_rollout_spins_briefly_and_an_in_process_one_keeps_the_long_spin():
-    base = {k: v for k, v in os.environ.items() if k not in UNSET}
     recipe = str(REPO / "recipes" / "tiny_rl.yaml")
 
     def probe(*sets: str) -> str:
-        return subprocess.run([sys.executable, "-c", RL_PROBE, recipe, *sets], env={**base, "OMP_NUM_THREADS": "2"},
-                              capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+        return _run(RL_PROBE, {"OMP_NUM_THREADS": "2"}, recipe, *sets).strip()
 
     client, alone = probe("rollout.engine=sglang"), probe()
     if "busy at start" in client or "busy at start" in alone:

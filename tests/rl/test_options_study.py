@@ -46,7 +46,8 @@ def test_options_study_summary_and_section_by_hand(tmp_path):
     line = next(x for x in md.splitlines() if x.startswith("| dynamic_sampling "))
     assert line.startswith("| dynamic_sampling | recipes/tiny_rl_dynamic_sampling.yaml | 1 2 3 | 70.0 ± 18.0 | "
                            "0.400 ± 0.100 |")
-    assert "| 0.00 | 1,000 | 0.000 | signal share 0.80, cap hit 0.00 |" in line  # 10 steps x 100 tokens and "| 1 of 3 |" in line and "cdcdcdcdcdcd" in line
+    # 10 steps x 100 tokens; 1 of the 3 seeds collapsed; the sha256's first 12 hex digits
+    assert "| 0.00 | 1,000 | 0.000 | signal share 0.80, cap hit 0.00 | 1 of 3 | cdcdcdcdcdcd |" in line
     assert "Collapse: RULE." in md
 
 

@@ -30,6 +30,9 @@ from rlrecipe.rollout.sglang_router import start_router
 from rlrecipe.rollout.sglang_server import ServerProcess, launch_servers, wait_until_healthy
 from rlrecipe.rollout.sglang_versions import NEWEST, Dialect, dialect_of
 
+# a /server_info that fails is asked this often in all, this far apart, before an error names the server
+SERVER_INFO_TRIES, SERVER_INFO_PAUSE_S = 3, 1.0
+
 
 class ServerFleet:
     """SGLang servers (and the router, if any): their URLs, which are live, and one request to each."""
@@ -48,7 +51,8 @@ class ServerFleet:
         self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
         self.failed: set[int] = set()  # servers that died or hung under this engine (until taken back)
         self.recovery = ServerRecovery(self.servers, self.cfg.max_restarts)
-        self.server_infos: dict[int, dict] = {}
+        self.server_infos: dict[int, dict] = {}  # answers only: a failed /server_info is asked again
+        self._unversioned: set[int] = set()  # servers already warned of for stating no version
         self.version = 0  # the policy version new tokens are labelled with
         self.weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
         # called when the set of live servers changes (the broadcast group counts the old set)
@@ -130,6 +134,7 @@ class ServerFleet:
             self.failed.discard(i)
             self.http.mark_up(i)
             self.server_infos.pop(i, None)  # a restarted server is asked again
+            self._unversioned.discard(i)
             console.print(f"SGLang server {i} ({self.urls[i]}) answers again: taken back with the weights of "
                           f"version {version}", highlight=False, soft_wrap=True)
         if back:
@@ -197,21 +202,42 @@ class ServerFleet:
         return self.get_info(i, "model_info")
 
     def server_info(self, i: int) -> dict:
-        """Server i's /server_info, asked once ({} where it does not answer it)."""
-        if i not in self.server_infos:
+        """Server i's /server_info, kept once it answered. A failure is never kept: its version decides
+        what a request may carry (a 0.5.1 server taken for the newest is sent sampling_seed and too
+        many new tokens), so it is asked again a few times, then an error names the server, and the
+        next use asks again."""
+        if i in self.server_infos:
+            return self.server_infos[i]
+        for attempt in range(SERVER_INFO_TRIES):
+            if attempt:
+                time.sleep(SERVER_INFO_PAUSE_S)
             try:
-                self.server_infos[i] = self.get_info(i, "server_info")
-            except (requests.RequestException, ValueError):
-                self.server_infos[i] = {}
-        return self.server_infos[i]
+                info = self.get_info(i, "server_info")
+            except (requests.RequestException, ValueError) as err:
+                failure: Exception = err
+                continue
+            if isinstance(info, dict):
+                self.server_infos[i] = info
+                return info
+            failure = ValueError(f"not a JSON object: {str(info)[:200]}")
+        raise self.down_error(i, failure, f"/server_info failed {SERVER_INFO_TRIES} times (its SGLang version "
+                                          "decides what a request may carry, so it is not guessed)")
 
     def context_len(self, i: int) -> int | None:
         """Server i's context length; None where /server_info does not say."""
         return context_length(self.server_info(i))
 
     def dialect(self, i: int) -> Dialect:
-        """The rules of server i's SGLang version (from /server_info, asked once)."""
-        return dialect_of(self.server_info(i))
+        """The rules of server i's SGLang version (from its /server_info). One that answers without a
+        version it states is spoken to as the newest of the pin (sglang_versions.py), and told so once."""
+        dialect = dialect_of(self.server_info(i))
+        if dialect.version is None and i not in self._unversioned:
+            self._unversioned.add(i)
+            console.print(f"[yellow]warning[/]: SGLang server {self.urls[i]} states no version in /server_info "
+                          f"(version: {self.server_info(i).get('version')!r}): it is spoken to as "
+                          f"{'.'.join(map(str, NEWEST))}, the newest the client was checked against, with the "
+                          "stricter context edge", highlight=False, soft_wrap=True)
+        return dialect
 
     def endpoint_limits(self, e: int) -> tuple[Dialect, int | None, int | None]:
         """What a request sent to endpoint e must respect: the dialect, the context length and

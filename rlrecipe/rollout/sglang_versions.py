@@ -64,7 +64,8 @@ class Dialect:
 
 
 def dialect_of(server_info: dict) -> Dialect:
-    """The dialect a /server_info answer states ({} where the server did not answer)."""
+    """The dialect a /server_info answer states (an answer without a version: the unknown one). A
+    server that does not answer is not given one: `ServerFleet.server_info` raises instead."""
     return Dialect(parse_version(server_info.get("version")))
 
 

@@ -409,6 +409,68 @@ def test_distributed_weight_sync_broadcasts_into_the_server(server, tok, tiny_mo
         eng.close()
 
 
+def test_a_weight_update_session_left_open_is_closed_and_the_push_goes_through(server, tok, tiny_model_dir, capsys):
+    """A client killed between /begin_weight_update and /end_weight_update leaves the session open
+    (SGLang 0.5.21 on): every later begin is a 400 until an end closes it. The next push closes it
+    and opens its own."""
+    url = server["url"]
+    cfg = SGLangServer(weight_sync="distributed", weight_sync_backend="gloo", weight_sync_port=free_port())
+    eng = SGLangEngine([url], eos_token_id=tok.eos_token_id, max_concurrency=16, cfg=cfg)
+    try:
+        assert requests.post(url + "/begin_weight_update", json={}, timeout=10).status_code == 200  # the killed push's
+        r = requests.post(url + "/begin_weight_update", json={}, timeout=10)
+        assert r.status_code == 400 and "already open" in r.json()["message"]
+        eng.update_weights_from_state(load_model(tiny_model_dir).state_dict(), 5)  # the base weights again
+        assert eng.model_info(0)["weight_version"] == "5"
+        assert f"SGLang server {url} had a weight-update session left open" in capsys.readouterr().err
+        # and the push closed its own
+        r = requests.post(url + "/end_weight_update", json={}, timeout=10)
+        assert r.status_code == 400 and "no weight-update session is open" in r.json()["message"]
+    finally:
+        requests.post(url + "/end_weight_update", json={}, timeout=10)  # the module's server left with none open
+        eng.close()
+
+
+class ScriptedServers:
+    """`LiveServers` whose /begin_weight_update and /end_weight_update answer from a script, in order."""
+
+    def __init__(self, answers: list[tuple[int, str]]):
+        from rlrecipe.rollout.sglang_versions import Dialect
+
+        self.cfg, self.urls, self.live = SGLangServer(), ["http://s0"], [0]
+        self.answers, self.asked = answers, []
+        self._dialect = Dialect((0, 5, 23))
+
+    def dialect(self, i):
+        return self._dialect
+
+    def post(self, i, path, body, timeout=30.0):
+        self.asked.append(path)
+        code, message = self.answers.pop(0)
+        r = requests.Response()
+        r.status_code, r._content = code, json.dumps({"success": code == 200, "message": message}).encode()
+        return r
+
+
+def test_only_a_session_left_open_is_closed_and_begun_again_and_only_once():
+    from rlrecipe.rollout.weight_broadcast import WeightBroadcast
+
+    left_open = (400, "a weight-update session is already open; call end_weight_update() first")  # SGLang 0.5.23's
+    srv = ScriptedServers([left_open, (200, "Success"), (200, "Success")])
+    assert WeightBroadcast(srv)._session("begin", [0]) == [0]
+    assert srv.asked == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update"]
+    # still open after the end: an error, not a second round
+    srv = ScriptedServers([left_open, (200, "Success"), left_open])
+    with pytest.raises(UserError, match="/begin_weight_update failed: a weight-update session is already open"):
+        WeightBroadcast(srv)._session("begin", [0])
+    assert srv.asked == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update"]
+    # any other refusal stays an error, and no session is closed for it
+    srv = ScriptedServers([(400, "weight update is not supported")])
+    with pytest.raises(UserError, match="not supported"):
+        WeightBroadcast(srv)._session("begin", [0])
+    assert srv.asked == ["/begin_weight_update"]
+
+
 def test_weight_buckets_and_tied_tensors():
     from rlrecipe.rollout.weight_sync import buckets, distinct_tensors
 

@@ -37,7 +37,7 @@ from rlrecipe.rollout.weight_checksum import (
     hashes_on_cpu,
     judge,
     rank_checksums,
-    tensor_checksum,
+    served_checksum,
 )
 from rlrecipe.rollout.weight_probe import Scores, judge_scores, server_scores
 
@@ -269,7 +269,7 @@ class WeightCheck:
         for dtype in tried:
             key = (tuple(names), dtype)
             if key not in cache:
-                cache[key] = {n: tensor_checksum(t.to(dtype) if dtype is not None else t)
+                cache[key] = {n: served_checksum(n, t.to(dtype) if dtype is not None else t)
                               for n, t in cache[tuple(names)].items()}
             if any(rank0.get(n) == h for n, h in cache[key].items()):
                 self.hash_dtype[i] = dtype

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 NON_PERSISTENT = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
+# SGLang's VocabParallelEmbedding (the embedding and the LM head) holds the vocabulary rows padded with
+# zeros to a multiple of DEFAULT_VOCAB_PADDING_SIZE, and hashes the padded tensor.
+VOCAB_PADDING = 64
+VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -34,9 +38,24 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return f"{int.from_bytes(digest[:8], 'big'):016x}"
 
 
+def as_served(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The tensor as a one-rank SGLang server holds it: vocabulary rows zero-padded to a multiple of 64."""
+    rows = t.shape[0] if t.dim() == 2 else 0
+    if not name.endswith(VOCAB_TENSORS) or rows % VOCAB_PADDING == 0:
+        return t
+    padded = t.new_zeros((rows + VOCAB_PADDING - rows % VOCAB_PADDING, t.shape[1]))
+    padded[:rows] = t
+    return padded
+
+
+def served_checksum(name: str, t: torch.Tensor) -> str:
+    """The checksum a one-rank server on the CPU gives the trainer's tensor `name`."""
+    return tensor_checksum(as_served(name, t))
+
+
 def model_checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:
     """Every tensor's checksum, rotary caches left out, as a one-rank server answers."""
-    return {n: tensor_checksum(t) for n, t in named.items() if not any(p in n for p in NON_PERSISTENT)}
+    return {n: served_checksum(n, t) for n, t in named.items() if not any(p in n for p in NON_PERSISTENT)}
 
 
 def rank_checksums(answer: dict) -> list[dict[str, str]] | None:

@@ -324,3 +324,17 @@ def test_an_rl_run_stops_at_the_push_a_server_keeps_its_weights_and_keeps_what_i
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saved == ["latest", "step_0000001"]  # step 1 saved, nothing of step 2
     assert check_manifest(run_dir / "checkpoints" / "step_0000001") is None  # whole: every file as written
+
+
+def test_the_vocabulary_rows_are_hashed_as_sglang_pads_them():
+    """SGLang's VocabParallelEmbedding holds 261 rows as 320 (a multiple of 64), the rest zero, and
+    hashes that; other tensors, and vocabularies already a multiple of 64, are hashed as they are."""
+    from rlrecipe.rollout.weight_checksum import served_checksum
+
+    emb = torch.randn(261, 8, generator=torch.Generator().manual_seed(0))
+    padded = torch.cat([emb, torch.zeros(59, 8)])
+    by_hand = hashlib.sha256(padded.numpy().tobytes()).digest()[:8].hex()
+    assert served_checksum("model.embed_tokens.weight", emb) == by_hand
+    assert served_checksum("lm_head.weight", emb) == by_hand
+    assert served_checksum("model.layers.0.mlp.down_proj.weight", emb) == tensor_checksum(emb) != by_hand
+    assert served_checksum("model.embed_tokens.weight", padded) == tensor_checksum(padded)

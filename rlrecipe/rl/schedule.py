@@ -47,9 +47,16 @@ class WeightsOut:
         what `version` must give."""
         if not self.probe:
             return
-        logp = [lp.tolist() for lp, _ in self.trainer.compute_logprobs([TrainSample(s, 1) for s in self.probe])]
+        # SGLang's input_token_logprobs come from the raw logits whatever the request's temperature
+        # (its logprob processor tempers the sampled tokens' only): the probe is scored at temperature 1
+        sampling_temperature = self.trainer.temperature
+        self.trainer.temperature = 1.0
+        try:
+            logp = [lp.tolist() for lp, _ in self.trainer.compute_logprobs([TrainSample(s, 1) for s in self.probe])]
+        finally:
+            self.trainer.temperature = sampling_temperature
         if self.engine is not None:
-            self.engine.expect_logprobs(Scores(version, self.probe, logp, getattr(self.trainer, "temperature", 1.0)))
+            self.engine.expect_logprobs(Scores(version, self.probe, logp))
 
     @property
     def exports(self) -> Path:

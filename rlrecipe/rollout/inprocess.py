@@ -209,13 +209,13 @@ class InProcessEngine(RolloutEngine):
         return batch
 
     @torch.no_grad()
-    def prompt_logprobs(self, ids: list[int], temperature: float = 1.0) -> list[float]:
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The log-prob of each token of `ids` after the first, given the ones before it (a
-        teacher-forced pass, as SGLang's input_token_logprobs)."""
+        teacher-forced pass at temperature 1, as SGLang's input_token_logprobs)."""
         x = torch.tensor([ids])
         out = self.model(input_ids=x, attention_mask=torch.ones_like(x), position_ids=torch.arange(len(ids))[None],
                          **{self._cache_kw: GrowingCache()}, use_cache=True)
-        logp = torch.log_softmax(out.logits[0, :-1].float() / temperature, dim=-1)
+        logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
         return logp.gather(-1, x[0, 1:, None])[:, 0].tolist()
 
     def _prefill_padded(self, rows: list[Trajectory]) -> _Batch:

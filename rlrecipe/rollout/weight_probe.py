@@ -3,7 +3,8 @@ Qwen2: no checksums, no /get_weights_by_name), or where the checksums cannot dec
 
 The trainer scores a few fixed sequences (`probe_sequences`) under the weights it pushes, teacher-
 forced; each server scores them too (SGLang's /generate with return_logprob, logprob_start_len 0:
-`meta_info.input_token_logprobs`, the first token's null). The server must be measurably closer
+`meta_info.input_token_logprobs`, the first token's null), both at temperature 1: SGLang computes
+input log-probs from the raw logits whatever the sampling temperature. The server must be measurably closer
 to the trainer's log-probs under the new weights than under the previous push's: by at least half
 of what the push moved them, per token on average. Where a push moved them less than the noise
 between the two implementations (bf16 kernels against the trainer's), the check says it cannot
@@ -38,7 +39,6 @@ class Scores:
     version: int
     sequences: list[list[int]]
     logprobs: list[list[float]]
-    temperature: float = 1.0
 
 
 def server_scores(servers, i: int, scores: Scores) -> list[list[float]] | None:
@@ -46,7 +46,7 @@ def server_scores(servers, i: int, scores: Scores) -> list[list[float]] | None:
     out = []
     for seq in scores.sequences:
         body = {"input_ids": seq, "return_logprob": True, "logprob_start_len": 0, "rid": uuid.uuid4().hex,
-                "sampling_params": {"max_new_tokens": 1, "temperature": scores.temperature}}
+                "sampling_params": {"max_new_tokens": 1}}
         r = servers.post(i, "/generate", body, timeout=(30.0, 300.0))
         try:
             entries = (r.json().get("meta_info") or {}).get("input_token_logprobs") if r.status_code == 200 else None

@@ -215,8 +215,9 @@ def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
         if prompt_from is not None:
             if sp["n"] != 1:
                 raise BadRequest("logprob_start_len >= 0 takes n = 1 in rlrecipe serve")
-            # SGLang's input_token_logprobs: from logprob_start_len on, the first token's is null
-            lps = [None, *sched.weights.prompt_logprobs(list(seq), sp["temperature"] or 1.0)]
+            # SGLang's input_token_logprobs: from logprob_start_len on, the first token's is null; from
+            # the raw logits, whatever the temperature (only the sampled tokens' are tempered)
+            lps = [None, *sched.weights.prompt_logprobs(list(seq))]
             prompt_lps = [[lps[k], seq[k], None] for k in range(prompt_from, len(seq))]
         for j in range(sp["n"]):  # parallel samples come back prompt by prompt, as in SGLang
             rid_j = str(rids[i]) if sp["n"] == 1 else f"{rids[i]}_{j}"

@@ -123,15 +123,20 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
           dtype: Annotated[str, typer.Option()] = "float32",
           api_key: Annotated[str | None, typer.Option(envvar="SGLANG_API_KEY", show_envvar=True,
                                                       help="require `Authorization: Bearer KEY` on all "
-                                                           "but /health (as SGLang's --api-key)")] = None) -> None:
+                                                           "but /health (as SGLang's --api-key)")] = None,
+          context_length: Annotated[int | None, typer.Option(
+              help="the context served (default: the model's max_position_embeddings); /server_info "
+                   "states it only when given, as SGLang's --context-length")] = None) -> None:
     """Serve a model over the SGLang HTTP API subset, on the in-process engine (CPU)."""
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: a TCP port is 0..65535")
+    if context_length is not None and context_length < 2:
+        raise UserError(f"--context-length {context_length}: at least 2 (a prompt token and a new one)")
     try:
         from rlrecipe.serve.http_server import serve_forever
     except ImportError as err:
         raise UserError(f"serve is not available: {err}") from None
-    serve_forever(model, host=host, port=port, dtype=dtype, api_key=api_key)
+    serve_forever(model, host=host, port=port, dtype=dtype, api_key=api_key, context_length=context_length)
 
 
 def plot(runs: list[Path], out: Annotated[Path, typer.Option()] = Path("plots")) -> None:

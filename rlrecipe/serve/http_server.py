@@ -66,8 +66,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200 if result["success"] else 400, result)
 
     def _error(self, code: int, msg: str) -> None:
-        self._send(code, {"object": "error", "message": msg, "type": "BadRequest" if code == 400 else "Error",
-                          "code": code})
+        # SGLang 0.5.23's body for a refused request; an unknown route gets FastAPI's 404 body
+        self._send(code, {"detail": "Not Found"} if code == 404 else {"error": {"message": msg}})
 
     def _body(self) -> dict:
         try:
@@ -111,7 +111,7 @@ class Handler(BaseHTTPRequestHandler):
                              "served_model_name": self.sched.model_path, "is_generation": True,
                              "preferred_sampling_params": None, "weight_version": self.sched.weight_version})
         elif path in ("/server_info", "/get_server_info"):
-            self._send(200, {"model_path": self.sched.model_path, "context_length": self.sched.context_len,
+            self._send(200, {"model_path": self.sched.model_path, "context_length": self.sched.stated_context_length,
                              "max_req_input_len": max_input_len(self.sched.context_len), "tp_size": 1, "dp_size": 1,
                              "version": self.sched.rules.label(), "frontend": "rlrecipe-serve",
                              "device": "cpu", "dtype": self.sched.dtype})
@@ -264,7 +264,8 @@ class Server(ThreadingHTTPServer):
 
 def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
                 chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0,
-                join_timeout_s: float = JOIN_TIMEOUT_S, api_key: str | None = None) -> tuple[Server, Scheduler]:
+                join_timeout_s: float = JOIN_TIMEOUT_S, api_key: str | None = None,
+                context_length: int | None = None) -> tuple[Server, Scheduler]:
     from rlrecipe.modeling import DTYPES, load_tokenizer
     from rlrecipe.rollout.inprocess import InProcessEngine
 
@@ -280,10 +281,11 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
     tokenizer = load_tokenizer(model)
     engine = InProcessEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                              dtype=dtype, max_batch=max_batch)
-    context_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 1 << 30)
+    context_len = context_length or int(getattr(engine.model.config, "max_position_embeddings", 0) or 1 << 30)
     sched = Scheduler(engine, tokenizer, str(model), context_len, chunk_tokens=chunk_tokens, seed=seed,
                       join_timeout_s=join_timeout_s)
     sched.dtype = dtype  # /server_info's dtype, as SGLang's --dtype
+    sched.stated_context_length = context_length  # /server_info's: null unless launched with --context-length
     if os.environ.get(RULES_ENV):
         rules = Dialect(parse_version(os.environ[RULES_ENV]))
         if rules.version is None or not LOWEST <= rules.version <= NEWEST:
@@ -300,9 +302,10 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
 
 
 def serve_forever(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
-                  chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0, api_key: str | None = None) -> None:
+                  chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0, api_key: str | None = None,
+                  context_length: int | None = None) -> None:
     server, sched = make_server(model, host, port, dtype, chunk_tokens=chunk_tokens, max_batch=max_batch, seed=seed,
-                                api_key=api_key)
+                                api_key=api_key, context_length=context_length)
 
     def _terminate(signum, frame):
         raise SystemExit(0)

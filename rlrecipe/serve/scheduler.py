@@ -38,6 +38,7 @@ class Scheduler:
         self.rules = RULES  # the SGLang version whose rules it follows (make_server may set an older one)
         self.weight_version = "default"
         self.context_len = context_len
+        self.stated_context_length: int | None = None  # /server_info's context_length (set by --context-length)
         # ids at or past it would index out of the embedding and fail the whole batch they join
         self.vocab_size = int(engine.model.get_input_embeddings().num_embeddings)
         self.chunk = max(1, chunk_tokens)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from rlrecipe.rollout.sglang_versions import Dialect
 from rlrecipe.rollout.weight_checksum import model_checksums
 from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group
-from rlrecipe.serve.protocol import BadRequest
 
 # /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
 # weight broadcast may take: an unreachable address must not hold the request that long.
@@ -51,10 +50,10 @@ class ServedWeights:
         self.groups: dict[str, object] = {}  # weight update groups joined, by name
         self.session_open = False  # SGLang >= 0.5.21: distributed updates run inside a weight-update session
 
-    def prompt_logprobs(self, ids: list[int], temperature: float) -> list[float]:
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """Teacher-forced log-probs of `ids` after the first, under the weights served now."""
         with self.sched.weights_lock:
-            return self.sched.engine.prompt_logprobs(ids, temperature)
+            return self.sched.engine.prompt_logprobs(ids)
 
     def begin_session(self) -> dict:
         with self.sched.cond:
@@ -76,18 +75,19 @@ class ServedWeights:
         if self.sched.rules.weight_update_session and not self.session_open:
             return {"success": False, "message": "update_weights_from_distributed must run between "
                                                  "begin_weight_update() and end_weight_update()"}
+        # refused as SGLang's control endpoints refuse: HTTP 400 with {"success": false, "message"}
         group = self.groups.get(body.get("group_name", DEFAULT_GROUP))
         if group is None:
-            raise BadRequest(f"no weight update group {body.get('group_name', DEFAULT_GROUP)!r}: "
-                             "call /init_weights_update_group first")
+            return {"success": False, "message": f"no weight update group {body.get('group_name', DEFAULT_GROUP)!r}: "
+                                                 "call /init_weights_update_group first"}
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
                 and len(names) == len(dtypes) == len(shapes)):
-            raise BadRequest("names, dtypes and shapes must be lists of one length")
+            return {"success": False, "message": "names, dtypes and shapes must be lists of one length"}
         own = self.sched.engine.model.state_dict()
         for name, shape in zip(names, shapes, strict=True):
             if name not in own or list(own[name].shape) != list(shape):
-                raise BadRequest(f"tensor {name} {shape} does not fit the served model")
+                return {"success": False, "message": f"tensor {name} {shape} does not fit the served model"}
         return self.sched.run_update({"group": group, "names": names, "dtypes": dtypes, "shapes": shapes,
                                  "weight_version": body.get("weight_version")}, timeout)
 

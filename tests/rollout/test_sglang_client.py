@@ -55,7 +55,8 @@ def server(tiny_model_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*rlrecipe_cmd(), "serve", str(tiny_model_dir), "--port", str(port)],
+        proc = subprocess.Popen([*rlrecipe_cmd(), "serve", str(tiny_model_dir), "--port", str(port),
+                                 "--context-length", "256"],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -345,7 +346,7 @@ def test_requests_fit_the_context_and_a_full_context_truncates(engine, tok, serv
                            (full.prompt_ids + full.response_ids, 1, "maximum allowed length")):
         r = requests.post(server["url"] + "/generate", json={"input_ids": ids, "sampling_params":
                                                             {"max_new_tokens": new}}, timeout=30)
-        assert r.status_code == 400 and what in r.json()["message"]
+        assert r.status_code == 400 and what in r.json()["error"]["message"]
     # ... so the engine asks only for the room left, and does not send a trajectory with none
     before = len(full.response_ids)
     engine.generate([near, full], params, seed=5)
@@ -702,3 +703,15 @@ def test_busy_port_and_missing_sglang_are_user_errors(tmp_path, tiny_model_dir):
     if importlib.util.find_spec("sglang") is None:
         with pytest.raises(UserError, match="SGLang is not installed"):
             SGLangEngine.launch(tiny_model_dir, cfg=SGLangServer(base_port=free_port()), run_dir=tmp_path)
+
+
+def test_without_a_stated_context_the_client_keeps_to_the_input_limit(tiny_model_dir):
+    """SGLang launched without --context-length states context_length null in /server_info (so does
+    `rlrecipe serve`); the client then keeps input + new tokens to max_req_input_len + 1."""
+    from tests.helpers import serving_in_thread
+
+    with serving_in_thread(tiny_model_dir) as (port, _):
+        url = f"http://127.0.0.1:{port}"
+        served = requests.get(url + "/server_info", timeout=10).json()
+        assert (served["context_length"], served["max_req_input_len"]) == (None, 250)
+        assert SGLangEngine([url]).context_len(0) == 251

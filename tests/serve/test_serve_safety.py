@@ -94,14 +94,14 @@ def test_out_of_range_sampling_params_get_400(served, sampling, said):
     resp = conn.getresponse()
     body = json.loads(resp.read())
     conn.close()
-    assert resp.status == 400 and said in body["message"]
+    assert resp.status == 400 and said in body["error"]["message"]
 
 
 def test_too_many_samples_in_one_request_get_400(served):
     port, sched = served
     prompts = [[5, 6]] * (MAX_SAMPLES_PER_REQUEST // MAX_N + 1)
     code, body = post(port, "/generate", {"input_ids": prompts, "sampling_params": {"n": MAX_N, "max_new_tokens": 1}})
-    assert code == 400 and f"more than {MAX_SAMPLES_PER_REQUEST} samples" in body["message"]
+    assert code == 400 and f"more than {MAX_SAMPLES_PER_REQUEST} samples" in body["error"]["message"]
     assert not sched.pending and not sched.active  # nothing of it was queued
 
 
@@ -115,7 +115,7 @@ def test_a_huge_content_length_gets_413_without_the_body_being_read(served, requ
         resp = http.client.HTTPResponse(s)
         resp.begin()
         body = json.loads(resp.read())
-    assert resp.status == 413 and f"at most {MAX_BODY_BYTES}" in body["message"]
+    assert resp.status == 413 and f"at most {MAX_BODY_BYTES}" in body["error"]["message"]
     assert greedy(port)  # still serving
 
 

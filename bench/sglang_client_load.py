@@ -14,7 +14,7 @@ from pathlib import Path
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang import SGLangEngine
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
-from tests.test_sglang_hang import STAND_IN, free_ports
+from tests.rollout.test_sglang_hang import STAND_IN, free_ports
 
 
 def main(n: int = 512) -> None:

@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu test test-fast demo mismatch-study async-study options-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks sglang-contract lint clean
+.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks sglang-contract lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,17 @@ install-gpu:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -e '.[dev,gpu]'
 	touch $(STAMP)
+
+# The released SGLang for the live tests (tests/live), in an environment of its own: the pinned set in
+# scripts/sglang_cpu/requirements.txt with --no-deps (SGLang's own requirements pull a CUDA torch), about
+# 3 GB. `make test` runs the live tests once it is there and skips them, saying so, where it is not.
+SGLANG_VENV ?= .venv-sglang
+$(SGLANG_VENV)/.installed: scripts/sglang_cpu/requirements.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -r scripts/sglang_cpu/requirements.txt
+	touch $@
+
+sglang-cpu: $(SGLANG_VENV)/.installed
 
 # Read both ends of the SGLang pin from their released wheels (needs the package index; nothing is
 # installed) into tests/data/sglang_contract.json, and check the client against them. Rerun when

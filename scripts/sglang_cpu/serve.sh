@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The released SGLang serving a model on this CPU (what the live tests and recipes/tiny_rl_sglang.yaml
+# start): usage  serve.sh MODEL HOST PORT DTYPE SEED [more sglang.launch_server arguments...]
+# The environment comes from `make sglang-cpu` (.venv-sglang, or $RLRECIPE_SGLANG_VENV). shims/ makes
+# two CUDA-only imports importable (docs/sglang-cpu.md). Always pass --max-total-tokens (else the KV
+# pool is sized from RAM) and --context-length.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+venv=${RLRECIPE_SGLANG_VENV:-$here/../../.venv-sglang}
+if [ ! -x "$venv/bin/python" ]; then
+  echo "serve.sh: no SGLang environment at $venv: run 'make sglang-cpu' first" >&2
+  exit 2
+fi
+[ $# -ge 5 ] || { echo "usage: serve.sh MODEL HOST PORT DTYPE SEED [sglang args...]" >&2; exit 2; }
+model=$1 host=$2 port=$3 dtype=$4 seed=$5
+shift 5
+export SGLANG_USE_CPU_ENGINE=1
+export PYTHONPATH="$here/shims"
+# float32 is passed as such: SGLang's "auto" would serve a float32 checkpoint in float16
+exec "$venv/bin/python" -m sglang.launch_server --model-path "$model" --host "$host" --port "$port" \
+  --dtype "$dtype" --random-seed "$seed" --device cpu --disable-overlap-schedule \
+  --attention-backend torch_native "$@"

@@ -153,6 +153,13 @@ def compare(expected: torch.Tensor, answer, served: torch.dtype | None) -> str |
     return None
 
 
+def stated_dtype(server_info: dict) -> torch.dtype | None:
+    """The dtype a /server_info answer says the weights are held in; None for "auto" or none."""
+    name = server_info.get("dtype") if isinstance(server_info, dict) else None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def checksum_names(shapes: dict[str, tuple[int, ...]], served_names: set[str], k: int = SAMPLES) -> list[str]:
     """The trainer's tensors compared with a server's checksums: those it names alike, every 1-D
     one (norms) and k others of at most MAX_NUMEL elements, the same ones at every push."""
@@ -208,9 +215,12 @@ class WeightCheck:
         ask = [i for i in self.servers.live if i not in self.no_checksum]
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(ask)))) as pool:
             answers = dict(zip(ask, pool.map(self._checksums, ask), strict=True))
+        recipe_dtype = served
         for i in list(self.servers.live):
             url = self.servers.urls[i]
             undecided = None  # why no check decided for server i
+            # the dtype the server says it serves (an attached one may differ from rollout.dtype)
+            served = stated_dtype(self.servers.server_info(i)) or recipe_dtype
             if i not in self.no_rows:
                 if rows is None:
                     rows = weights.read(sample_names(weights.shapes(), version), TRUNCATE_ROWS)

@@ -338,3 +338,30 @@ def test_the_vocabulary_rows_are_hashed_as_sglang_pads_them():
     assert served_checksum("lm_head.weight", emb) == by_hand
     assert served_checksum("model.layers.0.mlp.down_proj.weight", emb) == tensor_checksum(emb) != by_hand
     assert served_checksum("model.embed_tokens.weight", padded) == tensor_checksum(padded)
+
+
+def test_an_attached_server_is_compared_in_the_dtype_it_says_it_serves(tmp_path):
+    """A Llama model served in bfloat16 while rollout.dtype says float32: its rows are the trainer's
+    cast to bfloat16, which compared as float32 differ by far more than float32's rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlrecipe.modeling import build_char_tokenizer
+    from tests.helpers import serving_in_thread
+
+    llama_dir = tmp_path / "llama"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=64)).save_pretrained(llama_dir)
+    build_char_tokenizer().save_pretrained(llama_dir)
+    with serving_in_thread(llama_dir, dtype="bfloat16") as (port, _):
+        url = f"http://127.0.0.1:{port}"
+        assert requests.get(url + "/server_info", timeout=10).json()["dtype"] == "bfloat16"
+        with SGLangEngine([url], served_dtype="float32") as eng:
+            eng.verify_export(llama_dir, 0, when="at start")
+            assert eng.weights.check.no_rows == set()  # the rows were compared, in bfloat16
+        # the same rows judged as float32 would not pass: the comparison can tell the two apart
+        rows = weight_check.export_slices(llama_dir, 0)
+        answer = {n: t.to(torch.bfloat16).float().tolist() for n, t in rows.items()}
+        assert any(weight_check.compare(t, answer[n], torch.float32) for n, t in rows.items())
+        assert not any(weight_check.compare(t, answer[n], torch.bfloat16) for n, t in rows.items())

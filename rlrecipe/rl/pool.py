@@ -14,10 +14,15 @@ them: the next step must still generate), so a step trains between Phi and Phi p
 unless a single decoding step finished more than 2 Phi. Waiting rollouts age like unfinished
 ones and obey the same sigma.
 
-Dynamic sampling (rl.dynamic_sampling, DAPO) judges whole groups: under C3PO++ a finished rollout
-waits (held) until every member of its group has finished, the group is graded, and one whose
-samples are all right or all wrong is dropped; only groups with signal count toward Phi, and the
-surplus is carried whole groups at a time. A group's members enter together and age together, so
+A group baseline (rl.adv_norm group, group_mean, group_quantile: GRPO, Dr. GRPO, QAE) is computed
+over the group in the batch, so under C3PO++ such a step trains whole groups only: a finished
+rollout waits (held) until every member of its group has finished, and the group counts toward Phi,
+is carried and trains as one. A member trained alone would get advantage 0, and the others a
+baseline from part of their group.
+
+Dynamic sampling (rl.dynamic_sampling, DAPO) judges whole groups the same way: a complete group is
+graded, and one whose samples are all right or all wrong is dropped; only groups with signal count
+toward Phi, and the surplus is carried whole groups at a time. A group's members enter together and age together, so
 sigma drops a group whole and a dropped group never leaves partial rollouts behind. Synchronous
 steps draw new groups for the dropped ones. Either way at most `max_extra_prompts` groups are
 dropped a step; past that they train (docs/design.md).
@@ -28,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from rlrecipe.algo.advantages import GROUP_MODES
 from rlrecipe.algo.dapo import group_has_signal
 from rlrecipe.core.seeds import DYNAMIC_ROUND, GENERATE_ROUND, mix_seed
 from rlrecipe.recipe.training import RLSection
@@ -75,6 +81,14 @@ def groups_within_budget(finished: list[Trajectory], budget: int) -> tuple[list[
 Judge = Callable[[list[Trajectory]], None]  # grades trajectories in place (sets correct and reward)
 
 
+def partial_group_responses(batch: list[Trajectory], group_size: int) -> int:
+    """How many of a batch's responses come from a group with fewer than `group_size` members in it."""
+    sizes: dict[str, int] = {}
+    for t in batch:
+        sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
+    return sum(1 for t in batch if sizes[t.group_id] < group_size)
+
+
 class DynamicCount:
     """One step's dynamic-sampling tally: groups judged, with signal, dropped, let through past the cap."""
 
@@ -108,13 +122,18 @@ class RolloutPool:
         self.stream = stream
         self.in_flight: list[Trajectory] = []
         self.carried: list[Trajectory] = []  # finished past an earlier step's budget, not trained yet
-        self.held: list[Trajectory] = []  # dynamic sampling: finished, waiting for the rest of their group
+        self.held: list[Trajectory] = []  # whole groups only: finished, waiting for the rest of their group
         self.total_dropped = 0
         self.total_resumed = 0
 
     @property
     def dynamic(self) -> bool:
         return self.cfg.dynamic_sampling.enabled
+
+    @property
+    def whole_groups(self) -> bool:
+        """Whether each step trains whole groups only (dynamic sampling, or a group baseline)."""
+        return self.dynamic or self.cfg.adv_norm in GROUP_MODES
 
     def _dynamic_cap(self) -> int:
         cap = self.cfg.dynamic_sampling.max_extra_prompts
@@ -126,15 +145,18 @@ class RolloutPool:
     def collect(self, engine: RolloutEngine, params: SamplingParams, seed: int,
                 judge: Judge | None = None) -> tuple[list[Trajectory], RolloutStats]:
         """A step's batch. With dynamic sampling, `judge` grades the groups as they complete."""
-        if self.dynamic:
-            if judge is None:
-                raise ValueError("rl.dynamic_sampling needs a judge to grade groups while collecting")
-            if self.cfg.c3po.enabled:
-                return self._collect_budgeted_dynamic(engine, params, seed, judge)
-            return self._collect_synchronous_dynamic(engine, params, seed, judge)
-        if self.cfg.c3po.enabled:
-            return self._collect_budgeted(engine, params, seed)
-        return self._collect_synchronous(engine, params, seed)
+        if self.dynamic and judge is None:
+            raise ValueError("rl.dynamic_sampling needs a judge to grade groups while collecting")
+        if self.cfg.c3po.enabled and self.whole_groups:
+            batch, stats = self._collect_budgeted_groups(engine, params, seed, judge if self.dynamic else None)
+        elif self.cfg.c3po.enabled:
+            batch, stats = self._collect_budgeted(engine, params, seed)
+        elif self.dynamic:
+            batch, stats = self._collect_synchronous_dynamic(engine, params, seed, judge)
+        else:
+            batch, stats = self._collect_synchronous(engine, params, seed)
+        stats.partial_group_responses = partial_group_responses(batch, self.cfg.samples_per_prompt)
+        return batch, stats
 
     def _collect_synchronous(self, engine, params, seed):
         batch = [t for _ in range(self.cfg.prompts_per_step) for t in self.stream.next_group(self.cfg.samples_per_prompt)]
@@ -214,14 +236,15 @@ class RolloutPool:
         stats.dynamic = count.tally(self.stream.cursor - cursor0, extra)
         return batch, stats
 
-    def _collect_budgeted_dynamic(self, engine, params, seed, judge: Judge):
-        """C3PO++ over whole groups: a finished rollout is held until its group has finished; a
-        complete group is graded and, without signal, dropped (at most `max_extra_prompts` a step);
-        the step ends when the groups kept hold Phi tokens. The engine's per-call budget is what
-        the kept groups still lack, so dropped and held tokens make the step generate on."""
+    def _collect_budgeted_groups(self, engine, params, seed, judge: Judge | None):
+        """C3PO++ over whole groups: a finished rollout is held until its group has finished; with
+        dynamic sampling (`judge`) a complete group is graded and, without signal, dropped (at most
+        `max_extra_prompts` a step); the step ends when the groups kept hold Phi tokens. The
+        engine's per-call budget is what the kept groups still lack, so dropped and held tokens
+        make the step generate on."""
         c3, n = self.cfg.c3po, self.cfg.samples_per_prompt
         stats = RolloutStats()
-        count = DynamicCount(self._dynamic_cap())
+        count = DynamicCount(self._dynamic_cap()) if judge is not None else None
         cursor0 = self.stream.cursor
         self.in_flight = self._drop_stale(self.in_flight, stats)
         self.held = self._drop_stale(self.held, stats)
@@ -255,11 +278,14 @@ class RolloutPool:
         ages = [t.age for t in self.in_flight] or [0]
         stats.mean_age, stats.max_age = sum(ages) / len(ages), max(ages)
         self.total_dropped += stats.dropped
-        stats.dynamic = count.tally(self.stream.cursor - cursor0, count.dropped, held=len(self.held))
+        if count is not None:
+            stats.dynamic = count.tally(self.stream.cursor - cursor0, count.dropped, held=len(self.held))
         return ready, stats
 
-    def _complete_groups(self, ended: list[Trajectory], judge: Judge, count: DynamicCount) -> list[Trajectory]:
-        """The rollouts of the groups `ended` completed that train, graded; the others stay held."""
+    def _complete_groups(self, ended: list[Trajectory], judge: Judge | None,
+                         count: DynamicCount | None) -> list[Trajectory]:
+        """The rollouts of the groups `ended` completed that train (graded where judged); the others
+        stay held."""
         self.held += ended
         running = {t.group_id for t in self.in_flight}
         complete: dict[str, list[Trajectory]] = {}
@@ -272,6 +298,8 @@ class RolloutPool:
         self.held = still
         if not complete:
             return []
+        if judge is None:
+            return [t for g in complete.values() for t in g]
         judge([t for g in complete.values() for t in g])
         return [t for g in complete.values() if count.keeps(g) for t in g]
 

@@ -44,6 +44,7 @@ class RolloutStats:
     mean_age: float = 0.0
     max_age: int = 0
     carried: int = 0  # finished past the budget, left to train next step
+    partial_group_responses: int = 0  # trained responses whose group is not whole in the batch
     dynamic: DynamicTally | None = None  # with rl.dynamic_sampling only
     # added by the RL stage once the batch is graded
     graded: int = 0
@@ -57,6 +58,7 @@ class RolloutStats:
     def metrics(self) -> dict[str, float]:
         out = {"tokens_generated": self.generated_tokens, "pool_size": self.pool_size, "pool_mean_age": self.mean_age,
                "pool_max_age": self.max_age, "dropped": self.dropped, "resumed": self.resumed, "carried": self.carried,
+               "partial_group_responses": self.partial_group_responses,
                **(self.dynamic.metrics() if self.dynamic is not None else {}),
                "dropped_total": self.dropped_total, "resumed_total": self.resumed_total,
                "prompts_skipped_too_long": self.prompts_skipped_too_long, "graded": self.graded,

@@ -2,6 +2,7 @@
 baseline, each against a reference written from its paper's definition; dynamic sampling against
 C3PO++'s token budget with a scripted engine that follows the engines' budget rule."""
 
+import math
 import random
 import statistics
 
@@ -395,3 +396,58 @@ def test_the_new_fields_enter_the_sha256_only_when_set():
         changed = load_recipe(REPO / "recipes" / "tiny_rl.yaml", over)
         assert changed.sha256 != base.sha256 and key in changed.recipe.hashed()["rl"]
         assert key not in base.recipe.hashed()["rl"]
+
+
+def _whole_group_formula(rewards: list[float], mode: str, k: float = 0.4) -> list[float]:
+    """The papers' advantages over one whole group, written out: GRPO (R - mean) / (std + 1e-5),
+    Dr. GRPO R - mean, QAE (R - the K-quantile) / (std + 1e-5); std over the group (population)."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
+    if mode == "group_mean":
+        return [r - mean for r in rewards]
+    ordered = sorted(rewards)
+    base = ordered[max(1, math.ceil(round(k * n, 9))) - 1] if mode == "group_quantile" else mean  # smallest v: #(<= v) >= k n
+    return [(r - base) / (std + 1e-5) for r in rewards]
+
+
+@pytest.mark.parametrize("adv_norm", ["group", "group_mean", "group_quantile"])
+def test_under_c3po_a_group_baseline_trains_whole_groups_only(monkeypatch, tmp_path, adv_norm):
+    """Groups straddle the budget (their members end over several calls): with a group baseline
+    every trained group is whole, partial_group_responses is 0, and each response's advantage is the
+    paper's formula over its whole group. tiny_rl's batch-wide baseline, on the same script, trains
+    part groups (the metric can tell the two apart)."""
+    monkeypatch.setattr("rlrecipe.rl.prompts.row_prompt_ids", lambda tok, row, template: [1, 2])
+    n = 3
+    c3po = {"enabled": True, "token_budget": 40, "pool_capacity": 9, "max_staleness": 2}
+    params = SamplingParams(max_new_tokens=9)
+    partial_global = 0
+    global_pool = _pool(prompts_per_step=4, samples_per_prompt=n, adv_norm="global", c3po=c3po)
+    pool = _pool(prompts_per_step=4, samples_per_prompt=n, adv_norm=adv_norm, c3po=c3po)
+    trained = []
+    for step in range(6):
+        engine = ScriptedEngine(_lengths)
+        engine.version = step
+        partial_global += global_pool.collect(ScriptedEngine(_lengths), params, seed=step)[1].partial_group_responses
+        batch, stats = pool.collect(engine, params, seed=step)
+        assert stats.partial_group_responses == 0 and batch
+        groups: dict[str, list[Trajectory]] = {}
+        for t in batch:
+            groups.setdefault(t.group_id, []).append(t)
+        assert all(len(g) == n and all(t.done for t in g) for g in groups.values())
+        assert sum(len(t.response_ids) for t in batch) >= 40
+        judge_by_pattern(batch)
+        got = sequence_advantages([t.reward for t in batch], [len(t.response_ids) for t in batch],
+                                  [t.group_id for t in batch], adv_norm)
+        want = {}
+        for g in groups.values():
+            want.update(zip([t.uid for t in g], _whole_group_formula([t.reward for t in g], adv_norm), strict=True))
+        assert got == pytest.approx([want[t.uid] for t in batch], abs=1e-9)
+        trained += batch
+    assert len({t.uid for t in trained}) == len(trained)  # nothing trains twice
+    assert partial_global > 0
+    # held members of a group survive a checkpoint with the pool
+    pool.save(tmp_path / "pool.safetensors")
+    again = _pool(prompts_per_step=4, samples_per_prompt=n, adv_norm=adv_norm, c3po=c3po)
+    again.load(tmp_path / "pool.safetensors")
+    assert [t.uid for t in again.held] == [t.uid for t in pool.held]

@@ -157,7 +157,8 @@ def options_section(study: dict[str, Any]) -> str:
              "steps (with dynamic sampling, over the groups it kept: groups all right are left out, so it reads "
              "lower); tokens generated: over the whole run; the option's own metrics are means over steps (cap hit: the share of steps where the cap let "
              "groups without signal train). "
-             f"Collapse: {study.get('collapse_rule', '-')}. `make options-study` reruns it.")
+             f"Collapse: {study.get('collapse_rule', '-')}. `make options-study` reruns it."
+             + (f" Note: {study['plan']['note']}." if study.get("plan", {}).get("note") else ""))
     header = ["arm", "recipe", "seeds", "held-out avg@8", "entropy at the end", "final reward", "tokens generated",
               "truncated frac",
               "its metrics", "collapsed", "sha256 (with the seed set)", "commit"]

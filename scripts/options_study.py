@@ -119,10 +119,26 @@ def write_study(rows: list[dict], plan: dict) -> Path:
     return path
 
 
+def with_kept_arms(study: dict, rerun: list[str], why: str) -> dict:
+    """The study with the arms not rerun taken from the kept results (their commits say when they
+    ran), in ARMS order, and a note naming what was rerun and why."""
+    from rlrecipe.eval.results_store import STORE
+
+    kept = json.loads((STORE / OPTIONS_STUDY).read_text())
+    table = {t["arm"]: t for t in kept["table"] if t["arm"] not in rerun}
+    table.update({t["arm"]: t for t in study["table"]})
+    plan = {**study["plan"], "arms": [a for a in ARMS if a in table], "rerun": rerun,
+            "note": f"rerun at this commit: {', '.join(rerun)} ({why}); the other arms are kept from their commits"}
+    return {**study, "plan": plan, "table": [table[a] for a in ARMS if a in table]}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    ap.add_argument("--keep-other-arms", metavar="WHY", default=None,
+                    help="run only --arms and keep the other arms' rows from results/options-study.json; WHY "
+                         "(why these arms were rerun) goes into RESULTS.md")
     args = ap.parse_args(argv)
     if not (Path("runs") / "tiny-sft" / "final").is_dir():
         sys.exit("the study starts from the tiny SFT model: run `make demo` (or rlrecipe sft recipes/tiny_sft.yaml) first")
@@ -138,7 +154,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(run_one(arm, seed))
             write_study(rows, plan)
     path = write_study(rows, plan)
-    print(f"study: {path}; kept as {save_study(json.loads(path.read_text()), name=OPTIONS_STUDY)}")
+    study = json.loads(path.read_text())
+    if args.keep_other_arms:
+        study = with_kept_arms(study, arms, args.keep_other_arms)
+    print(f"study: {path}; kept as {save_study(study, name=OPTIONS_STUDY)}")
     subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)
 
 

@@ -56,3 +56,21 @@ def _write_run(run, final_acc, final_entropy, avg):
                  ds_groups_dropped=2.0, ds_cap_hit=0.0) for i in range(10)]
     _write(run, rows, avg)
     return run
+
+
+def test_a_partial_rerun_keeps_the_other_arms_from_the_kept_study(tmp_path, monkeypatch):
+    from rlrecipe.eval import results_store
+    from scripts.options_study import ARMS, with_kept_arms
+
+    def line(arm, commit):
+        return {"arm": arm, "commits": [commit], "seeds": [1, 2, 3]}
+
+    (tmp_path / "options-study.json").write_text(json.dumps(
+        {"plan": {"arms": list(ARMS)}, "table": [line(a, "old") for a in ARMS]}))
+    monkeypatch.setattr(results_store, "STORE", tmp_path)
+    study = with_kept_arms({"plan": {"arms": ["qae", "dr_grpo"], "seeds": [1, 2, 3]},
+                            "table": [line("dr_grpo", "new"), line("qae", "new")]}, ["qae", "dr_grpo"], "a fix")
+    assert [t["arm"] for t in study["table"]] == list(ARMS)  # every arm, in the study's order
+    assert {t["arm"]: t["commits"][0] for t in study["table"]} == {
+        a: "new" if a in ("qae", "dr_grpo") else "old" for a in ARMS}
+    assert study["plan"]["rerun"] == ["qae", "dr_grpo"] and "a fix" in study["plan"]["note"]

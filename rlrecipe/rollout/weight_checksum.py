@@ -4,13 +4,15 @@ SGLang answers {"success", "message", "ranks": [{"checksums": {name: 16 hex digi
 "parallelism_info"}, ...]}: one entry per tensor-parallel rank, a checksum per parameter and buffer
 under the server's own names (fused ones such as qkv_proj have no HF counterpart; row-parallel ones
 are that rank's shard), rotary caches left out. For a tensor held on the CPU the checksum is the
-first 8 bytes of the SHA-256 of its raw bytes, big-endian; on a GPU SGLang uses a Triton hash
-instead, which the trainer cannot reproduce. So two checks come out of it:
+first 8 bytes of the SHA-256 of its raw bytes, big-endian; on a GPU SGLang uses its Triton hash
+(kernels/ops/memory/gpu_tensor_hash.py). That one is deterministic too (a fixed seed over the
+tensor's bytes), so a trainer on a GPU could compute it with SGLang's kernel; this client does not
+(it would import SGLang into the trainer). So two checks come out of it, decided per tensor:
 
-- exact: where the server hashes as `tensor_checksum` does (any of its checksums equals the
-  trainer's for the same name), every tensor both sides name alike must match, bit for bit, once
-  the trainer's is cast to the served dtype. Only tensors no rank shards are compared this way
-  (1-D ones) unless the server has one rank.
+- exact: where the server hashes as `tensor_checksum` does (every tensor of a server on the CPU;
+  on a GPU server, those it holds on the CPU, --cpu-offload-gb), the tensors both sides name alike
+  must match, bit for bit, once the trainer's is cast to the served dtype. Only tensors no rank
+  shards are compared this way (1-D ones) unless the server has one rank.
 - changed: the trainer's tensors that changed since the previous push (in the served dtype) must
   have changed on every rank of the server too. A server that answered 200 and kept its weights
   fails this whatever its hash; at a small learning rate most bf16 values stay put, but a tensor of
@@ -89,20 +91,42 @@ def judge(ranks: list[dict[str, str]], trainer: dict[str, str], before: ServerCh
     """("ok" | "wrong" | "stale" | "undecided", detail) for a server's checksums `ranks` after a push,
     given the trainer's checksums of the same push (its tensors cast to the served dtype) and what
     both said when the server was last verified (None: nothing to compare with). "stale": the
-    server answers as it did then, while the trainer's tensors changed. `cpu_hash`: the server is
-    known to hash as the trainer does (else: where any checksum agrees)."""
+    server answers as it did then, while the trainer's tensors changed.
+
+    Which tensors the server hashes as the trainer does is decided per tensor: every one on a
+    server known to hash on the CPU (`cpu_hash`); on a GPU server, those it holds on the CPU
+    (--cpu-offload-gb), known where a checksum agrees now or agreed at the last verification.
+    Those are compared bit for bit; every other must have changed on every rank where the
+    trainer's changed."""
     comparable = {n for n in trainer if all(n in r for r in ranks)}
     if len(ranks) > 1:  # a shard's checksum is not the whole tensor's: compare only what no rank shards
         comparable = {n for n in comparable if len({r[n] for r in ranks}) == 1}
-    same_hash = bool(comparable) and (cpu_hash or any(ranks[0][n] == trainer[n] for n in comparable))
-    if same_hash:
-        off = sorted(n for n in comparable if ranks[0][n] != trainer[n])
+
+    def agreed_before(n: str) -> bool:
+        return before is not None and n in before.trainer and before.ranks[0].get(n) == before.trainer[n]
+
+    exact = comparable if cpu_hash else {n for n in comparable if ranks[0][n] == trainer[n] or agreed_before(n)}
+    if exact:
+        off = sorted(n for n in exact if ranks[0][n] != trainer[n])
         if off and before is not None and all(n in r for r in before.ranks for n in off) and all(
                 now[n] == prev[n] for now, prev in zip(ranks, before.ranks, strict=False) for n in off):
-            return "stale", f"{len(off)} of {len(comparable)} tensors compared differ from the trainer's"
+            return "stale", f"{len(off)} of {len(exact)} tensors compared differ from the trainer's"
         if off:
-            return "wrong", f"{len(off)} of {len(comparable)} tensors differ from the trainer's, e.g. {off[0]}"
-        return "ok", f"{len(comparable)} tensors match the trainer's bit for bit"
+            return "wrong", f"{len(off)} of {len(exact)} tensors differ from the trainer's, e.g. {off[0]}"
+    matched = f"{len(exact)} tensors match the trainer's bit for bit"
+    rest = {n: h for n, h in trainer.items() if n not in exact}
+    if not rest or cpu_hash:
+        return ("ok", matched) if exact else ("undecided", "no tensor of the trainer's is named alike on the server")
+    verdict, detail = _judge_changed(ranks, rest, before)
+    if exact and verdict == "undecided":
+        return "ok", f"{matched}; the other {len(rest)} are hashed on the GPU: {detail}"
+    return verdict, f"{matched}; {detail}" if exact else detail
+
+
+def _judge_changed(ranks: list[dict[str, str]], trainer: dict[str, str],
+                   before: ServerChecksums | None) -> tuple[str, str]:
+    """The check where the server hashes otherwise (a GPU hash): every tensor the trainer changed
+    since the last verification must have changed on every rank too."""
     if before is None:
         return "undecided", "its checksums are not computed as the trainer's (a GPU hash) and there is no earlier push"
     changed = sorted(n for n in trainer if n in before.trainer and trainer[n] != before.trainer[n]

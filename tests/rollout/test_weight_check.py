@@ -178,8 +178,27 @@ def test_checksums_judged_where_the_server_hashes_otherwise():
     cpu = [_sums(a=1, b=2, c=3)]
     assert judge(cpu, trainer0, None) == ("ok", "3 tensors match the trainer's bit for bit")
     assert judge(cpu, trainer1, ServerChecksums(cpu, trainer0))[0] == "stale"
-    assert judge([_sums(a=1, b=20, c=31)], trainer1, None)[0] == "wrong"
+    assert judge([_sums(a=1, b=20, c=31)], trainer1, None, cpu_hash=True)[0] == "wrong"
     assert judge([_sums(a=7, b=8, c=9)], trainer1, None, cpu_hash=True)[0] == "wrong"  # none agrees
+
+
+def test_a_gpu_server_with_offloaded_weights_is_judged_tensor_by_tensor():
+    """--cpu-offload-gb: the server hashes the tensors it holds on the CPU with SHA-256 (they agree
+    with the trainer's) and the rest on the GPU. The first are compared bit for bit, from then on
+    too; the others by whether they changed. Deciding once per server took the GPU-hashed ones for
+    wrong."""
+    trainer0, trainer1 = _sums(a=1, b=2, c=3), _sums(a=10, b=20, c=30)
+    start = [_sums(a=1, b=102, c=103)]  # a offloaded: hashed as the trainer hashes
+    verdict, detail = judge(start, trainer0, None)
+    assert verdict == "ok" and detail.startswith("1 tensors match the trainer's bit for bit; the other 2 are hashed")
+    before = ServerChecksums(start, trainer0, version=1)
+    assert judge([_sums(a=10, b=202, c=203)], trainer1, before)[0] == "ok"
+    # a, known to be hashed as the trainer's, is not the trainer's: wrong, though b and c changed
+    verdict, detail = judge([_sums(a=11, b=202, c=203)], trainer1, before)
+    assert verdict == "wrong" and "a" in detail
+    assert judge([_sums(a=1, b=202, c=203)], trainer1, before)[0] == "stale"  # a kept as it was
+    verdict, detail = judge([_sums(a=10, b=202, c=103)], trainer1, before)  # c did not change
+    assert verdict == "wrong" and "did not change, e.g. c" in detail
 
 
 def test_a_bf16_step_at_the_recipes_learning_rate_changes_every_large_tensors_checksum():

@@ -89,12 +89,43 @@ LAYOUT_FIELDS: dict[str, set[str]] = {
 }
 
 
+# SGLang launch flags that change what is sampled (the KV cache's precision, quantized weights, the
+# served dtype): they sit in a layout field, rollout.sglang.extra_args or launch_cmd, yet enter the
+# algorithm hash, as rollout.sglang_numerics, where present (absent, the hash is as before).
+NUMERICS_FLAGS = ("--kv-cache-dtype", "--quantization", "--dtype", "--enable-fp32-lm-head")
+
+
+def sglang_numerics(args: list[str]) -> list[str]:
+    """The numerics-changing flags of an SGLang command line and their values, in order."""
+    out = []
+    for i, arg in enumerate(args):
+        name = arg.split("=", 1)[0]
+        if name not in NUMERICS_FLAGS:
+            continue
+        if "=" in arg:
+            out.append(arg)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append(f"{arg}={args[i + 1]}")
+        else:
+            out.append(arg)
+    return out
+
+
 def algorithm_fields(hashed: dict) -> dict:
-    """The part of a recipe's hashed form that ALGORITHM_FIELDS names."""
+    """The part of a recipe's hashed form that ALGORITHM_FIELDS names, with the numerics-changing
+    SGLang flags where the rollout engine is SGLang and its command carries any."""
     out = {}
     for section, keep in ALGORITHM_FIELDS.items():
         body = hashed.get(section) or {}
         out[section] = dict(body) if "*" in keep else {k: v for k, v in body.items() if k in keep}
+    rollout = hashed.get("rollout") or {}
+    sglang = rollout.get("sglang") or {}
+    if rollout.get("engine") == "sglang":
+        # "--dtype {dtype}" in a launch_cmd is rollout.dtype, hashed already
+        flags = [f for f in sglang_numerics(list(sglang.get("extra_args") or []) + list(sglang.get("launch_cmd") or []))
+                 if f != "--dtype={dtype}"]
+        if flags:
+            out["rollout"]["sglang_numerics"] = flags
     return out
 
 

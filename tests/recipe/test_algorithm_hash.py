@@ -7,7 +7,7 @@ from rlrecipe.cli.app import app
 from rlrecipe.eval.report import algorithm_sha256, public_record, result_rows
 from typer.testing import CliRunner
 
-from rlrecipe.recipe.schema import ALGORITHM_FIELDS, LAYOUT_FIELDS, Recipe, load_recipe
+from rlrecipe.recipe.schema import ALGORITHM_FIELDS, LAYOUT_FIELDS, Recipe, algorithm_fields, load_recipe
 from tests.conftest import REPO
 from tests.helpers import write_recipe
 
@@ -99,3 +99,25 @@ def test_an_evaluation_summary_records_the_algorithm_hash(tmp_path, tiny_model_d
                                       recipe_path="r.yaml", recipe_sha256=recipe.sha256())["tiny"]
     assert summary["algorithm_sha256"] == recipe.algorithm_sha256() != recipe.sha256()
     assert '"algorithm_sha256"' in (tmp_path / "eval" / "tiny" / "summary.json").read_text()
+
+
+def test_sglang_flags_that_change_the_numerics_enter_the_algorithm_hash():
+    """--kv-cache-dtype, --quantization, --dtype (not as rollout.dtype's placeholder) and
+    --enable-fp32-lm-head change what is sampled; other launch flags, and the in-process engine's
+    unused SGLang section, do not."""
+    from rlrecipe.recipe.schema import sglang_numerics
+
+    assert sglang_numerics(["--mem-fraction-static", "0.8", "--kv-cache-dtype", "fp8_e4m3", "--quantization=fp8",
+                            "--enable-fp32-lm-head", "--tp-size", "2"]) == [
+        "--kv-cache-dtype=fp8_e4m3", "--quantization=fp8", "--enable-fp32-lm-head"]
+    base = load_recipe(REPO / "recipes" / "7b_boba_icepop_c3po.yaml")
+    same = ["rollout.sglang.extra_args=[--enable-metrics]", "rollout.sglang.mem_fraction_static=0.7"]
+    assert load_recipe(REPO / "recipes" / "7b_boba_icepop_c3po.yaml", same).recipe.algorithm_sha256() == \
+        base.recipe.algorithm_sha256()
+    for flag in ("[--kv-cache-dtype, fp8_e4m3]", "[--quantization, fp8]", "[--dtype, float16]"):
+        other = load_recipe(REPO / "recipes" / "7b_boba_icepop_c3po.yaml", [f"rollout.sglang.extra_args={flag}"])
+        assert other.recipe.algorithm_sha256() != base.recipe.algorithm_sha256(), flag
+    sglang = load_recipe(REPO / "recipes" / "tiny_rl_sglang.yaml")  # its launch_cmd passes {dtype} only
+    assert "sglang_numerics" not in algorithm_fields(sglang.recipe.hashed())["rollout"]
+    tiny = load_recipe(REPO / "recipes" / "tiny_rl.yaml", ["rollout.sglang.extra_args=[--quantization, fp8]"])
+    assert tiny.recipe.algorithm_sha256() == load_recipe(REPO / "recipes" / "tiny_rl.yaml").recipe.algorithm_sha256()

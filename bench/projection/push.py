@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from rlrecipe.rollout.sglang_weights import MAX_PARALLEL_LOADS
+
 # bf16 weights of DeepSeek-R1-Distill-Qwen-7B: 7.62e9 parameters (its config.json, the Qwen2.5-Math-7B
 # architecture: 28 layers, hidden 3584, intermediate 18944, vocabulary 152,064, untied embeddings) x 2 bytes
 WEIGHT_BYTES_7B = 15.2e9
@@ -61,9 +63,10 @@ def disk_push(weight_bytes: float, servers: int, *, per_node: bool = True, gpus_
     trainer_s: the export written (the trainer's side). rollout_s: until every server holds the new
     weights (the rollout side's pause). per_node (what sglang_weights.py does): the first server of each
     node reads from the shared file system, at the lowest of its load rate, its node's link and its share of
-    the aggregate; then the node's other servers load from the page cache at once. Without it (every server
-    reading the shared file system at once, as before) each node's link and the aggregate are shared by
-    every server."""
+    the aggregate; then the node's other servers load from the page cache. The client loads at most
+    MAX_PARALLEL_LOADS servers of a wave at once, so a wave of more loads in rounds. Without per_node
+    (every server reading the shared file system at once, as before) each node's link and the aggregate
+    are shared by every server."""
     per_node_servers = max(1, GPUS_PER_NODE // gpus_per_server)
     nodes = math.ceil(servers / per_node_servers)
     trainer_s = weight_bytes / model.export_write_bps
@@ -71,10 +74,13 @@ def disk_push(weight_bytes: float, servers: int, *, per_node: bool = True, gpus_
         readers, readers_per_node = nodes, 1
     else:
         readers, readers_per_node = servers, min(servers, per_node_servers)
-    rate = min(model.load_bps, model.node_read_bps / readers_per_node, model.fs_read_bps / readers)
-    rollout_s = weight_bytes / rate
+    # the client's threads cap how many read at once: the aggregate is shared by at most that many
+    rate = min(model.load_bps, model.node_read_bps / readers_per_node,
+               model.fs_read_bps / min(readers, MAX_PARALLEL_LOADS))
+    rollout_s = math.ceil(readers / MAX_PARALLEL_LOADS) * weight_bytes / rate
     if per_node and servers > nodes:
-        rollout_s += weight_bytes / model.load_bps  # the node's other servers, from the page cache, side by side
+        # the nodes' other servers, from the page cache, MAX_PARALLEL_LOADS at a time
+        rollout_s += math.ceil((servers - nodes) / MAX_PARALLEL_LOADS) * weight_bytes / model.load_bps
     return {"transport": "disk", "per_node": per_node, "servers": servers, "nodes": nodes,
             "trainer_s": trainer_s, "rollout_s": rollout_s,
             "shared_fs_reads_per_step": readers, "shared_fs_bytes_per_step": readers * weight_bytes,

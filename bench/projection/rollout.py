@@ -59,12 +59,13 @@ from bench.projection.sim import (
 #   tokens cost above the floor: C3PO++ pays it after every weight update.
 # - prefill_cell_s, refill_cell_s: 0, a paged KV cache is written in place, never re-laid out.
 # - train_token_s: 8N FLOP per trained token (6N forward and backward, 2N recomputing the old
-#   log-probs) at 40% of peak: 6.1e10 / 4.0e14 = 150 us; train_step_s: 5 s per step for the
-#   optimizer step and pushing 15 GB of weights to the rollout engine.
+#   log-probs) at 40% of peak: 6.1e10 / 4.0e14 = 150 us; train_step_s: 3 s per step for the
+#   optimizer step; push_s: 2 s for pushing 15 GB of weights to the rollout engine (the async
+#   projection replaces it with bench.projection.push's model).
 H100_7B_ASSUMED = CostModel(
     step_s=7.0e-3, row_s=2.0e-5, ctx_s=2.2e-8, prefill_call_s=2.0e-3, prefill_token_s=2.2e-5, prefill_cell_s=0.0,
     refill_cell_s=0.0,
-    train_step_s=5.0, train_token_s=1.5e-4,
+    train_step_s=3.0, train_token_s=1.5e-4, push_s=2.0,
     label="ASSUMPTION: 7B model, bf16, one H100 SXM, continuous batching, paged KV (bench/projection/rollout.py)")
 
 
@@ -80,7 +81,7 @@ def report(steps: dict[str, list[dict]], cost: CostModel) -> dict:
     for mode in ("sync", "c3po"):
         st = _steady(steps[mode])
         secs, tokens = sum(s["seconds"] for s in st), sum(s["tokens"] for s in st)
-        train = len(st) * cost.train_step_s + cost.train_token_s * tokens
+        train = len(st) * (cost.train_step_s + cost.push_s) + cost.train_token_s * tokens
         per[mode] = (secs / len(st), secs / tokens, (secs + train) / tokens)
         out[f"{mode}_s_per_step"] = secs / len(st)
         out[f"{mode}_ms_per_1k_trained_tokens"] = 1e6 * secs / tokens
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         fitted, check = calibrate(trace, by=args.by, layout=args.layout, params=params,
                                   held=cost if params else None)
         source = data.get("model") or data.get("c3po_vs_sync", {}).get("model") or ""
-        cost = replace(fitted, train_step_s=cost.train_step_s, train_token_s=cost.train_token_s,
+        cost = replace(fitted, train_step_s=cost.train_step_s, train_token_s=cost.train_token_s, push_s=cost.push_s,
                        label=f"{fitted.label}: {args.run} {source}; train model from "
                              f"{args.cost or 'the default assumption'}")
         out["calibration"] = {**asdict(fitted), **check}

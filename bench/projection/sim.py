@@ -39,7 +39,8 @@ class CostModel:
                    engine's left-padded cache; 0 on a server's paged cache)
     refill = refill_cell_s * cache cells copied (the in-process engine's left-padded cache; 0 on a
              server's paged cache)
-    training step = train_step_s + train_token_s * response tokens trained
+    training step = train_step_s + train_token_s * response tokens trained (+ push_s where the
+                    projection does not cost the weight push on its own)
     """
 
     step_s: float
@@ -51,6 +52,7 @@ class CostModel:
     refill_cell_s: float = 0.0
     train_step_s: float = 0.0
     train_token_s: float = 0.0
+    push_s: float = 0.0  # a weight push per step; bench.projection.asynchronous costs it with its own model
     label: str = ""
 
     @classmethod

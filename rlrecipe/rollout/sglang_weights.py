@@ -53,6 +53,10 @@ def node_waves(urls: list[str], members: list[int]) -> tuple[list[int], list[int
     return list(first.values()), rest
 
 
+# servers loading an export at once within a wave (threads of the client): a wave of more loads in rounds
+MAX_PARALLEL_LOADS = 32
+
+
 class WeightPusher:
     """Pushes the trainer's weights into a fleet's live servers and verifies what they then serve."""
 
@@ -108,7 +112,7 @@ class WeightPusher:
         for wave in node_waves(fleet.urls, list(fleet.live)):
             if not wave:
                 continue
-            with ThreadPoolExecutor(max_workers=min(len(wave), 32)) as pool:
+            with ThreadPoolExecutor(max_workers=min(len(wave), MAX_PARALLEL_LOADS)) as pool:
                 futures = {i: pool.submit(self._update_one, i, model_path, version) for i in wave}
                 for i, fut in futures.items():
                     try:

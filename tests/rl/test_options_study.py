@@ -60,6 +60,7 @@ def _write_run(run, final_acc, final_entropy, avg):
 
 def test_a_partial_rerun_keeps_the_other_arms_from_the_kept_study(tmp_path, monkeypatch):
     from rlrecipe.eval import results_store
+
     from scripts.options_study import ARMS, with_kept_arms
 
     def line(arm, commit):

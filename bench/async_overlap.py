@@ -1,15 +1,20 @@
-"""Synchronous vs asynchronous RL on this CPU, side by side (`make bench-full`).
+"""Synchronous vs asynchronous RL on this CPU, one variable at a time (`make bench-full`).
 
-Three arms train the tiny recipe from the demo's SFT model for the same steps:
-- split, synchronous and asynchronous (`rl.async_lag` 0 and 1): the rollout on a `rlrecipe serve`
-  server pinned to one core with one thread, the trainer on the other core with one thread, as
-  rollout and training GPUs are separate on a cluster. A synchronous step costs about rollout +
-  train; an asynchronous one about the larger of the two.
-- both cores, synchronous: the best synchronous use of the same machine, every phase on both cores
-  (the in-process engine, two threads), as a colocated cluster runs rollout and training in turn.
-Async pays on this machine only if it beats the second arm, not just the first.
+Three arms train the tiny recipe from the demo's SFT model for the same steps, every one with its
+rollout on a `rlrecipe serve` server over HTTP (float32, weights pushed through disk) and every process
+under the same OpenMP wait (the short spin, GOMP_SPINCOUNT=1000), so that neighbouring arms differ in
+one thing:
+- shared: synchronous, server and trainer each with two threads on both cores, as a colocated
+  cluster runs rollout and training in turn;
+- split: synchronous, the server pinned to one core and the trainer to the other, one thread each, as
+  rollout and training GPUs are separate on a cluster (shared -> split: the placement only);
+- async: split, with `rl.async_lag` 1 (split -> async: the lag only). A split step costs about rollout
+  + train; an asynchronous one about the larger of the two.
+Each arm runs `repeats` times; a run's step time is the median wall clock of its steps after the first
+(`step_wall_s`); an arm reports the median over its runs and their range. Async pays on this machine
+only if it beats the shared arm, not just the split one.
 
-    python -m bench.async_overlap          # prints the comparison as JSON
+    python -m bench.async_overlap [--repeats 3] [--steps 8]   # prints the comparison as JSON
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from statistics import median
 
 RECIPE = Path("recipes/tiny_rl.yaml")
 MODEL = Path("runs/tiny-sft/final")
+WAIT = {"GOMP_SPINCOUNT": "1000"}  # every process of every arm (rlrecipe/core/threads.py's short spin)
+ARMS = ("shared", "split", "async")
 
 
 def _free_port() -> int:
@@ -33,65 +40,85 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pinned(core: int) -> list[str]:
+def _pinned(core: int | None) -> list[str]:
     cores = os.cpu_count() or 1
-    return ["taskset", "-c", str(core % cores)] if cores > 1 else []
+    return ["taskset", "-c", str(core % cores)] if core is not None and cores > 1 else []
+
+
+def arm_overrides(out: Path, arm: str, run: int, steps: int) -> tuple[dict, int, list[str]]:
+    """(recipe overrides, threads per process, the trainer's pinning) of one run of an arm."""
+    split = arm in ("split", "async")
+    threads = 1 if split else min(2, os.cpu_count() or 1)
+    serve = [*(_pinned(0) if split else []), sys.executable, "-m", "rlrecipe.cli.app", "serve", "{model}", "--host",
+             "{host}", "--port", "{port}", "--dtype", "{dtype}"]
+    over = {"run.name": f"overlap-{arm}-{run}", "run.output_dir": str(out), "run.init_from": str(MODEL.resolve()),
+            "rl.steps": steps, "rl.save_every": steps, "rl.async_lag": 1 if arm == "async" else 0,
+            "eval.benchmarks": [], "rollout.engine": "sglang", "rollout.dtype": "float32",
+            "rollout.sglang.base_port": _free_port(), "rollout.sglang.weight_sync": "disk",
+            "rollout.sglang.launch_cmd": serve}
+    return over, threads, _pinned(1) if split else []
 
 
 def _train(out: Path, over: dict, threads: int, prefix: list[str]) -> list[dict]:
-    """`rlrecipe rl` of the tiny recipe with these overrides, `threads` intra-op threads, under `prefix`
-    (a core pinning); its metrics rows."""
+    """`rlrecipe rl` of the tiny recipe with these overrides, `threads` intra-op threads in every process
+    (the server inherits the environment), under `prefix` (a core pinning); its metrics rows."""
     sets = [x for k, v in over.items() for x in ("--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, **WAIT, "OMP_NUM_THREADS": str(threads)}
     subprocess.run([*prefix, sys.executable, "-m", "rlrecipe.cli.app", "rl", str(RECIPE), *sets], env=env,
                    check=True, capture_output=True, timeout=1800)
     rows = out / over["run.name"] / "metrics.jsonl"
     return [json.loads(line) for line in rows.read_text().splitlines()]
 
 
-def _common(out: Path, name: str, lag: int, steps: int) -> dict:
-    return {"run.name": name, "run.output_dir": str(out), "run.init_from": str(MODEL.resolve()), "rl.steps": steps,
-            "rl.save_every": steps, "rl.async_lag": lag, "eval.benchmarks": []}
-
-
-def run_one(out: Path, lag: int, steps: int) -> list[dict]:
-    """One RL run of the tiny recipe through a pinned `rlrecipe serve`; its metrics rows."""
-    over = {**_common(out, f"overlap-lag{lag}", lag, steps), "rollout.engine": "sglang", "rollout.dtype": "float32",
-            "rollout.sglang.base_port": _free_port(), "rollout.sglang.weight_sync": "disk",
-            "rollout.sglang.launch_cmd": [*_pinned(0), sys.executable, "-m", "rlrecipe.cli.app", "serve", "{model}",
-                                          "--host", "{host}", "--port", "{port}", "--dtype", "{dtype}"]}
-    return _train(out, over, threads=1, prefix=_pinned(1))
-
-
-def run_both_cores(out: Path, steps: int) -> list[dict]:
-    """The synchronous run with both cores in each phase: the in-process engine, two threads."""
-    over = {**_common(out, "overlap-both-cores", 0, steps), "rollout.engine": "inprocess"}
-    return _train(out, over, threads=min(2, os.cpu_count() or 1), prefix=[])
-
-
 def summarise(rows: list[dict]) -> dict:
-    """Medians over the steps after the first (which pays for start-up), per step."""
+    """One run: medians over the steps after the first (which pays for start-up); the step is its wall clock."""
     rows = rows[1:] or rows
-    step = [r["rollout_s"] + r["train_s"] for r in rows]  # the step's wall time: waiting or rolling out, then training
-    collect = [r.get("rollout_collect_s", r["rollout_s"]) for r in rows]
-    return {"step_s": median(step), "rollout_s": median(collect), "train_s": median(r["train_s"] for r in rows),
-            "wait_s": median(r["rollout_s"] for r in rows), "tokens_trained": median(r["tokens_trained"] for r in rows),
-            "s_per_trained_token": sum(step) / sum(r["tokens_trained"] for r in rows)}
+    return {"step_s": median(r["step_wall_s"] for r in rows),
+            "rollout_s": median(r.get("rollout_collect_s", r["rollout_s"]) for r in rows),
+            "train_s": median(r["train_s"] for r in rows), "wait_s": median(r["rollout_s"] for r in rows),
+            "s_per_trained_token": sum(r["step_wall_s"] for r in rows) / sum(r["tokens_trained"] for r in rows)}
 
 
-def overlap_bench(steps: int = 8) -> dict:
+def over_runs(runs: list[dict]) -> dict:
+    """An arm: the median over its runs of each figure, and the range of the step time."""
+    out = {k: median(r[k] for r in runs) for k in runs[0]}
+    out["step_s_min"], out["step_s_max"] = min(r["step_s"] for r in runs), max(r["step_s"] for r in runs)
+    out["runs"] = len(runs)
+    return out
+
+
+def compare(arms: dict[str, dict]) -> dict:
+    """The ratios, each between arms that differ in one thing (or, last, async against the shared arm)."""
+    s, p, a = arms["shared"], arms["split"], arms["async"]
+    return {"placement_split_over_shared_per_step": s["step_s"] / p["step_s"],
+            "lag_async_over_split_per_step": p["step_s"] / a["step_s"],
+            "lag_async_over_split_per_trained_token": p["s_per_trained_token"] / a["s_per_trained_token"],
+            "async_vs_shared_per_step": s["step_s"] / a["step_s"],
+            "async_vs_shared_per_trained_token": s["s_per_trained_token"] / a["s_per_trained_token"],
+            # the range of a ratio: its numerator's fastest and slowest run against the other's
+            "async_vs_shared_per_step_low": s["step_s_min"] / a["step_s_max"],
+            "async_vs_shared_per_step_high": s["step_s_max"] / a["step_s_min"],
+            "split_step_over_rollout_plus_train": p["step_s"] / (p["rollout_s"] + p["train_s"]),
+            "async_step_over_max_of_two": a["step_s"] / max(a["rollout_s"], a["train_s"])}
+
+
+def overlap_bench(steps: int = 8, repeats: int = 3) -> dict:
+    arms: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
-        sync, lagged = (summarise(run_one(Path(tmp), lag, steps)) for lag in (0, 1))
-        both = summarise(run_both_cores(Path(tmp), steps))
-    return {**{f"sync_{k}": v for k, v in sync.items()}, **{f"async_{k}": v for k, v in lagged.items()},
-            **{f"sync_both_cores_{k}": v for k, v in both.items()},
-            "async_speedup_per_step": sync["step_s"] / lagged["step_s"],
-            "async_speedup_per_trained_token": sync["s_per_trained_token"] / lagged["s_per_trained_token"],
-            "async_vs_sync_both_cores_per_step": both["step_s"] / lagged["step_s"],
-            "async_vs_sync_both_cores_per_trained_token": both["s_per_trained_token"] / lagged["s_per_trained_token"],
-            "sync_step_over_rollout_plus_train": sync["step_s"] / (sync["rollout_s"] + sync["train_s"]),
-            "async_step_over_max_of_two": lagged["step_s"] / max(lagged["rollout_s"], lagged["train_s"])}
+        for run in range(repeats):  # arms interleaved: a machine that drifts drifts under each
+            for arm in ARMS:
+                over, threads, prefix = arm_overrides(Path(tmp), arm, run, steps)
+                arms[arm].append(summarise(_train(Path(tmp), over, threads, prefix)))
+    summary = {arm: over_runs(runs) for arm, runs in arms.items()}
+    return {**{f"{arm}_{k}": v for arm, s in summary.items() for k, v in s.items()}, **compare(summary),
+            "wait": WAIT}
 
 
 if __name__ == "__main__":
-    print(json.dumps(overlap_bench(), indent=2))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(json.dumps(overlap_bench(args.steps, args.repeats), indent=2))

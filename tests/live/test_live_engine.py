@@ -107,7 +107,7 @@ def test_checksums_and_the_probe_each_decide_a_push(sglang_server, demo_model_di
         both.close()
     finally:
         r = requests.post(sglang_server.url + "/update_weights_from_disk",
-                          json={"model_path": str(demo_model_dir)}, timeout=120)
+                          json={"model_path": str(demo_model_dir), "weight_version": "default"}, timeout=120)
         assert r.status_code == 200 and r.json()["success"], r.text
 
 

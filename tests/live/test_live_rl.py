@@ -69,7 +69,7 @@ def test_rl_attached_to_sglang_broadcasts_weights_checked_by_the_probe(tmp_path,
     finally:
         front.close()
         r = requests.post(sglang_server.url + "/update_weights_from_disk",
-                          json={"model_path": str(demo_model_dir)}, timeout=120)
+                          json={"model_path": str(demo_model_dir), "weight_version": "default"}, timeout=120)
         assert r.status_code == 200 and r.json()["success"], r.text
     rows = _rows(tmp_path / "runs" / "rl")
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlrecipe.data.io import load_rows
     from rlrecipe.modeling import load_tokenizer
     from rlrecipe.recipe.systems import SGLangServer
-    from rlrecipe.rollout.sglang import SGLangEngine
+    from rlrecipe.rollout.sglang.engine import SGLangEngine
 
     tok = load_tokenizer(args.model)
     rows = (load_rows(args.prompts, "rl") if args.prompts else

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang import SGLangEngine
+from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 from tests.rollout.test_sglang_hang import STAND_IN, free_ports
 

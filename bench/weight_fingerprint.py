@@ -1,4 +1,4 @@
-"""What the weight fingerprint after each push costs (rollout/weight_check.py), against `rlrecipe serve`.
+"""What the weight fingerprint after each push costs (rollout/weights/check.py), against `rlrecipe serve`.
 
   python -m bench.weight_fingerprint
 
@@ -50,7 +50,7 @@ def run(hidden: int = 256, layers: int = 4, pushes: int = 4) -> dict:
 
     from rlrecipe.modeling import load_model
     from rlrecipe.recipe.systems import SGLangServer
-    from rlrecipe.rollout.sglang import SGLangEngine
+    from rlrecipe.rollout.sglang.engine import SGLangEngine
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:

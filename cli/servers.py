@@ -26,7 +26,7 @@ def rollout_servers(
 ) -> None:
     """Start node N's share of rollout.sglang.num_servers, print their URLs once healthy, serve until Ctrl-C."""
     from rlrecipe.recipe.schema import load_recipe
-    from rlrecipe.rollout.node_servers import run_node
+    from rlrecipe.rollout.sglang.node_servers import run_node
 
     loaded = load_recipe(recipe, set_ or [])
     run_node(loaded, node, gpus=gpus, url_host=url_host, urls_out=urls_out, log_dir=log_dir, dry_run=dry_run,

@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from rlrecipe.modeling import load_tokenizer
     from rlrecipe.recipe.systems import SGLangServer
-    from rlrecipe.rollout.sglang import SGLangEngine
-    from rlrecipe.rollout.weight_transport import weight_transport
+    from rlrecipe.rollout.sglang.engine import SGLangEngine
+    from rlrecipe.rollout.weights.transport import weight_transport
     from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu-smoke-sglang-"))
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         t2 = time.time()
         engine.update_weights_from_state(state, 2)
         summary["broadcast_update_s"] = round(time.time() - t2, 2)
-        # the check after each push (rollout/weight_check.py): a mismatch raised already; here, which
+        # the check after each push (rollout/weights/check.py): a mismatch raised already; here, which
         # exact checks this SGLang answers for the model (checksums, rows), and what it cost
         check = engine.weights.check
         summary["sglang_version"] = engine.fleet.dialect(0).label()

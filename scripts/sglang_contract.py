@@ -171,9 +171,9 @@ def download(versions: list[str], into: Path) -> list[Path]:
 def client_contract() -> dict:
     """What the client sends and reads, taken from its own code where it is built there."""
     from rlrecipe.recipe.systems import SGLangServer
-    from rlrecipe.rollout.sglang_api import generate_payload, sglang_sampling_params
-    from rlrecipe.rollout.sglang_server import sglang_launch_cmd
-    from rlrecipe.rollout.sglang_versions import SAMPLING_KEYS
+    from rlrecipe.rollout.sglang.api import generate_payload, sglang_sampling_params
+    from rlrecipe.rollout.sglang.server import sglang_launch_cmd
+    from rlrecipe.rollout.sglang.versions import SAMPLING_KEYS
     from rlrecipe.trajectory.record import SamplingParams
 
     sp = sglang_sampling_params(SamplingParams(top_k=20), 16, [1])
@@ -204,7 +204,7 @@ def client_contract() -> dict:
                           "EndWeightUpdateReqInput": "weight_update_session",
                           "CheckWeightsReqInput": "weights_checksum",
                           "DestroyWeightsUpdateGroupReqInput": "destroy_group"},
-        # sampling_seed: sent where the server's version has it (sglang_call.py)
+        # sampling_seed: sent where the server's version has it (sglang/call.py)
         "sampling_params": sorted(set(sp) | set(SAMPLING_KEYS) | {"sampling_seed"}),
         "sampling_gated": {"sampling_seed": "sampling_seed"},
         "launch_flags": sorted({a for a in cmd if a.startswith("--")} | {"--api-key"}),  # the key: when set
@@ -216,9 +216,9 @@ def client_contract() -> dict:
 
 def problems(summary: dict, client: dict) -> list[str]:
     """Every endpoint, request field, sampling key, launch flag and response field the client uses
-    that a summarised version lacks, and every version rule (sglang_versions.Dialect) the packages
+    that a summarised version lacks, and every version rule (rollout/sglang/versions.py, Dialect) the packages
     contradict; [] when the client and the packages agree."""
-    from rlrecipe.rollout.sglang_versions import Dialect, parse_version
+    from rlrecipe.rollout.sglang.versions import Dialect, parse_version
 
     out = []
     for version, s in summary["sglang_versions"].items():
@@ -261,7 +261,7 @@ def problems(summary: dict, client: dict) -> list[str]:
 
 
 def main() -> None:
-    from rlrecipe.rollout.sglang_versions import LOWEST, NEWEST
+    from rlrecipe.rollout.sglang.versions import LOWEST, NEWEST
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--versions", nargs="+", default=[".".join(map(str, LOWEST)), ".".join(map(str, NEWEST))])

@@ -163,7 +163,7 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
     `cache`: simulated rollout steps by engine count, shared by calls that differ only in the
     training model (`train_scale`, `load_s`, `etas`, the push).
     The push (`bench.projection.push`): over the recipe's transport (disk at eta >= 2), `per_node`
-    loading as sglang_weights.py does; `load_s`, when given, replaces the modelled rollout-side pause of
+    loading as sglang/weights.py does; `load_s`, when given, replaces the modelled rollout-side pause of
     every layout with separate rollout GPUs (the sensitivity to the push)."""
     from rlrecipe.checks.plan import kv_cache_tokens, rollout_engines
     from rlrecipe.recipe.schema import load_recipe

@@ -1,11 +1,11 @@
 """What one weight push costs at a recipe's size: seconds on each side, and bytes on the shared file system.
 
-Two transports (`rollout.sglang.weight_sync`, rlrecipe/rollout/weight_transport.py):
+Two transports (`rollout.sglang.weight_sync`, rlrecipe/rollout/weights/transport.py):
 
 - **disk** (the shipped default; forced at `rl.async_lag` >= 2, where the worker installs a copy held
   for later, rlrecipe/rl/schedule.py): trainer rank 0 writes an HF export of the weights to the run
   directory on the shared file system, then every rollout server loads it. Since
-  rlrecipe/rollout/sglang_weights.py loads node by node (one server of each node first, then the node's
+  rlrecipe/rollout/sglang/weights.py loads node by node (one server of each node first, then the node's
   other servers, which find the files in the page cache the first one filled), the shared file system
   serves **one read per node per push**, not one per server.
 - **broadcast** (`weight_sync: distributed`): the trainer's tensors go over NCCL to every server at
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from rlrecipe.rollout.sglang_weights import MAX_PARALLEL_LOADS
+from rlrecipe.rollout.sglang.weights import MAX_PARALLEL_LOADS
 
 # bf16 weights of DeepSeek-R1-Distill-Qwen-7B: 7.62e9 parameters (its config.json, the Qwen2.5-Math-7B
 # architecture: 28 layers, hidden 3584, intermediate 18944, vocabulary 152,064, untied embeddings) x 2 bytes
@@ -61,7 +61,7 @@ def disk_push(weight_bytes: float, servers: int, *, per_node: bool = True, gpus_
     """One push over disk to `servers` rollout servers (each `gpus_per_server` GPUs, GPUS_PER_NODE per node).
 
     trainer_s: the export written (the trainer's side). rollout_s: until every server holds the new
-    weights (the rollout side's pause). per_node (what sglang_weights.py does): the first server of each
+    weights (the rollout side's pause). per_node (what sglang/weights.py does): the first server of each
     node reads from the shared file system, at the lowest of its load rate, its node's link and its share of
     the aggregate; then the node's other servers load from the page cache. The client loads at most
     MAX_PARALLEL_LOADS servers of a wave at once, so a wave of more loads in rounds. Without per_node

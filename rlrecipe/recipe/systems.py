@@ -41,7 +41,7 @@ class SGLangServer(Section):
     # A launched server (the run's own, or one `rlrecipe rollout-servers` started) that exits, or
     # (the run's) stops answering, is started again, at most this many times each; a server left
     # out that answers again, launched or attached, is taken back at the next weight update, which
-    # brings it the current weights (rollout/server_recovery.py). Needs retry_on_other_servers.
+    # brings it the current weights (rollout/sglang/recovery.py). Needs retry_on_other_servers.
     max_restarts: int = Field(0, ge=0)
     # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
     # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} (model.revision for a

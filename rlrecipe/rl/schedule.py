@@ -19,8 +19,8 @@ from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.recipe.schema import Recipe
 from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
 from rlrecipe.rl.rollout_stats import RolloutStats
-from rlrecipe.rollout.weight_probe import Scores, probe_sequences
-from rlrecipe.rollout.weight_transport import WeightTransport
+from rlrecipe.rollout.weights.probe import Scores, probe_sequences
+from rlrecipe.rollout.weights.transport import WeightTransport
 from rlrecipe.train.base import TrainSample
 from rlrecipe.trajectory.arrays import broadcast_batch_from_rank_zero
 
@@ -38,7 +38,7 @@ class WeightsOut:
     def __init__(self, trainer, engine, run, tokenizer, transport: WeightTransport):
         self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, engine, run, tokenizer, transport
         # servers are checked against the trainer's log-probs of a fixed probe where no exact check
-        # reaches them (rollout/weight_probe.py): scored now for the weights they start with
+        # reaches them (rollout/weights/probe.py): scored now for the weights they start with
         self.probe = probe_sequences(tokenizer) if transport is not WeightTransport.IN_MEMORY else None
         self._expect(engine.version if engine is not None else 0)
 

@@ -47,7 +47,7 @@ class RolloutEngine(ABC):
 
     def expect_logprobs(self, scores) -> None:  # noqa: B027 - optional hook
         """The trainer's log-probs of a fixed probe under the weights of `scores.version`, which the
-        engine may check its servers against (rollout/weight_probe.py); ignored by default."""
+        engine may check its servers against (rollout/weights/probe.py); ignored by default."""
 
     def fleet_metrics(self) -> dict[str, float]:
         """What a step logs of the engine's servers (none by default: one process, nothing to lose)."""

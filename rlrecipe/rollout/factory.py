@@ -14,7 +14,7 @@ def make_rollout_engine(recipe: Recipe, model_dir: str | Path, tokenizer, versio
     must leave the trainer's GPUs alone; evaluation alone passes False."""
     ro = recipe.rollout
     if ro.engine == "sglang":
-        from rlrecipe.rollout.sglang import SGLangEngine
+        from rlrecipe.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine.from_recipe(recipe, model_dir, tokenizer, version=version, run_dir=run_dir,
                                         beside_training=beside_training)

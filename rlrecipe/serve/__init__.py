@@ -21,7 +21,7 @@ or batch; sampling_params; return_logprob; rid), POST /abort_request, POST
 /update_weights_from_disk (flushes the cache, as SGLang's does), POST|GET /flush_cache,
 POST /init_weights_update_group + /begin_weight_update + /update_weights_from_distributed +
 /end_weight_update + /destroy_weights_update_group (the trainer broadcasts tensors into this
-process, see rollout/weight_sync.py), GET /health, GET /health_generate, GET /model_info (and its
+process, see rollout/weights/sync.py), GET /health, GET /health_generate, GET /model_info (and its
 old name /get_model_info), GET /server_info (context_length, max_req_input_len, version, device),
 GET|POST /get_weights_by_name ({name, truncate_size}: the parameter's first truncate_size rows as
 float32 lists, Llama-like models only), GET|POST /weights_checker ({"action": "checksum"}: every

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from rlrecipe.core.errors import UserError
-from rlrecipe.rollout.api_key import is_authorized
-from rlrecipe.rollout.sglang_versions import LOWEST, NEWEST, Dialect, parse_version
+from rlrecipe.rollout.sglang.api_key import is_authorized
+from rlrecipe.rollout.sglang.versions import LOWEST, NEWEST, Dialect, parse_version
 from rlrecipe.serve.protocol import (
     BadRequest,
     GenRequest,

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlrecipe.rollout.sglang_versions import NEWEST, Dialect
+from rlrecipe.rollout.sglang.versions import NEWEST, Dialect
 
 
 class Served(Protocol):

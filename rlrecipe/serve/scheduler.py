@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from rlrecipe.modeling import read_export_for
-from rlrecipe.rollout.weight_sync import receive
+from rlrecipe.rollout.weights.sync import receive
 from rlrecipe.serve.protocol import RULES, GenRequest, health_probe
 from rlrecipe.serve.weights import JOIN_TIMEOUT_S, ServedWeights, log
 from rlrecipe.trajectory.record import SamplingParams, Trajectory

@@ -15,9 +15,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from rlrecipe.rollout.sglang_versions import Dialect
-from rlrecipe.rollout.weight_checksum import model_checksums
-from rlrecipe.rollout.weight_sync import DEFAULT_GROUP, init_custom_group
+from rlrecipe.rollout.sglang.versions import Dialect
+from rlrecipe.rollout.weights.checksum import model_checksums
+from rlrecipe.rollout.weights.sync import DEFAULT_GROUP, init_custom_group
 
 # /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
 # weight broadcast may take: an unreachable address must not hold the request that long.

@@ -31,7 +31,7 @@ from rlrecipe.rl.pool import RolloutPool
 from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.rl.schedule import StepRollout, WeightsOut
 from rlrecipe.rollout.factory import make_rollout_engine
-from rlrecipe.rollout.weight_transport import weight_transport
+from rlrecipe.rollout.weights.transport import weight_transport
 from rlrecipe.run.checkpoints import check_resume_step
 from rlrecipe.run.metrics_file import read_metrics
 from rlrecipe.run.record import Run

@@ -60,7 +60,7 @@ def test_fit_writes_a_layout_the_plan_and_validate_accept(machine, tmp_path, mon
         assert tr.nodes == 1 and s.nodes == 1 and s.host == "127.0.0.1"
         # the run's own check before it launches servers beside the trainer: exactly the node's GPUs
         from rlrecipe.core.errors import UserError
-        from rlrecipe.rollout.sglang_server import check_gpus, trainer_gpus_on_node
+        from rlrecipe.rollout.sglang.server import check_gpus, trainer_gpus_on_node
 
         check_gpus(s, visible=gpus, trainer_gpus=trainer_gpus_on_node(tr))
         with pytest.raises(UserError):

@@ -8,9 +8,9 @@ import requests
 import torch
 
 from rlrecipe.modeling import load_model, load_tokenizer
-from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.weight_check import WeightMismatch
-from rlrecipe.rollout.weight_probe import Scores, probe_sequences
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.weights.check import WeightMismatch
+from rlrecipe.rollout.weights.probe import Scores, probe_sequences
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 from tests.live.conftest import Front
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-# what the client reads of /server_info (rollout/sglang_fleet.py, sglang_versions.py, weight_check.py)
+# what the client reads of /server_info (rollout/sglang/fleet.py, sglang/versions.py, weights/check.py)
 SERVER_INFO_READ = ("version", "device", "dtype", "context_length", "max_req_input_len", "tp_size", "dp_size")
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 

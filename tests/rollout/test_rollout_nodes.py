@@ -25,9 +25,9 @@ from rlrecipe.recipe.base import RecipeError
 from rlrecipe.recipe.schema import load_recipe, recipe_from_dict
 from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.factory import make_rollout_engine
-from rlrecipe.rollout.node_servers import plan_node, read_urls, update_urls
-from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.sglang_server import check_gpus, server_specs, trainer_gpus_on_node
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.sglang.node_servers import plan_node, read_urls, update_urls
+from rlrecipe.rollout.sglang.server import check_gpus, server_specs, trainer_gpus_on_node
 from tests.rollout.test_sglang_client import free_ports
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,10 +19,10 @@ from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe.schema import recipe_from_dict
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.sglang_api import sglang_sampling_params
-from rlrecipe.rollout.sglang_call import apply_answer, to_least_loaded
-from rlrecipe.rollout.sglang_server import probe_health
+from rlrecipe.rollout.sglang.api import sglang_sampling_params
+from rlrecipe.rollout.sglang.call import apply_answer, to_least_loaded
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.sglang.server import probe_health
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 BOOT_TIMEOUT_S = 90
@@ -135,7 +135,7 @@ def test_sampling_params_and_response_mapping():
 
 
 def test_one_decision_picks_the_weight_transport():
-    from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
+    from rlrecipe.rollout.weights.transport import WeightTransport, weight_transport
 
     disk, distributed = SGLangServer(weight_sync="disk"), SGLangServer(weight_sync="distributed")
     assert weight_transport("inprocess", distributed) is WeightTransport.IN_MEMORY
@@ -357,7 +357,7 @@ def test_requests_fit_the_context_and_a_full_context_truncates(engine, tok, serv
 
 def test_requests_follow_the_servers_version(tok):
     """The context edge and sampling_seed as each end of the pin has them (read from SGLang's packages)."""
-    from rlrecipe.rollout.sglang_versions import Dialect, dialect_of, parse_version, room
+    from rlrecipe.rollout.sglang.versions import Dialect, dialect_of, parse_version, room
 
     old, new, unknown = Dialect((0, 5, 1)), Dialect((0, 5, 23)), dialect_of({"version": "custom-build"})
     assert parse_version("0.5.3.post1") == (0, 5, 3) and unknown.version is None
@@ -436,7 +436,7 @@ class ScriptedServers:
     """`LiveServers` whose /begin_weight_update and /end_weight_update answer from a script, in order."""
 
     def __init__(self, answers: list[tuple[int, str]]):
-        from rlrecipe.rollout.sglang_versions import Dialect
+        from rlrecipe.rollout.sglang.versions import Dialect
 
         self.cfg, self.urls, self.live = SGLangServer(), ["http://s0"], [0]
         self.answers, self.asked = answers, []
@@ -454,7 +454,7 @@ class ScriptedServers:
 
 
 def test_only_a_session_left_open_is_closed_and_begun_again_and_only_once():
-    from rlrecipe.rollout.weight_broadcast import WeightBroadcast
+    from rlrecipe.rollout.sglang.broadcast import WeightBroadcast
 
     left_open = (400, "a weight-update session is already open; call end_weight_update() first")  # SGLang 0.5.23's
     srv = ScriptedServers([left_open, (200, "Success"), (200, "Success")])
@@ -473,7 +473,7 @@ def test_only_a_session_left_open_is_closed_and_begun_again_and_only_once():
 
 
 def test_weight_buckets_and_tied_tensors():
-    from rlrecipe.rollout.weight_sync import buckets, distinct_tensors
+    from rlrecipe.rollout.weights.sync import buckets, distinct_tensors
 
     emb = torch.zeros(4, 8)
     state = {"embed": emb, "a": torch.zeros(10), "lm_head": emb, "b": torch.zeros(31), "c": torch.zeros(2)}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlrecipe.rollout.sglang_versions import LOWEST, NEWEST
+from rlrecipe.rollout.sglang.versions import LOWEST, NEWEST
 from scripts.sglang_contract import OUT, client_contract, problems
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,8 +18,8 @@ import pytest
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.sglang_server import probe_health
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.sglang.server import probe_health
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 GUARD_S = 120  # only a guard against a stalled test; the assertions are on the errors

@@ -25,9 +25,9 @@ from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe.base import RecipeError
 from rlrecipe.recipe.schema import load_recipe, recipe_from_dict
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.sglang_router import router_launch_cmd, start_router
-from rlrecipe.rollout.sglang_server import (
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.sglang.router import router_launch_cmd, start_router
+from rlrecipe.rollout.sglang.server import (
     check_gpus,
     gpus_needed,
     sglang_launch_cmd,
@@ -169,7 +169,7 @@ def test_router_command_line_lists_every_server(monkeypatch):
 def test_the_router_never_ends_a_generation_the_client_still_waits_for():
     """Its request timeout outlasts the client's read timeout for the longest generation any shipped
     recipe asks (rollout or evaluation)."""
-    from rlrecipe.rollout.sglang_router import ROUTER_REQUEST_TIMEOUT_S
+    from rlrecipe.rollout.sglang.router import ROUTER_REQUEST_TIMEOUT_S
 
     for path in sorted((REPO / "recipes").glob("*.yaml")):
         r = load_recipe(path).recipe

@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rlrecipe.core.errors import UserError
-from rlrecipe.rollout import sglang_fleet
 from rlrecipe.rollout.base import SEED_KEY
-from rlrecipe.rollout.sglang import SGLangEngine
+from rlrecipe.rollout.sglang import fleet as sglang_fleet
+from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 INFO = {"version": "0.5.1", "context_length": 64, "max_req_input_len": 58}

@@ -7,7 +7,7 @@ from pathlib import Path
 from rlrecipe.checks.model_dims import SHIPPED_CONFIGS
 from rlrecipe.checks.plan import kv_cache_tokens
 from rlrecipe.recipe.schema import load_recipe
-from rlrecipe.rollout.sglang import SGLangEngine
+from rlrecipe.rollout.sglang.engine import SGLangEngine
 
 REPO = Path(__file__).resolve().parents[2]
 

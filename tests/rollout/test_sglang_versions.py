@@ -14,8 +14,8 @@ import torch
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.base import SEED_KEY
-from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.weight_probe import Scores, judge_scores, probe_sequences
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.weights.probe import Scores, judge_scores, probe_sequences
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 from tests.rollout.test_sglang_client import BOOT_TIMEOUT_S, free_port, rlrecipe_cmd, stop_process
 
@@ -89,7 +89,7 @@ def test_without_checksums_the_probe_tells_new_weights_from_old(old_server, tok,
                                                                capfd):
     """Qwen2 on 0.5.1: neither /weights_checker nor /get_weights_by_name. The trainer's log-probs of the
     probe under the pushed and the previous weights decide; the server's input_token_logprobs are SGLang's."""
-    from rlrecipe.rollout.weight_check import WeightMismatch
+    from rlrecipe.rollout.weights.check import WeightMismatch
 
     seqs = probe_sequences(tok)
     assert len(seqs) == 4 and all(2 <= len(s) <= 32 for s in seqs)

@@ -1,4 +1,4 @@
-"""Weight verification after each push (rollout/weight_check.py, weight_checksum.py) against `rlrecipe serve`,
+"""Weight verification after each push (rollout/weights/check.py, weights/checksum.py) against `rlrecipe serve`,
 which answers as SGLang 0.5.23 does: /weights_checker checksums for any model, /get_weights_by_name only for
 Llama-like ones. One server is faithful; one answers every update with 200 and keeps its weights (from
 weight version KEEP_FROM on, given as its third argument: 0 keeps the weights it started with)."""
@@ -17,14 +17,14 @@ import torch
 
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout import weight_check
-from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.weight_checksum import ServerChecksums, judge, model_checksums, tensor_checksum
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.weights import check as weight_check
+from rlrecipe.rollout.weights.checksum import ServerChecksums, judge, model_checksums, tensor_checksum
 from tests.rollout.test_sglang_client import BOOT_TIMEOUT_S, free_port, rlrecipe_cmd, stop_process
 
 SABOTAGED = textwrap.dedent("""
     import sys
-    from rlrecipe.rollout.weight_sync import receive
+    from rlrecipe.rollout.weights.sync import receive
     from rlrecipe.serve import scheduler
 
     KEEP_FROM = int(sys.argv[3])
@@ -348,7 +348,7 @@ def test_an_rl_run_stops_at_the_push_a_server_keeps_its_weights_and_keeps_what_i
 def test_the_vocabulary_rows_are_hashed_as_sglang_pads_them():
     """SGLang's VocabParallelEmbedding holds 261 rows as 320 (a multiple of 64), the rest zero, and
     hashes that; other tensors, and vocabularies already a multiple of 64, are hashed as they are."""
-    from rlrecipe.rollout.weight_checksum import served_checksum
+    from rlrecipe.rollout.weights.checksum import served_checksum
 
     emb = torch.randn(261, 8, generator=torch.Generator().manual_seed(0))
     padded = torch.cat([emb, torch.zeros(59, 8)])

@@ -1,4 +1,4 @@
-"""A disk push reads the shared file system once per node, not once per server (sglang_weights.py).
+"""A disk push reads the shared file system once per node, not once per server (sglang/weights.py).
 
 Servers on three "nodes" (loopback addresses 127.0.0.1 to 127.0.0.3, three servers each) answer
 /update_weights_from_disk over HTTP as SGLang does. Each node has a page cache of its own: a load finds
@@ -17,8 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang_fleet import ServerFleet
-from rlrecipe.rollout.sglang_weights import WeightPusher, node_waves
+from rlrecipe.rollout.sglang.fleet import ServerFleet
+from rlrecipe.rollout.sglang.weights import WeightPusher, node_waves
 
 NODES, PER_NODE = 3, 3
 READ_S = 0.3  # one read of the export from the shared file system

@@ -7,9 +7,9 @@ import requests
 
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.api_key import is_authorized
-from rlrecipe.rollout.sglang import SGLangEngine
-from rlrecipe.rollout.sglang_server import ServerProcess, sglang_launch_cmd
+from rlrecipe.rollout.sglang.api_key import is_authorized
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.sglang.server import ServerProcess, sglang_launch_cmd
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 from tests.rollout.test_sglang_client import BOOT_TIMEOUT_S, free_ports, rlrecipe_cmd
 

@@ -1,13 +1,13 @@
-"""The SGLang rollout engine: a client of SGLang's native HTTP API (`sglang_api.py`) on many servers.
+"""The SGLang rollout engine: a client of SGLang's native HTTP API (`sglang/api.py`) on many servers.
 
 It is three parts, each readable and testable alone:
 
-- `ServerFleet` (`sglang_fleet.py`): the servers, launched (`sglang_server.py`) or attached
+- `ServerFleet` (`sglang/fleet.py`): the servers, launched (`sglang/server.py`) or attached
   (`rollout.urls`), the router in front of them, which are live, recovery after a failure, and
   one request to one server;
-- `GenerationClient` (`sglang_generation.py`): /generate calls (`sglang_call.py`), with read
+- `GenerationClient` (`sglang/generation.py`): /generate calls (`sglang/call.py`), with read
   timeouts sized from the plan;
-- `WeightPusher` (`sglang_weights.py`): weight pushes over disk or broadcast, each verified.
+- `WeightPusher` (`sglang/weights.py`): weight pushes over disk or broadcast, each verified.
 
 Each response's `meta_info.weight_version` is checked against the version this engine set, so a
 token is never labelled with a policy version that did not produce it.
@@ -24,10 +24,10 @@ from pathlib import Path
 from rlrecipe.recipe.schema import Recipe
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.base import Refill, RolloutEngine
-from rlrecipe.rollout.sglang_fleet import ServerFleet
-from rlrecipe.rollout.sglang_generation import GenerationClient
-from rlrecipe.rollout.sglang_server import ServerProcess, model_arg, trainer_gpus_on_node
-from rlrecipe.rollout.sglang_weights import WeightPusher
+from rlrecipe.rollout.sglang.fleet import ServerFleet
+from rlrecipe.rollout.sglang.generation import GenerationClient
+from rlrecipe.rollout.sglang.server import ServerProcess, model_arg, trainer_gpus_on_node
+from rlrecipe.rollout.sglang.weights import WeightPusher
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 

@@ -1,7 +1,7 @@
 """Servers that come back after a failure, so a multi-day run does not shrink server by server.
 
 With `rollout.sglang.retry_on_other_servers`, a server that dies or stops answering is left out and
-its requests go to the others (`sglang.py`). Two things bring it back:
+its requests go to the others (`sglang/engine.py`). Two things bring it back:
 
 - a server the run launched itself is started again at once, in the background, at most
   `rollout.sglang.max_restarts` times (`rlrecipe rollout-servers` does the same for its own);
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from rlrecipe.core.console import console
-from rlrecipe.rollout.sglang_server import ServerProcess, probe_health
+from rlrecipe.rollout.sglang.server import ServerProcess, probe_health
 
 STOP_S = 5.0  # a server given up on needs no long goodbye: SIGKILL follows SIGTERM after this
 PROBE_S = 2.0  # one health probe of a server left out, at a weight update (side by side)

@@ -1,10 +1,10 @@
 """Generation on an SGLang fleet: read timeouts sized from the plan, and each call's requests.
 
-Every /generate goes through one asyncio thread (`http_pool.py`), at most `max_concurrency` open
+Every /generate goes through one asyncio thread (`sglang/http_pool.py`), at most `max_concurrency` open
 per server; a group's samples go to one server, which then shares their prompt's prefix cache.
 `max_new_tokens` is capped to the room left in the server's context, and a trajectory with no
 room left is truncated without a request. One call's requests, their resends and their aborts
-are `sglang_call.py`'s.
+are `sglang/call.py`'s.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from rlrecipe.core.console import console
 from rlrecipe.recipe.schema import Recipe
 from rlrecipe.rollout.base import Refill
 from rlrecipe.rollout.c3po_budget import TokenBudget, admit
-from rlrecipe.rollout.sglang_call import GenerateCall
-from rlrecipe.rollout.sglang_fleet import ServerFleet
+from rlrecipe.rollout.sglang.call import GenerateCall
+from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 

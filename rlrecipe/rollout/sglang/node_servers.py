@@ -35,7 +35,7 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang_server import (
+from rlrecipe.rollout.sglang.server import (
     LOG_NAME,
     ServerProcess,
     ServerSpec,

@@ -8,7 +8,7 @@ process group with its log in `<run_dir>/sglang_server_{i}.log`. A recipe whose 
 trainer) need more GPUs than this node shows is refused before anything starts.
 
 With `rollout.sglang.nodes` N > 1 the run launches none: node n starts servers n x S .. (n + 1) x
-S - 1 (S = num_servers / N) itself (`rlrecipe rollout-servers`, `node_servers.py`), server i still
+S - 1 (S = num_servers / N) itself (`rlrecipe rollout-servers`, `sglang/node_servers.py`), server i still
 on port base_port + i, its GPUs counted from 0 on its node, and the run attaches to them with
 `rollout.urls`. Optionally `sglang-router` runs in front of the servers (`rollout.sglang.router`,
 log `<run_dir>/sglang_router.log`) so that generation goes to one URL.
@@ -44,8 +44,8 @@ import requests
 from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer, TrainerSection
-from rlrecipe.rollout.api_key import ENV as API_KEY_ENV
-from rlrecipe.rollout.api_key import api_key
+from rlrecipe.rollout.sglang.api_key import ENV as API_KEY_ENV
+from rlrecipe.rollout.sglang.api_key import api_key
 
 LOG_NAME = "sglang_server_{i}.log"
 ROUTER_LOG_NAME = "sglang_router.log"

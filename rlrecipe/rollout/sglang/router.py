@@ -16,8 +16,8 @@ from pathlib import Path
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.api_key import api_key
-from rlrecipe.rollout.sglang_server import (
+from rlrecipe.rollout.sglang.api_key import api_key
+from rlrecipe.rollout.sglang.server import (
     ROUTER_LOG_NAME,
     ServerProcess,
     fill_placeholders,

@@ -1,6 +1,6 @@
 """The trainer's side of `weight_sync: distributed` for an SGLang engine: its update group and pushes.
 
-The group's protocol and collectives are in `weight_sync.py`; this module drives them over the
+The group's protocol and collectives are in `weights/sync.py`; this module drives them over the
 engine's live servers, seen as `LiveServers` (what it needs of the engine and no more): it makes
 the group on the first push (this process rank 0, then each live server's tensor-parallel ranks),
 sends the weights in buckets, and leaves the group when a push fails (a broadcast nobody received
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
-from rlrecipe.rollout.weight_sync import (
+from rlrecipe.rollout.weights.sync import (
     DEFAULT_GROUP,
     broadcast,
     buckets,
@@ -36,7 +36,7 @@ from rlrecipe.rollout.weight_sync import (
 
 if TYPE_CHECKING:
     from rlrecipe.recipe.systems import SGLangServer
-    from rlrecipe.rollout.sglang_versions import Dialect
+    from rlrecipe.rollout.sglang.versions import Dialect
 
 SESSION_S = 300.0  # opening or closing a session waits for the server's ranks (a barrier), not a load
 # SGLang's 400 to /begin_weight_update while a session is open (0.5.21-0.5.23, scheduler_components/

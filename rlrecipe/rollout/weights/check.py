@@ -4,7 +4,7 @@ An update that answers 200 says the server ran its load, not that the weights it
 trainer's (a wrong file read, a shard mapped to the wrong place, a load that silently skipped, a
 server that kept its previous weights). Two exact checks, each where the server offers it:
 
-- `/weights_checker` checksums (SGLang >= 0.5.12, any model; `weight_checksum.py`): bit for bit
+- `/weights_checker` checksums (SGLang >= 0.5.12, any model; `weights/checksum.py`): bit for bit
   where the server hashes as the trainer does, else every tensor the trainer changed must have
   changed on the server.
 - `/get_weights_by_name` ({"name": HF parameter name, "truncate_size": rows} -> the parameter's
@@ -17,7 +17,7 @@ server that kept its previous weights). Two exact checks, each where the server 
   weight_version every answer carries catch that.
 
 Where neither reaches a server, or the checksums cannot decide, the trainer's log-probs of a fixed
-probe decide where the caller gave them (weight_probe.py); what no check can decide is said in one
+probe decide where the caller gave them (weights/probe.py); what no check can decide is said in one
 line, never passed over.
 """
 
@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 
 from rlrecipe.core.errors import UserError
-from rlrecipe.rollout.weight_checksum import (
+from rlrecipe.rollout.weights.checksum import (
     ServerChecksums,
     hashes_on_cpu,
     judge,
     rank_checksums,
     served_checksum,
 )
-from rlrecipe.rollout.weight_probe import Scores, judge_scores, server_scores
+from rlrecipe.rollout.weights.probe import Scores, judge_scores, server_scores
 
 TRUNCATE_ROWS = 2
 SAMPLES = 4
@@ -66,7 +66,7 @@ class TrainerWeights:
     read from disk."""
 
     def __init__(self, state: dict[str, torch.Tensor] | None = None, model_dir: str | Path | None = None):
-        from rlrecipe.rollout.weight_sync import distinct_tensors
+        from rlrecipe.rollout.weights.sync import distinct_tensors
 
         self._state = dict(distinct_tensors(state)) if state is not None else None
         self._dir = Path(model_dir) if model_dir is not None else None
@@ -171,9 +171,9 @@ def checksum_names(shapes: dict[str, tuple[int, ...]], served_names: set[str], k
 
 class WeightCheck:
     """Verifies, after each push and at start, that each server holds the trainer's weights: by
-    SGLang's /weights_checker checksums where the server has them (weight_checksum.py), and by
+    SGLang's /weights_checker checksums where the server has them (weights/checksum.py), and by
     /get_weights_by_name rows where the model supports it (SGLang implements it for Llama-like
-    models, not Qwen2), else by the probe's log-probs (weight_probe.py) where given."""
+    models, not Qwen2), else by the probe's log-probs (weights/probe.py) where given."""
 
     def __init__(self, servers):
         self.servers = servers  # what it needs: urls, live, post(i, path, body, timeout), dialect(i)
@@ -201,7 +201,7 @@ class WeightCheck:
             scores: Scores | None = None, prev_scores: Scores | None = None) -> None:
         """Raise WeightMismatch naming the first server found not to hold `weights`; say in one line
         each server no check can decide for. `scores`, `prev_scores`: the trainer's log-probs of the
-        probe under these weights and the previous push's (weight_probe.py), for servers the exact
+        probe under these weights and the previous push's (weights/probe.py), for servers the exact
         checks do not reach."""
         import time
 
@@ -252,7 +252,7 @@ class WeightCheck:
         self.seconds = time.perf_counter() - t0
 
     def _probe(self, i: int, scores: Scores, prev: Scores | None, when: str) -> str | None:
-        """The check through generation (weight_probe.py): None when it decided and the server passed."""
+        """The check through generation (weights/probe.py): None when it decided and the server passed."""
         got = server_scores(self.servers, i, scores)
         if got is None:
             return "it gives no input_token_logprobs for the probe either"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from rlrecipe.rollout.api_key import auth_headers
+from rlrecipe.rollout.sglang.api_key import auth_headers
 
 CONNECT_TIMEOUT_S = 30.0
 

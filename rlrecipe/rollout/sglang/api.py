@@ -33,7 +33,7 @@ NEG_INF_LOGP = -999999999.0
 
 def sglang_sampling_params(params: SamplingParams, max_new_tokens: int, stop_token_ids: Sequence[int]) -> dict:
     """Our SamplingParams as SGLang's `sampling_params` (temperature 0 = greedy, top_k -1 = off); only
-    keys of sglang_versions.SAMPLING_KEYS (from 0.5.22 SGLang refuses others with HTTP 400)."""
+    keys of versions.SAMPLING_KEYS (from 0.5.22 SGLang refuses others with HTTP 400)."""
     greedy = params.greedy or params.temperature == 0
     sp = {"max_new_tokens": int(max_new_tokens),
           "temperature": 0.0 if greedy else float(params.temperature),

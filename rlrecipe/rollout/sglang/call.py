@@ -26,10 +26,10 @@ import requests
 from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.base import SEED_KEY, Refill
 from rlrecipe.rollout.c3po_budget import TokenBudget
-from rlrecipe.rollout.http_pool import Post, PostFailed
-from rlrecipe.rollout.sglang_api import apply_output, generate_payload, sglang_sampling_params
-from rlrecipe.rollout.sglang_fleet import ServerFleet
-from rlrecipe.rollout.sglang_versions import room
+from rlrecipe.rollout.sglang.api import apply_output, generate_payload, sglang_sampling_params
+from rlrecipe.rollout.sglang.fleet import ServerFleet
+from rlrecipe.rollout.sglang.http_pool import Post, PostFailed
+from rlrecipe.rollout.sglang.versions import room
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 ABORT_RESEND_S = 1.0

@@ -1,11 +1,11 @@
 """The SGLang servers an engine talks to: launched or attached, which are in use, and requests to one.
 
-The fleet launches its servers (`sglang_server.py`) or attaches to running ones (`rollout.urls`),
+The fleet launches its servers (`sglang/server.py`) or attaches to running ones (`rollout.urls`),
 with sglang-router in front of them where asked (every /generate then goes to the router; weight
 updates, aborts and server info still go to each server, since the router forwards none of
 them). It keeps which servers are still in use: a server that dies or stays silent stops the call
 with an error naming it, or (retry_on_other_servers) it is left out until it answers again
-(`server_recovery.py`: with `max_restarts` a launched one is started again; any one answering
+(`sglang/recovery.py`: with `max_restarts` a launched one is started again; any one answering
 again is taken back at the next weight update). It also keeps what each server was last told to
 serve (`weight_version`), which the generation side checks every answer against.
 """
@@ -22,13 +22,13 @@ import requests
 from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import RolloutSection, SGLangServer
-from rlrecipe.rollout.api_key import auth_headers
-from rlrecipe.rollout.http_pool import HttpPool
-from rlrecipe.rollout.server_recovery import ServerRecovery
-from rlrecipe.rollout.sglang_api import context_length
-from rlrecipe.rollout.sglang_router import start_router
-from rlrecipe.rollout.sglang_server import ServerProcess, launch_servers, wait_until_healthy
-from rlrecipe.rollout.sglang_versions import NEWEST, Dialect, dialect_of
+from rlrecipe.rollout.sglang.api import context_length
+from rlrecipe.rollout.sglang.api_key import auth_headers
+from rlrecipe.rollout.sglang.http_pool import HttpPool
+from rlrecipe.rollout.sglang.recovery import ServerRecovery
+from rlrecipe.rollout.sglang.router import start_router
+from rlrecipe.rollout.sglang.server import ServerProcess, launch_servers, wait_until_healthy
+from rlrecipe.rollout.sglang.versions import NEWEST, Dialect, dialect_of
 
 # a /server_info that fails is asked this often in all, this far apart, before an error names the server
 SERVER_INFO_TRIES, SERVER_INFO_PAUSE_S = 3, 1.0
@@ -128,7 +128,7 @@ class ServerFleet:
 
     def take_back(self, version: int) -> list[int]:
         """Servers left out that answer /health_generate again join the live ones now, at a weight
-        update, which gives them the weights of `version` (see server_recovery.py)."""
+        update, which gives them the weights of `version` (see sglang/recovery.py)."""
         back = self.recovery.answering(sorted(self.failed - set(self.live)), self.urls)
         for i in back:
             self.failed.discard(i)
@@ -229,7 +229,7 @@ class ServerFleet:
 
     def dialect(self, i: int) -> Dialect:
         """The rules of server i's SGLang version (from its /server_info). One that answers without a
-        version it states is spoken to as the newest of the pin (sglang_versions.py), and told so once."""
+        version it states is spoken to as the newest of the pin (sglang/versions.py), and told so once."""
         dialect = dialect_of(self.server_info(i))
         if dialect.version is None and i not in self._unversioned:
             self._unversioned.add(i)

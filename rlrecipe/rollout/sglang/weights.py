@@ -6,9 +6,9 @@ lies on the shared file system (the run directory), and the servers of a node sh
 the first load of a node reads the files from the shared file system, and its other servers find them
 in memory. A push thus costs the shared file system one read of the export per node, whatever the
 number of servers on it (80 one-GPU servers on 10 nodes: 10 reads of the 15 GB of a 7B model, not 80;
-bench/projection/push.py costs both). `distributed` broadcasts the trainer's tensors (`weight_broadcast.py`). Either way, servers left out that answer again are
+bench/projection/push.py costs both). `distributed` broadcasts the trainer's tensors (`sglang/broadcast.py`). Either way, servers left out that answer again are
 taken back first, so they get this push's weights, and afterwards every live server's weights are
-checked against the trainer's (`weight_check.py`), since an update that answers 200 has run a load,
+checked against the trainer's (`weights/check.py`), since an update that answers 200 has run a load,
 not necessarily loaded the trainer's weights.
 """
 
@@ -23,12 +23,12 @@ import requests
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang_fleet import ServerFleet
-from rlrecipe.rollout.sglang_server import model_arg
-from rlrecipe.rollout.weight_transport import WeightTransport, weight_transport
+from rlrecipe.rollout.sglang.fleet import ServerFleet
+from rlrecipe.rollout.sglang.server import model_arg
+from rlrecipe.rollout.weights.transport import WeightTransport, weight_transport
 
 if TYPE_CHECKING:
-    from rlrecipe.rollout.weight_broadcast import WeightBroadcast
+    from rlrecipe.rollout.sglang.broadcast import WeightBroadcast
 
 
 def same_model(a: str | Path, b: str | Path) -> bool:
@@ -64,11 +64,11 @@ class WeightPusher:
         self.fleet = fleet
         self.transport = weight_transport("sglang", cfg)
         # the dtype the servers hold weights in (rollout.dtype; None: as sent): the fingerprint after
-        # each push compares in it (weight_check.py); servers without /get_weights_by_name are skipped
+        # each push compares in it (weights/check.py); servers without /get_weights_by_name are skipped
         self.served_dtype = served_dtype
         self.broadcast: WeightBroadcast | None = None  # weight_sync: distributed, made on first use
-        self.check = None  # weight_check.WeightCheck, made on first use (it needs torch)
-        # the trainer's log-probs of the probe by version (weight_probe.py), and those of the last check
+        self.check = None  # weights.check.WeightCheck, made on first use (it needs torch)
+        # the trainer's log-probs of the probe by version (weights/probe.py), and those of the last check
         self.scores: dict[int, object] = {}
         self.last_scores = None
         fleet.on_members_changed = self._members_changed
@@ -134,7 +134,7 @@ class WeightPusher:
         self._forget(fleet.take_back(version))
         if self.broadcast is None:
             # imported here: the broadcast path needs torch, the HTTP client does not
-            from rlrecipe.rollout.weight_broadcast import WeightBroadcast
+            from rlrecipe.rollout.sglang.broadcast import WeightBroadcast
 
             self.broadcast = WeightBroadcast(fleet)
         self.broadcast.push(state_dict, version)
@@ -152,10 +152,10 @@ class WeightPusher:
     def verify(self, version: int, *, state: dict | None = None, model_dir: str | Path | None = None,
                when: str | None = None) -> None:
         """Each live server holds the trainer's weights, `state` or the HF directory `model_dir`
-        (weight_check.py; imported here: it needs torch, the HTTP client does not)."""
+        (weights/check.py; imported here: it needs torch, the HTTP client does not)."""
         import torch
 
-        from rlrecipe.rollout.weight_check import TrainerWeights, WeightCheck
+        from rlrecipe.rollout.weights.check import TrainerWeights, WeightCheck
 
         if self.check is None:
             self.check = WeightCheck(self.fleet)
@@ -169,7 +169,7 @@ class WeightPusher:
             self.scores = {v: s for v, s in self.scores.items() if v > version}
 
     def expect(self, scores) -> None:
-        """The trainer's log-probs of the probe under the weights of `scores.version` (weight_probe.py)."""
+        """The trainer's log-probs of the probe under the weights of `scores.version` (weights/probe.py)."""
         self.scores[scores.version] = scores
         if self.last_scores is None and scores.version == self.fleet.version:
             self.last_scores = scores  # the weights the servers start with: the first push is told apart from them

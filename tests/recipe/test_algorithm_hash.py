@@ -121,3 +121,38 @@ def test_sglang_flags_that_change_the_numerics_enter_the_algorithm_hash():
     assert "sglang_numerics" not in algorithm_fields(sglang.recipe.hashed())["rollout"]
     tiny = load_recipe(REPO / "recipes" / "tiny_rl.yaml", ["rollout.sglang.extra_args=[--quantization, fp8]"])
     assert tiny.recipe.algorithm_sha256() == load_recipe(REPO / "recipes" / "tiny_rl.yaml").recipe.algorithm_sha256()
+
+
+def test_two_layouts_with_one_algorithm_hash_train_alike(tmp_path, tiny_model_dir):
+    """What docs/gpu.md promises of one algorithm sha256 across layouts, on CPU: bookkeeping
+    (checkpoint cadence, names) leaves every number bit for bit; the micro-batch size (gradient
+    accumulation) leaves the rollout exact and the update equal up to rounding. Early stop and
+    C3PO++, which still read the layout, are off."""
+    import json
+
+    from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+    from rlrecipe.stages.rl import run_rl
+    from tests.helpers import rl_recipe, write_tiny_data
+
+    data = write_tiny_data(tmp_path / "data")
+    layouts = {"a": {"save_every": 1, "mb": 512}, "b": {"save_every": 2, "mb": 512}, "c": {"save_every": 1, "mb": 96}}
+    rows, hashes = {}, set()
+    for name, lay in layouts.items():
+        spec = rl_recipe(tmp_path / name, data, str(tiny_model_dir), steps=2, c3po={"enabled": False},
+                         save_every=lay["save_every"])
+        spec["run"]["name"] = f"rl-{name}"
+        spec["trainer"]["max_tokens_per_microbatch"] = lay["mb"]
+        spec["eval"] = {}
+        recipe = recipe_from_dict(spec)
+        hashes.add(recipe.algorithm_sha256())
+        run_rl(LoadedRecipe(recipe=recipe, path=f"{name}.yaml"))
+        timing = {"rollout_s", "train_s", "gen_tokens_per_s", "grade_s", "step_wall_s", "weight_check_s"}
+        rows[name] = [{k: v for k, v in json.loads(line).items() if k not in timing and not k.endswith("_s")}
+                      for line in (tmp_path / name / "runs" / f"rl-{name}" / "metrics.jsonl").read_text().splitlines()]
+    assert len(hashes) == 1
+    assert rows["a"] == rows["b"]  # bookkeeping: bit for bit
+    first_a, first_c = rows["a"][0], rows["c"][0]
+    for key in ("reward_mean", "tokens_trained", "tokens_generated", "response_len_mean"):  # the rollout
+        assert first_c[key] == first_a[key], key
+    for key in ("loss", "grad_norm", "entropy"):  # the update, accumulated over other micro-batches
+        assert first_c[key] == pytest.approx(first_a[key], rel=1e-4, abs=1e-6), key

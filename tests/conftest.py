@@ -44,16 +44,6 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def other_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model with perturbed weights, saved as another HF directory."""
-    import torch
+    from tests.helpers import perturbed_copy
 
-    from rlrecipe.modeling import load_model, load_tokenizer
-
-    out = tmp_path_factory.mktemp("other") / "model"
-    model = load_model(tiny_model_dir)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    load_tokenizer(tiny_model_dir).save_pretrained(out)
-    return out
+    return perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("other") / "model", seed=5)

@@ -23,6 +23,22 @@ def write_tiny_data(out: Path, n: int = 64) -> Path:
     return out
 
 
+def perturbed_copy(model_dir: Path, out: Path, seed: int, scale: float = 0.05) -> Path:
+    """The HF model at `model_dir` with scale x N(0, 1) added to every weight, saved with its tokenizer at `out`."""
+    import torch
+
+    from rlrecipe.modeling import load_model, load_tokenizer
+
+    model = load_model(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    load_tokenizer(model_dir).save_pretrained(out)
+    return out
+
+
 def write_recipe(path: Path, sections: dict) -> Path:
     path.write_text(yaml.safe_dump(sections, sort_keys=False))
     return path

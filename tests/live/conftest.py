@@ -104,19 +104,9 @@ def demo_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_model_perturbed(demo_model_dir, tmp_path_factory):
     """The demo-shaped model with every weight moved (another HF directory)."""
-    import torch
+    from tests.helpers import perturbed_copy
 
-    from rlrecipe.modeling import load_model, load_tokenizer
-
-    out = tmp_path_factory.mktemp("demo-other") / "model"
-    model = load_model(demo_model_dir)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    load_tokenizer(demo_model_dir).save_pretrained(out)
-    return out
+    return perturbed_copy(demo_model_dir, tmp_path_factory.mktemp("demo-other") / "model", seed=7)
 
 
 @pytest.fixture(scope="session")

@@ -40,9 +40,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pinned(core: int | None) -> list[str]:
+def _pinned(core: int) -> list[str]:
     cores = os.cpu_count() or 1
-    return ["taskset", "-c", str(core % cores)] if core is not None and cores > 1 else []
+    return ["taskset", "-c", str(core % cores)] if cores > 1 else []
 
 
 def arm_overrides(out: Path, arm: str, run: int, steps: int) -> tuple[dict, int, list[str]]:

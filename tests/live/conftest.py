@@ -139,8 +139,6 @@ class Front:
     do) and in `hide` (404, as a server without the endpoint)."""
 
     def __init__(self, target: str, fake: tuple[str, ...] = (), hide: tuple[str, ...] = ()):
-        front = self
-
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
@@ -171,8 +169,8 @@ class Front:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        front.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        front.thread.start()
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -3,6 +3,8 @@ resumes, and the weight checks (checksums and the probe) at start and after a pu
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import requests
 import torch
@@ -17,9 +19,14 @@ from tests.live.conftest import Front
 PROMPT = [5, 6, 7, 8, 9, 10]
 
 
+@functools.lru_cache(maxsize=2)
+def _hf_model(model_dir):
+    return load_model(model_dir).eval()
+
+
 def _hf_logprobs(model_dir, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
     """log p(ids[k] | ids[:k]) for k >= 1, in float32 with transformers, logits / temperature."""
-    model = load_model(model_dir).eval()
+    model = _hf_model(model_dir)  # loaded once per model: the probe scores several sequences
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]

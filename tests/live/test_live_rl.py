@@ -12,7 +12,7 @@ import sys
 import requests
 
 from tests.helpers import rl_recipe, write_recipe, write_tiny_data
-from tests.live.conftest import SERVE, SERVER_ARGS, Front, free_port
+from tests.live.conftest import SERVE, SERVER_ARGS, Front, free_port, require_sglang
 
 
 def _rl(recipe_path) -> subprocess.CompletedProcess:
@@ -27,8 +27,6 @@ def _rows(run_dir) -> list[dict]:
 
 
 def test_rl_launches_sglang_trains_with_disk_sync_and_c3po_and_evaluates(tmp_path, demo_model_dir):
-    from tests.live.conftest import require_sglang
-
     require_sglang()
     data = write_tiny_data(tmp_path / "data")
     recipe = rl_recipe(tmp_path, data, str(demo_model_dir), steps=3)

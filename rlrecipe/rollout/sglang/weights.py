@@ -1,7 +1,8 @@
 """Weights into an SGLang fleet: loads from an HF export or a broadcast, each verified after it lands.
 
 `weight_sync: disk` asks every live server to `/update_weights_from_disk`, node by node: first one
-server of each node (the servers' URL hosts), side by side, then all the others at once. The export
+server of each node (the servers' URL hosts), side by side, then all the others, MAX_PARALLEL_LOADS at a
+time. The export
 lies on the shared file system (the run directory), and the servers of a node share its page cache:
 the first load of a node reads the files from the shared file system, and its other servers find them
 in memory. A push thus costs the shared file system one read of the export per node, whatever the

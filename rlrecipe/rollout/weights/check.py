@@ -215,20 +215,19 @@ class WeightCheck:
         ask = [i for i in self.servers.live if i not in self.no_checksum]
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(ask)))) as pool:
             answers = dict(zip(ask, pool.map(self._checksums, ask), strict=True))
-        recipe_dtype = served
         for i in list(self.servers.live):
             url = self.servers.urls[i]
             undecided = None  # why no check decided for server i
             # the dtype the server says it serves (an attached one may differ from rollout.dtype)
-            served = stated_dtype(self.servers.server_info(i)) or recipe_dtype
+            dtype = stated_dtype(self.servers.server_info(i)) or served
             if i not in self.no_rows:
                 if rows is None:
                     rows = weights.read(sample_names(weights.shapes(), version), TRUNCATE_ROWS)
-                self._check_rows(i, rows, served, when)
+                self._check_rows(i, rows, dtype, when)
             answer = answers.get(i)
             if answer is not None:
                 names = checksum_names(weights.shapes(), set().union(*answer))
-                ours = self._trainer_sums(i, weights, names, answer[0], served, trainer_sums)
+                ours = self._trainer_sums(i, weights, names, answer[0], dtype, trainer_sums)
                 before = self.before.get(i)
                 verdict, detail = judge(answer, ours, before, hashes_on_cpu(self.servers.server_info(i)))
                 if verdict == "stale":

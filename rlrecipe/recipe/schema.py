@@ -82,7 +82,7 @@ LAYOUT_FIELDS: dict[str, set[str]] = {
     "data": set(),
     "sft": {"eval_every", "save_every"},
     "rl": {"eval_every", "save_every", "max_bad_steps"},
-    "rollout": {"engine", "max_batch", "refill_fraction", "urls", "sglang"},
+    "rollout": {"engine", "max_batch", "refill_fraction", "urls", "sglang", "colocate"},
     "trainer": {"max_tokens_per_microbatch", "logprob_chunk_tokens", "gpu_memory_gib", "zero_stage",
                 "offload_optimizer", "offload_params", "nproc", "nodes", "master_addr", "master_port"},
     "eval": {"*"},
@@ -158,6 +158,23 @@ class Recipe(Section):
         if lag > 1 and self.rollout.engine == "sglang" and self.rollout.sglang.weight_sync == "distributed":
             raise ValueError("rl.async_lag > 1 with rollout.sglang.weight_sync: distributed would broadcast weights "
                              "into servers that are generating; use weight_sync: disk or async_lag: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_gpus(self) -> Recipe:
+        ro, tr = self.rollout, self.trainer
+        if not ro.colocate:
+            return self
+        if self.rl.async_lag:
+            raise ValueError(f"rollout.colocate with rl.async_lag {self.rl.async_lag}: on shared GPUs rollout and "
+                             "training take turns, so there is nothing to overlap; set async_lag: 0 or colocate: false")
+        if ro.engine == "sglang" and not ro.urls:
+            sg = ro.sglang
+            server_gpus, trainer_gpus = sg.num_servers * sg.tp_size * sg.dp_size, tr.nproc * tr.nodes
+            if server_gpus != trainer_gpus or sg.nodes != tr.nodes:
+                raise ValueError(f"rollout.colocate: the servers take {server_gpus} GPUs on {sg.nodes} node(s) "
+                                 f"(num_servers x tp_size x dp_size) and the trainer {trainer_gpus} on {tr.nodes} "
+                                 "(nproc x nodes); colocated, they share the same GPUs, so make them equal")
         return self
 
     @model_validator(mode="after")

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlrecipe.recipe.base import Section
+from rlrecipe.recipe.base import HASHED_WHEN_SET, Section
 
 
 class SGLangServer(Section):
@@ -114,6 +114,10 @@ class RolloutSection(Section):
     # the in-process engine's logits before RL sampling, whose recorded log-probs are those of the
     # perturbed distribution: a dial for the train/inference mismatch (evaluation never adds it).
     stress_logit_noise: float = Field(0.0, ge=0)
+    # The rollout engine shares the trainer's GPUs: each step generates, then the engine releases its
+    # KV cache and weights while the trainer trains, then takes the new weights back (rl/colocate.py).
+    # false: rollout and training have GPUs of their own.
+    colocate: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
     # Attach to running servers instead of launching them.
     urls: list[str] = []
     sglang: SGLangServer = SGLangServer()

@@ -66,7 +66,6 @@ class LossStats(Sums):
     clipped_tokens: float = 0.0
     dual_clipped_tokens: float = 0.0
     ratio_sum: float = 0.0  # pi_theta / pi_old over the active tokens
-    early_stopped_microbatches: float = 0.0
     offpolicy_dropped_seqs: float = 0.0  # V3.2 mask
     seqs: float = 0.0  # GSPO: sequences, their ratios' sum, how many the clip bound
     seq_ratio_sum: float = 0.0

@@ -49,14 +49,17 @@ class Remedies:
 @dataclass(frozen=True)
 class LossSettings:
     """Everything the policy loss is told besides its columns: PPO's clip range, the dual clip, the
-    V3.2 mask's delta, AReaL's early stop, and the remedies. rl.py builds it once from the recipe."""
+    V3.2 mask's delta and the remedies. rl.py builds it once from the recipe.
+
+    stopped: the PPO minibatch was early-stopped (decided over the whole minibatch, before its
+    update: `importance_ratio_sums`): the loss is multiplied by 0, its statistics kept."""
 
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None
     offpolicy_delta: float | None = None
-    early_stop_ratio: float | None = None
     remedies: Remedies = Remedies()
+    stopped: bool = False
 
 
 def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, mode: str,
@@ -132,15 +135,33 @@ def offpolicy_token_drop(logp: torch.Tensor, logp_infer: torch.Tensor, adv: torc
     return (adv < 0) & ((sums / counts)[inverse] > delta)
 
 
+def loss_weight(logp: torch.Tensor, cols: TokenColumns, settings: LossSettings) -> tuple[torch.Tensor, float]:
+    """Each token's weight in the loss (IcePop/TIS's, less the V3.2 mask's drops under the current
+    log-probs) and how many sequences the mask dropped."""
+    (weight,) = cols.need("weight")
+    if settings.offpolicy_delta is None:
+        return weight, 0.0
+    adv, logp_infer, seq = cols.need("adv", "logp_infer", "seq")
+    drop = offpolicy_token_drop(logp, logp_infer, adv, seq, settings.offpolicy_delta)
+    return torch.where(drop, torch.zeros_like(weight), weight), float(torch.unique(seq[drop]).numel())
+
+
+def importance_ratio_sums(logp: torch.Tensor, cols: TokenColumns, settings: LossSettings) -> tuple[float, float]:
+    """Sum of pi_theta / pi_old over the tokens that train (weight != 0) and their count: AReaL's
+    early stop compares the mean with early_stop_imp_ratio."""
+    weight, _ = loss_weight(logp, cols, settings)
+    active = weight != 0
+    (logp_old,) = cols.need("logp_old")
+    return float(safe_ratio(logp.detach(), logp_old)[active].sum()), float(active.sum())
+
+
 def policy_loss(logp: torch.Tensor, cols: TokenColumns, settings: LossSettings = LossSettings(),
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, LossStats]:
     """Sum over tokens of weight * PPO term * scale, from the columns logp_old, adv, weight and scale
     (and logp_infer, seq for the V3.2 mask and GSPO; see `Remedies` for the rest; `generator` draws
     Clip-Cov's tokens).
 
-    early_stop_ratio: a micro-batch whose mean importance ratio pi_theta/pi_old over its active
-    tokens exceeds it contributes no gradient (its loss is multiplied by 0), as AReaL does with
-    early_stop_imp_ratio. Stats count only active tokens (weight != 0) as clipped."""
+    Stats count only active tokens (weight != 0) as clipped."""
     rem = settings.remedies
     logp_old, adv, weight, scale = cols.need("logp_old", "adv", "weight", "scale")
     stats = LossStats(microbatches=1.0, tokens=float(logp.numel()))
@@ -155,11 +176,7 @@ def policy_loss(logp: torch.Tensor, cols: TokenColumns, settings: LossSettings =
                                                              settings.dual_clip)
     else:
         raise ValueError(f"unknown ratio level {rem.ratio_level!r}")
-    if settings.offpolicy_delta is not None:
-        logp_infer, seq = cols.need("logp_infer", "seq")
-        drop = offpolicy_token_drop(logp, logp_infer, adv, seq, settings.offpolicy_delta)
-        weight = torch.where(drop, torch.zeros_like(weight), weight)
-        stats.offpolicy_dropped_seqs = float(torch.unique(seq[drop]).numel())
+    weight, stats.offpolicy_dropped_seqs = loss_weight(logp, cols, settings)
     active = weight != 0
     if rem.cov_mode != "off":
         tok_loss, chosen = _cov_remedy(tok_loss, logp, cols, active & ~was_clipped & ~dual_clipped, rem, generator)
@@ -182,14 +199,11 @@ def policy_loss(logp: torch.Tensor, cols: TokenColumns, settings: LossSettings =
         stats.entropy_bonus = float(bonus.detach())
     ratio = safe_ratio(logp.detach(), logp_old)
     stats.ratio_sum = float(ratio[active].sum())
-    stopped = (settings.early_stop_ratio is not None and bool(active.any())
-               and stats.ratio_sum / float(active.sum()) > settings.early_stop_ratio)
-    if stopped:
+    if settings.stopped:
         loss = loss * 0.0
     stats.clipped_tokens = float((was_clipped & active).sum())
     stats.dual_clipped_tokens = float((dual_clipped & active).sum())
     stats.active_tokens = float(active.sum())
-    stats.early_stopped_microbatches = float(stopped)
     return loss, stats
 
 

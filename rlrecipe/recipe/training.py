@@ -247,8 +247,8 @@ class RLSection(Section):
     # log(pi_infer / pi_theta) exceeds delta, pi_theta the policy being updated (each PPO
     # minibatch decides again). null = off.
     offpolicy_seq_delta: float | None = None
-    # AReaL's early_stop_imp_ratio: a micro-batch whose mean importance ratio pi_theta/pi_old
-    # exceeds this contributes no gradient. null = off.
+    # AReaL's early_stop_imp_ratio: a PPO minibatch whose mean importance ratio pi_theta/pi_old
+    # exceeds this contributes no gradient (decided over the whole minibatch). null = off.
     early_stop_imp_ratio: float | None = Field(None, gt=1)
     c3po: C3PO = C3PO()
     dynamic_sampling: DynamicSampling = Field(DynamicSampling(), json_schema_extra=HASHED_WHEN_SET)

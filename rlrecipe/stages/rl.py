@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +19,14 @@ from rlrecipe.algo.advantages import scale_negative_advantages, sequence_advanta
 from rlrecipe.algo.dapo import overlong_penalty
 from rlrecipe.algo.entropy_watch import EntropyWatch
 from rlrecipe.algo.m2po import batch_masks
-from rlrecipe.algo.ppo import LossSettings, Remedies, aggregation_scale, mismatch_weights, policy_loss
+from rlrecipe.algo.ppo import (
+    LossSettings,
+    Remedies,
+    aggregation_scale,
+    importance_ratio_sums,
+    mismatch_weights,
+    policy_loss,
+)
 from rlrecipe.core.atomic_io import atomic_write_text
 from rlrecipe.core.console import console
 from rlrecipe.core.dist import broadcast_from_rank_zero, is_rank_zero
@@ -149,8 +157,7 @@ def loss_settings(cfg: RLSection) -> LossSettings:
                         clip_cov_low=cov.clip_low, clip_cov_high=cov.clip_high, kl_cov_coef=cov.kl_coef,
                         kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
     return LossSettings(eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
-                        offpolicy_delta=cfg.offpolicy_seq_delta, early_stop_ratio=cfg.early_stop_imp_ratio,
-                        remedies=remedies)
+                        offpolicy_delta=cfg.offpolicy_seq_delta, remedies=remedies)
 
 
 def minibatch_slices(n_samples: int, n_minibatches: int) -> list[slice]:
@@ -163,6 +170,18 @@ def minibatch_slices(n_samples: int, n_minibatches: int) -> list[slice]:
         out.append(slice(start, stop))
         start = stop
     return out
+
+
+def minibatch_importance_ratio(trainer, minibatch: list[TrainSample], settings: LossSettings) -> float:
+    """Mean pi_theta / pi_old over the tokens of a whole PPO minibatch that would train, under the
+    weights it is about to update (a forward without gradient, collective: every rank gets every
+    sample's log-probs, so all decide alike). AReaL's early stop decides per micro-batch; over the
+    minibatch the decision does not move with micro-batch size, ranks or nodes."""
+    ratio = active = 0.0
+    for s, (logp, _) in zip(minibatch, trainer.compute_logprobs(minibatch), strict=True):
+        r, a = importance_ratio_sums(logp, s.columns, settings)
+        ratio, active = ratio + r, active + a
+    return ratio / active if active else 1.0
 
 
 def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str, float]:
@@ -178,12 +197,20 @@ def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str,
     def loss_fn(lp, cols):
         return policy_loss(lp, cols, settings)
 
+    def stopped_loss_fn(lp, cols):
+        return policy_loss(lp, cols, replace(settings, stopped=True))
+
     loss_scale = None
-    for sl in slices:
+    stopped = 0
+    for k, sl in enumerate(slices):
         mb = samples[sl]
         for s, scale in zip(mb, aggregation_scale([x.num_response for x in mb], cfg.loss_agg), strict=True):
             s.columns.scale = scale
-        result = trainer.train_step(mb, loss_fn, with_entropy=cfg.entropy_coef > 0)
+        # the first minibatch trains the weights that computed logp_old: its ratio is 1
+        stop = k > 0 and cfg.early_stop_imp_ratio is not None and (
+            minibatch_importance_ratio(trainer, mb, settings) > cfg.early_stop_imp_ratio)
+        stopped += stop
+        result = trainer.train_step(mb, stopped_loss_fn if stop else loss_fn, with_entropy=cfg.entropy_coef > 0)
         loss_scale = result.loss_scale if result.loss_scale is not None else loss_scale
         add_sums(totals, result.additive())
     steps = len(slices)
@@ -194,7 +221,7 @@ def ppo_update(trainer, samples: list[TrainSample], cfg: RLSection) -> dict[str,
            "clip_frac": totals.get("clipped_tokens", 0.0) / active,
            "dual_clip_frac": totals.get("dual_clipped_tokens", 0.0) / active,
            "importance_ratio_mean": totals.get("ratio_sum", 0.0) / active,
-           "early_stopped_microbatches": totals.get("early_stopped_microbatches", 0.0),
+           "early_stopped_minibatches": float(stopped),
            "offpolicy_dropped_seqs": totals.get("offpolicy_dropped_seqs", 0.0)}
     out.update(_remedy_metrics(totals, steps, loss_scale, settings.remedies))
     return out

@@ -11,6 +11,7 @@ from rlrecipe.algo.packing import allocate_microbatches, pack
 from rlrecipe.algo.ppo import (
     LossSettings,
     aggregation_scale,
+    importance_ratio_sums,
     mismatch_weights,
     offpolicy_token_drop,
     policy_loss,
@@ -135,10 +136,11 @@ def test_policy_loss_stats_and_v32_mask_in_the_loss():
     assert st.offpolicy_dropped_seqs == 1.0 and st.active_tokens == 2.0
     assert st.clipped_tokens == 1.0 and st.dual_clipped_tokens == 1.0
     assert st.ratio_sum == pytest.approx(1.5 + 5.0)
-    stopped, st2 = policy_loss(logp, f, LossSettings(dual_clip=3.0, offpolicy_delta=1.0, early_stop_ratio=3.0))  # mean ratio 3.25 > 3
-    assert float(stopped) == 0.0 and st2.early_stopped_microbatches == 1.0
-    kept, st3 = policy_loss(logp, f, LossSettings(dual_clip=3.0, offpolicy_delta=1.0, early_stop_ratio=3.5))
-    assert float(kept) == pytest.approx(float(loss)) and st3.early_stopped_microbatches == 0.0
+    # the early stop's statistic counts the same active tokens: ratios 1.5 and 5
+    assert importance_ratio_sums(logp, f, LossSettings(offpolicy_delta=1.0)) == (pytest.approx(6.5), 2.0)
+    assert importance_ratio_sums(logp, f, LossSettings()) == (pytest.approx(7.5), 3.0)  # without the mask
+    stopped, st2 = policy_loss(logp, f, LossSettings(dual_clip=3.0, offpolicy_delta=1.0, stopped=True))
+    assert float(stopped) == 0.0 and st2.ratio_sum == st.ratio_sum and st2.active_tokens == 2.0
 
 
 def test_extreme_log_ratio_stays_finite():

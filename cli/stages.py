@@ -126,7 +126,10 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
                                                            "but /health (as SGLang's --api-key)")] = None,
           context_length: Annotated[int | None, typer.Option(
               help="the context served (default: the model's max_position_embeddings); /server_info "
-                   "states it only when given, as SGLang's --context-length")] = None) -> None:
+                   "states it only when given, as SGLang's --context-length")] = None,
+          enable_memory_saver: Annotated[bool, typer.Option(
+              "--enable-memory-saver", help="serve /release_memory_occupation and /resume_memory_occupation "
+                                            "(a colocated layout); refused without it")] = False) -> None:
     """Serve a model over the SGLang HTTP API subset, on the in-process engine (CPU)."""
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: a TCP port is 0..65535")
@@ -136,7 +139,8 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
         from rlrecipe.serve.http_server import serve_forever
     except ImportError as err:
         raise UserError(f"serve is not available: {err}") from None
-    serve_forever(model, host=host, port=port, dtype=dtype, api_key=api_key, context_length=context_length)
+    serve_forever(model, host=host, port=port, dtype=dtype, api_key=api_key, context_length=context_length,
+                  enable_memory_saver=enable_memory_saver)
 
 
 def plot(runs: list[Path], out: Annotated[Path, typer.Option()] = Path("plots")) -> None:

@@ -23,6 +23,7 @@ from rlrecipe.serve.protocol import (
     max_input_len,
     response_body,
 )
+from rlrecipe.serve.memory import Fatal, MemoryRefused
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
 
 # An older SGLang version whose rules to follow instead of the newest's (tests of the client
@@ -48,9 +49,11 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - stdlib signature
         pass  # one line per request would drown the log; the scheduler reports instead
 
-    def _send(self, code: int, body: dict | list | str | None = None) -> None:
+    def _send(self, code: int, body: dict | list | str | bytes | None = None) -> None:
         if body is None:
             data, ctype = b"", "text/plain"
+        elif isinstance(body, bytes):  # JSON already encoded
+            data, ctype = body, "application/json"
         elif isinstance(body, str):
             data, ctype = body.encode(), "text/plain; charset=utf-8"
         else:
@@ -102,6 +105,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(503)  # as SGLang while it warms up or shuts down
         elif path == "/health":
             self._send(200)  # as SGLang: no generation (that is /health_generate)
+        elif path == "/health_generate" and self.sched.memory.refusal():
+            self._send(503)  # nothing it could generate with: memory released, or weights not pushed since
         elif path == "/health_generate":
             probe = health_probe()
             self.sched.submit([probe])
@@ -123,6 +128,8 @@ class Handler(BaseHTTPRequestHandler):
             self._weights_by_name()
         elif path == "/weights_checker" and self.sched.rules.weights_checksum:
             self._weights_checker()
+        elif path in ("/release_memory_occupation", "/resume_memory_occupation"):  # SGLang routes GET too
+            self._memory(path, self._body())
         else:
             self._error(404, f"no route GET {path}")
 
@@ -181,6 +188,24 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._send(200, self.sched.weights.checksums())
 
+    def _memory(self, path: str, body: dict) -> None:
+        """/release_memory_occupation and /resume_memory_occupation (serve/memory.py): 200 with SGLang's
+        body (the endpoint returns nothing: JSON null), 400 {"error": {"message"}} when refused, and
+        the process gone where SGLang's scheduler dies."""
+        try:
+            if path == "/release_memory_occupation":
+                self.sched.memory.release(body, self.sched.busy())
+            else:
+                self.sched.memory.resume(body)
+        except MemoryRefused as err:
+            self._error(400, str(err))
+            return
+        except Fatal as err:
+            self.sched.die(str(err))
+            return
+        log(f"{path.strip('/')} {body.get('tags') or 'all'}")
+        self._send(200, b"null")
+
     def _flush(self):
         self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
                         "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -191,7 +216,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             body = self._body()
-            if path in ("/generate", "/generate/"):
+            if path in ("/generate", "/generate/") and self.sched.memory.refusal():
+                self._error(400, self.sched.memory.refusal() or "")
+            elif path in ("/generate", "/generate/"):
                 reqs, batch = build_requests(body, self.sched)
                 if body.get("stream") and (batch or len(reqs) != 1):
                     raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
@@ -213,6 +240,11 @@ class Handler(BaseHTTPRequestHandler):
                     raise BadRequest("model_path is required")
                 log(f"update_weights_from_disk {body['model_path']}")
                 self._reply(self.sched.update_weights(str(body["model_path"]), body.get("weight_version")))
+            elif path == "/update_weights_from_tensor":
+                log(f"update_weights_from_tensor ({len(body.get('serialized_named_tensors') or [])} rank payload(s))")
+                self._reply(self.sched.weights.update_weights_from_tensor(body))
+            elif path in ("/release_memory_occupation", "/resume_memory_occupation"):
+                self._memory(path, body)
             elif path == "/init_weights_update_group":
                 self._reply(self.sched.weights.init_group(body))
             elif path == "/begin_weight_update" and self.sched.rules.weight_update_session:
@@ -265,7 +297,7 @@ class Server(ThreadingHTTPServer):
 def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
                 chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0,
                 join_timeout_s: float = JOIN_TIMEOUT_S, api_key: str | None = None,
-                context_length: int | None = None) -> tuple[Server, Scheduler]:
+                context_length: int | None = None, enable_memory_saver: bool = False) -> tuple[Server, Scheduler]:
     from rlrecipe.modeling import DTYPES, load_tokenizer
     from rlrecipe.rollout.inprocess import InProcessEngine
 
@@ -286,6 +318,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
                       join_timeout_s=join_timeout_s)
     sched.dtype = dtype  # /server_info's dtype, as SGLang's --dtype
     sched.stated_context_length = context_length  # /server_info's: null unless launched with --context-length
+    sched.memory.enabled = enable_memory_saver  # /release_memory_occupation is refused without it
     if os.environ.get(RULES_ENV):
         rules = Dialect(parse_version(os.environ[RULES_ENV]))
         if rules.version is None or not LOWEST <= rules.version <= NEWEST:
@@ -303,9 +336,10 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
 
 def serve_forever(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
                   chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0, api_key: str | None = None,
-                  context_length: int | None = None) -> None:
+                  context_length: int | None = None, enable_memory_saver: bool = False) -> None:
     server, sched = make_server(model, host, port, dtype, chunk_tokens=chunk_tokens, max_batch=max_batch, seed=seed,
-                                api_key=api_key, context_length=context_length)
+                                api_key=api_key, context_length=context_length,
+                                enable_memory_saver=enable_memory_saver)
 
     def _terminate(signum, frame):
         raise SystemExit(0)

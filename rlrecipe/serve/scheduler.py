@@ -11,6 +11,7 @@ SGLang's model-update lock does).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from rlrecipe.modeling import read_export_for
 from rlrecipe.rollout.weights.sync import receive
+from rlrecipe.serve.memory import FATAL_EXIT, MemoryOccupation
 from rlrecipe.serve.protocol import RULES, GenRequest, health_probe
 from rlrecipe.serve.weights import JOIN_TIMEOUT_S, ServedWeights, log
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
@@ -49,7 +51,11 @@ class Scheduler:
         self.updates: list[dict] = []
         self.weights_lock = threading.Lock()  # a weight update and a read of the weights (get_weights_by_name)
         self.weights = ServedWeights(self)  # the update group and session, and reads of the served weights
+        # released and garbage memory (serve/memory.py); make_server enables it with --enable-memory-saver
+        self.memory = MemoryOccupation(engine.model, enabled=False)
         self.stopped = False
+        # the server's end on a fatal error (die); a test serving in a thread may raise instead
+        self.on_fatal = lambda message: os._exit(FATAL_EXIT)
         # set once a first one-token generation went through (SGLang's warm-up): until then, and
         # once stopped, /health and /health_generate answer 503 as SGLang's do
         self.ready = threading.Event()
@@ -75,6 +81,11 @@ class Scheduler:
     def healthy(self) -> bool:
         """What /health reports: warmed up and not shutting down."""
         return self.ready.is_set() and not self.stopped
+
+    def die(self, message: str) -> None:
+        """What SGLang's scheduler does on an error it cannot serve past: the server goes, with a message."""
+        log(f"fatal: {message}")
+        self.on_fatal(message)
 
     def stop(self) -> None:
         with self.cond:
@@ -111,6 +122,9 @@ class Scheduler:
         return self._run_update(job, timeout)
 
     def _run_update(self, job: dict, timeout: float) -> dict:
+        if "weights" in self.memory.released:  # SGLang would load into unmapped memory
+            return {"success": False, "message": "the weights' memory is released: call "
+                                                 "/resume_memory_occupation with tags [\"weights\"] first"}
         job.update(done=threading.Event(), result=None)
         with self.cond:
             self.updates.append(job)
@@ -156,13 +170,24 @@ class Scheduler:
             self._load_update(job)
         job["done"].set()
 
+    def busy(self) -> int:
+        """Requests queued or running (health probes included) and weight updates waiting."""
+        with self.cond:
+            return len([r for r in self.pending + self.active if not r.done.is_set()]) + len(self.updates)
+
     def _load_update(self, job: dict) -> None:
         t0 = time.time()
         try:
+            own = self.engine.model.state_dict()
             if "group" in job:  # the trainer broadcasts the tensors as soon as it has sent the request
                 tensors = receive(job["group"], job["names"], job["dtypes"], job["shapes"])
                 self.engine.update_weights_from_state(dict(tensors), self.engine.version + 1)
+                self.memory.written([own[n] for n, _ in tensors])
                 source = f"{len(tensors)} broadcast tensors"
+            elif "tensors" in job:  # /update_weights_from_tensor: read and checked by the HTTP thread
+                self.engine.update_weights_from_state(dict(job["tensors"]), self.engine.version + 1)
+                self.memory.written([own[n] for n, _ in job["tensors"]])
+                source = f"{len(job['tensors'])} tensors"
             else:
                 path = job["model_path"]
                 if not (Path(path) / "config.json").exists():
@@ -171,11 +196,16 @@ class Scheduler:
                 # served weights as they were (SGLang reloads its original weights after a failed load).
                 staged = read_export_for(self.engine.model, path)
                 self.engine.update_weights_from_state(staged, self.engine.version + 1)
+                self.memory.written([own[n] for n in staged if n in own])
                 self.model_path = source = path
             if job["weight_version"] is not None:
                 self.weight_version = str(job["weight_version"])
-            msg = f"Succeeded to update model weights from {source} in {time.time() - t0:.2f}s."
+            # SGLang's own message for a tensor update: "Success" (weight_updater.py)
+            msg = "Success" if "tensors" in job else (f"Succeeded to update model weights from {source} in "
+                                                      f"{time.time() - t0:.2f}s.")
             job["result"] = {"success": True, "message": msg, "num_paused_requests": 0}
+            if "tensors" in job:  # SGLang's UpdateWeightsFromTensorReqOutput has no num_paused_requests
+                del job["result"]["num_paused_requests"]
             log(msg + f" weight_version={self.weight_version}")
         except Exception as err:  # noqa: BLE001 - reported to the client
             job["result"] = {"success": False, "message": f"Failed to update weights: {type(err).__name__}: {err}",

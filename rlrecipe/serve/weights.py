@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rlrecipe.rollout.sglang.versions import Dialect
 from rlrecipe.rollout.weights.checksum import model_checksums
 from rlrecipe.rollout.weights.sync import DEFAULT_GROUP, init_custom_group
+from rlrecipe.serve.tensors import BadTensors, read_named_tensors
 
 # /init_weights_update_group waits this long for the trainer's rendezvous, not the 10 minutes a
 # weight broadcast may take: an unreachable address must not hold the request that long.
@@ -40,6 +41,8 @@ class Host(Protocol):
     join_timeout_s: float
 
     def run_update(self, job: dict, timeout: float) -> dict: ...
+
+    def abort(self, rid: str, abort_all: bool = False) -> int: ...
 
 
 class ServedWeights:
@@ -90,6 +93,24 @@ class ServedWeights:
                 return {"success": False, "message": f"tensor {name} {shape} does not fit the served model"}
         return self.sched.run_update({"group": group, "names": names, "dtypes": dtypes, "shapes": shapes,
                                  "weight_version": body.get("weight_version")}, timeout)
+
+    def update_weights_from_tensor(self, body: dict, timeout: float = 3600.0) -> dict:
+        """SGLang's /update_weights_from_tensor on one rank (serve/tensors.py reads the body); from 0.5.21
+        inside a weight-update session, as update_weights_from_distributed."""
+        if self.sched.rules.weight_update_session and not self.session_open:
+            return {"success": False, "message": "update_weights_from_tensor must run between "
+                                                 "begin_weight_update() and end_weight_update()"}
+        try:
+            named = read_named_tensors(body)
+        except BadTensors as err:
+            return {"success": False, "message": f"Failed to update weights: {err}"}
+        own = self.sched.engine.model.state_dict()
+        for name, t in named:
+            if name not in own or own[name].shape != t.shape:
+                return {"success": False, "message": f"tensor {name} {list(t.shape)} does not fit the served model"}
+        if body.get("abort_all_requests"):
+            self.sched.abort("", abort_all=True)
+        return self.sched.run_update({"tensors": named, "weight_version": body.get("weight_version")}, timeout)
 
     def weights_by_name(self, name: str, truncate_size: int) -> list | None:
         """The parameter's first `truncate_size` rows as float32 lists (SGLang's /get_weights_by_name);

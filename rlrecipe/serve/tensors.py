@@ -1,0 +1,69 @@
+"""SGLang's /update_weights_from_tensor body, read as SGLang 0.5.23 reads it on one rank.
+
+The body (sglang/srt/managers/io_struct.py, UpdateWeightsFromTensorReqInput): `serialized_named_tensors`,
+one entry per tensor-parallel rank, each a base64 string of a pickled list of (name, tensor);
+`load_format` (None: the model's own load_weights), `flush_cache`, `abort_all_requests`,
+`weight_version`, `selector`, `torch_empty_cache`. Rank k reads only entry k (tp_worker.py,
+deserialize_own_rank), with an unpickler that admits tensor and storage rebuilders and no code
+(utils/common.py, SafeUnpickler; torch.storage._load_from_bytes becomes a weights_only torch.load).
+This server is one rank, so it reads entry 0, with the same kind of unpickler.
+
+Tensors pickled by value (plain pickle: the bytes travel in the request) are read here; those
+pickled by torch's ForkingPickler travel as handles to shared memory (a file descriptor, a shm
+file name, a CUDA IPC handle), which only a process on the same machine can open: refused here.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import pickle
+
+import torch
+
+# the globals a pickled list of named CPU tensors needs, all in SGLang's SafeUnpickler.ALLOWED_GLOBALS
+_ALLOWED = {("builtins", "list"), ("builtins", "tuple"), ("collections", "OrderedDict"),
+            ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
+            ("torch", "Size"), ("torch", "dtype")}
+LOAD_FORMATS = (None, "direct")  # "flattened_bucket" and the quantized formats are not served here
+
+
+def _load_storage(data: bytes):
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
+        raise pickle.UnpicklingError(f"expected a torch storage, got {type(storage).__name__}")
+    return storage
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not admitted in serialized_named_tensors (rlrecipe "
+                                     "serve reads tensors pickled by value)")
+
+
+class BadTensors(ValueError):
+    pass
+
+
+def read_named_tensors(body: dict) -> list[tuple[str, torch.Tensor]]:
+    """Rank 0's (name, tensor) pairs from an /update_weights_from_tensor body."""
+    payloads = body.get("serialized_named_tensors")
+    if not isinstance(payloads, list) or not payloads:
+        raise BadTensors("serialized_named_tensors must be a non-empty list (one entry per tensor-parallel rank)")
+    if body.get("load_format") not in LOAD_FORMATS:
+        raise BadTensors(f"load_format {body.get('load_format')!r} is not served by rlrecipe serve")
+    if not isinstance(payloads[0], str):
+        raise BadTensors("serialized_named_tensors[0] must be a base64 string")
+    try:
+        named = _Unpickler(io.BytesIO(base64.b64decode(payloads[0], validate=True))).load()
+    except (binascii.Error, pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as err:
+        raise BadTensors(f"serialized_named_tensors[0]: {err}") from None
+    if not (isinstance(named, list) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+                                            and isinstance(x[1], torch.Tensor) for x in named)):
+        raise BadTensors("serialized_named_tensors[0] must hold a list of (name, tensor) pairs")
+    return named

@@ -51,7 +51,9 @@ class SGLangServer(Section):
     # After each step: "disk" = HF export + /update_weights_from_disk (always works); "distributed"
     # = the trainer broadcasts the tensors into the servers (/update_weights_from_distributed),
     # nothing written to disk. weight_sync_address must be the trainer's address as the servers see it.
-    weight_sync: Literal["disk", "distributed"] = "disk"
+    # "tensor" = the tensors pickled into /update_weights_from_tensor requests, in buckets of
+    # weight_sync_bucket_mb (rollout/sglang/tensor_push.py): no group to join, over HTTP alone.
+    weight_sync: Literal["disk", "distributed", "tensor"] = "disk"
     weight_sync_backend: Literal["nccl", "gloo"] = "nccl"
     weight_sync_address: str = "127.0.0.1"
     weight_sync_port: int = Field(29650, gt=0, lt=65536)

@@ -12,7 +12,7 @@ From SGLang 0.5.21 a distributed update is refused unless it runs inside a weigh
 (`/begin_weight_update` ... `/end_weight_update`): each push opens one on every live server that
 has it (known from the server's version, or from a 404 on older ones) and closes it, also when the
 push fails, so the next push can open it again. A session a killed client left open is closed and
-opened again, once. SGLang before 0.5.3 has no
+opened again, once (`sglang/session.py`). SGLang before 0.5.3 has no
 `/destroy_weights_update_group`, so a group made again takes a new name there.
 """
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
-from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
+from rlrecipe.rollout.sglang.session import SESSION_LEFT_OPEN, SESSION_S, session  # noqa: F401 - kept importable here
 from rlrecipe.rollout.weights.sync import (
     DEFAULT_GROUP,
     broadcast,
@@ -37,21 +37,6 @@ from rlrecipe.rollout.weights.sync import (
 if TYPE_CHECKING:
     from rlrecipe.recipe.systems import SGLangServer
     from rlrecipe.rollout.sglang.versions import Dialect
-
-SESSION_S = 300.0  # opening or closing a session waits for the server's ranks (a barrier), not a load
-# SGLang's 400 to /begin_weight_update while a session is open (0.5.21-0.5.23, scheduler_components/
-# weight_updater.py): "a weight-update session is already open; call end_weight_update() first"
-SESSION_LEFT_OPEN = "session is already open"
-
-
-def _answer(r: Any) -> dict:
-    """A control endpoint's JSON {success, message}, or its text as the message."""
-    try:
-        body = r.json()
-    except ValueError:
-        return {"message": r.text[:300]}
-    return body if isinstance(body, dict) else {"message": str(body)[:300]}
-
 
 class LiveServers(Protocol):
     """The servers a broadcast reaches: their settings, URLs, which are still in use, and requests to one."""
@@ -140,40 +125,8 @@ class WeightBroadcast:
         self.group = group[0]
 
     def _session(self, action: str, servers: list[int], failing: bool = False) -> list[int]:
-        """/begin_weight_update or /end_weight_update on `servers`; those that have a session (a 404:
-        a server before 0.5.21). While a push is failing, a close that fails is not raised."""
-        srv = self.servers
-        opened = []
-        for i in servers:
-            if not srv.dialect(i).weight_update_session:
-                continue
-            r = self._begin(i) if action == "begin" else srv.post(i, "/end_weight_update", {},
-                                                                   timeout=(30.0, SESSION_S))
-            if r.status_code == 404:
-                continue
-            body = _answer(r)
-            if (r.status_code != 200 or not body.get("success", False)) and not failing:
-                if action == "begin":
-                    self._session("end", opened, failing=True)
-                raise UserError(f"SGLang server {srv.urls[i]} /{action}_weight_update failed: "
-                                f"{body.get('message', f'HTTP {r.status_code}')}")
-            opened.append(i)
-        return opened
-
-    def _begin(self, i: int) -> Any:
-        """/begin_weight_update on server i. A session left open (a client killed mid-push) makes every
-        later begin a 400 that says so, and only an end closes it: it is closed and begun again, once.
-        The end's own answer is not judged: the second begin's decides, and any other failure of the
-        first is the caller's error as before."""
-        srv = self.servers
-        r = srv.post(i, "/begin_weight_update", {}, timeout=(30.0, SESSION_S))
-        if r.status_code == 400 and SESSION_LEFT_OPEN in str(_answer(r).get("message", "")):
-            console.print(f"[yellow]warning[/]: SGLang server {srv.urls[i]} had a weight-update session left "
-                          "open (a push that never finished): closed, and this push opens its own", highlight=False,
-                          soft_wrap=True)
-            srv.post(i, "/end_weight_update", {}, timeout=(30.0, SESSION_S))
-            r = srv.post(i, "/begin_weight_update", {}, timeout=(30.0, SESSION_S))
-        return r
+        """/begin_weight_update or /end_weight_update on `servers` (sglang/session.py)."""
+        return session(self.servers, action, servers, failing)
 
     def _broadcast_chunks(self, chunks: list, version: int, device: str) -> None:
         opened = self._session("begin", list(self.servers.live))

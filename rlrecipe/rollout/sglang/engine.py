@@ -7,7 +7,8 @@ It is three parts, each readable and testable alone:
   one request to one server;
 - `GenerationClient` (`sglang/generation.py`): /generate calls (`sglang/call.py`), with read
   timeouts sized from the plan;
-- `WeightPusher` (`sglang/weights.py`): weight pushes over disk or broadcast, each verified.
+- `WeightPusher` (`sglang/weights.py`): weight pushes over disk, broadcast or tensor requests, each verified;
+- for a colocated layout, `release_memory` / `resume_memory` (`sglang/memory.py`).
 
 Each response's `meta_info.weight_version` is checked against the version this engine set, so a
 token is never labelled with a policy version that did not produce it.
@@ -26,6 +27,7 @@ from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.base import Refill, RolloutEngine
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.generation import GenerationClient
+from rlrecipe.rollout.sglang.memory import ALL_TAGS, RELEASE, RESUME, check_tags, flush, occupy
 from rlrecipe.rollout.sglang.server import ServerProcess, model_arg, trainer_gpus_on_node
 from rlrecipe.rollout.sglang.weights import WeightPusher
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
@@ -83,7 +85,8 @@ class SGLangEngine(RolloutEngine):
         else:
             trainer_gpus = trainer_gpus_on_node(recipe.trainer) if beside_training else 0
             engine = cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
-                                version=version, seed=recipe.run.seed, trainer_gpus=trainer_gpus)
+                                version=version, seed=recipe.run.seed, trainer_gpus=trainer_gpus,
+                                memory_saver=ro.colocate)
         try:
             if ro.urls:
                 engine.ensure_model(model_dir, version)
@@ -99,12 +102,12 @@ class SGLangEngine(RolloutEngine):
     def launch(cls, model_dir: str | Path, *, cfg: SGLangServer | None = None, dtype: str = "bfloat16",
                run_dir: str | Path | None = None, eos_token_id: int | None = None, version: int = 0, seed: int = 0,
                launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
-               env: dict[str, str] | None = None, trainer_gpus: int = 0) -> SGLangEngine:
+               env: dict[str, str] | None = None, trainer_gpus: int = 0, memory_saver: bool = False) -> SGLangEngine:
         """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
         front of them; wait until they generate; return the engine."""
         cfg = cfg or SGLangServer()
         fleet = ServerFleet.launch(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
-                                   env=env, trainer_gpus=trainer_gpus)
+                                   env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver)
         return cls(fleet.urls, eos_token_id=eos_token_id, version=version, max_concurrency=cfg.max_concurrency,
                    served_dtype=dtype, fleet=fleet)
 
@@ -140,14 +143,59 @@ class SGLangEngine(RolloutEngine):
     def ensure_model(self, model_dir: str | Path, version: int) -> None:
         self.weights.ensure_model(model_dir, version)
 
-    def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
-        self.weights.update_from_disk(model_dir, version)
+    def update_weights_from_disk(self, model_dir: str | Path, version: int, verify: bool = True) -> None:
+        self.weights.update_from_disk(model_dir, version, verify)
 
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:
         self.weights.update_from_state(state_dict, version)
 
+    def update_weights_from_tensor(self, state_dict: dict, version: int, verify: bool = True) -> None:
+        self.weights.update_from_tensor(state_dict, version, verify)
+
     def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
         self.weights.verify_export(model_dir, version, when)
+
+    # -- memory (rollout.colocate) ---------------------------------------------------------------
+    def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
+        """Every live server frees the memory of `tags` (sglang/memory.py) while the trainer trains;
+        refused while this engine has requests in flight (SGLang would die of them)."""
+        tags = check_tags(tags)
+        calls, posts = self.gen.calls, self.fleet.http.open_requests()
+        if calls or posts:
+            raise RuntimeError(f"release_memory: {calls} generate call(s) and {posts} request(s) still in flight; "
+                               "SGLang asserts it is idle at a release and dies otherwise, so generation must "
+                               "finish (or be aborted and answered) first")
+        occupy(self.fleet, RELEASE, tags)
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Every live server allocates the memory of `tags` again. Weights resumed hold garbage until
+        the next push lands: resume ["weights"], push, then resume ["kv_cache"] (and "cuda_graph")."""
+        occupy(self.fleet, RESUME, check_tags(tags))
+
+    def flush_cache(self) -> None:
+        """Every live server drops its prefix cache (SGLang answers 200 when it flushed, 400 while
+        requests run)."""
+        flush(self.fleet)
+
+    def resume_after_training(self, version: int, *, state_dict: dict | None = None,
+                              model_dir: str | Path | None = None) -> None:
+        """A colocated step's way back, after `release_memory`: weights allocated again (garbage until
+        the push), the trainer's weights pushed (`state_dict` by /update_weights_from_tensor, or the
+        HF export `model_dir` from disk), the prefix cache flushed, the KV cache and CUDA graphs
+        allocated again, and only then the push verified (the probe generates)."""
+        if (state_dict is None) == (model_dir is None):
+            raise ValueError("resume_after_training takes one of state_dict or model_dir")
+        self.resume_memory(["weights"])
+        if state_dict is not None:
+            self.weights.update_from_tensor(state_dict, version, verify=False)
+        else:
+            self.weights.update_from_disk(model_dir, version, verify=False)
+        self.flush_cache()
+        self.resume_memory(["kv_cache", "cuda_graph"])
+        if state_dict is not None:
+            self.weights.verify(version, state=state_dict)
+        else:
+            self.weights.verify_export(model_dir, version)
 
     def expect_logprobs(self, scores) -> None:
         self.weights.expect(scores)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,14 +35,22 @@ class GenerationClient:
         # None: unknown, and the read timeout allows one turn (see read_timeout)
         self.kv_tokens: int | None = None
         self.prompt_tokens = 0
+        self.calls = 0  # generate calls running now (a colocated release must wait for none)
+        self._calls_lock = threading.Lock()
 
     def generate(self, trajs: list[Trajectory], params: SamplingParams, token_budget: int | None,
                  refill: Refill | None) -> list[Trajectory]:
         self.fleet.check_alive()
         todo = admit(trajs, params)
         if todo:
-            GenerateCall(self.fleet, params, TokenBudget(token_budget), refill, stop_token_ids=self.stop_token_ids,
-                         read_timeout=self.read_timeout).run(todo)
+            with self._calls_lock:
+                self.calls += 1
+            try:
+                GenerateCall(self.fleet, params, TokenBudget(token_budget), refill,
+                             stop_token_ids=self.stop_token_ids, read_timeout=self.read_timeout).run(todo)
+            finally:
+                with self._calls_lock:
+                    self.calls -= 1
         return trajs
 
     def read_timeout(self, max_new_tokens: int) -> float:

@@ -70,6 +70,10 @@ class HttpPool:
         post.future = asyncio.run_coroutine_threadsafe(self._send(post), self._loop)
         return post.future
 
+    def open_requests(self) -> int:
+        """Requests submitted and not answered yet, sent or waiting for room (read from any thread)."""
+        return sum(len(tasks) for tasks in list(self._tasks))
+
     def withdraw(self, post: Post) -> bool:
         """Withdraw a request not sent yet (its future then holds None); False once it was sent."""
         with self._claims:

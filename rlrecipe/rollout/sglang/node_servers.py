@@ -117,7 +117,8 @@ def plan_node(recipe: Recipe, node: int, *, gpus: int | None, url_host: str | No
         check_node_gpus(cfg, gpus, gpus_source)
     model, revision = server_model(recipe)
     specs = server_specs(model, cfg, indices, dtype=recipe.rollout.dtype, seed=recipe.run.seed,
-                         template=cfg.launch_cmd or None, revision=revision)
+                         template=cfg.launch_cmd or None, revision=revision,
+                         memory_saver=recipe.rollout.colocate)
     host = url_host or advertised_host(cfg.host)
     return NodePlan(node, cfg.nodes, specs, [url_for(host, s.port) for s in specs],
                     len(indices) * gpus_per_server(cfg))

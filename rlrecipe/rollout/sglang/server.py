@@ -55,10 +55,12 @@ WAIT_NOTICE_S = 10.0  # say what is awaited once a start-up takes this long
 
 
 def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
-                      seed: int, base_gpu: int | None = None, revision: str | None = None) -> list[str]:
+                      seed: int, base_gpu: int | None = None, revision: str | None = None,
+                      memory_saver: bool = False) -> list[str]:
     """`python -m sglang.launch_server ...` for server `index`, its GPUs from `base_gpu` on
     (default index * tp * dp: every server of the recipe on this node); `revision` pins a hub id's
-    snapshot, as model.revision pins the trainer's."""
+    snapshot, as model.revision pins the trainer's; `memory_saver` (rollout.colocate): the server
+    can release its memory while the trainer trains (without the flag SGLang frees nothing)."""
     if base_gpu is None:
         base_gpu = index * gpus_per_server(cfg)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
@@ -66,7 +68,9 @@ def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangS
             "--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", dtype,
             "--random-seed", str(seed), "--base-gpu-id", str(base_gpu),
             *(["--revision", revision] if revision else []),
-            *(["--api-key", api_key()] if api_key() else []), *cfg.extra_args]
+            *(["--api-key", api_key()] if api_key() else []),
+            *(["--enable-memory-saver"] if memory_saver and "--enable-memory-saver" not in cfg.extra_args else []),
+            *cfg.extra_args]
 
 
 def fill_placeholders(template: Sequence[str], **values) -> list[str]:
@@ -103,15 +107,17 @@ def url_for(host: str, port: int) -> str:
 
 def server_specs(model: str, cfg: SGLangServer, indices: Sequence[int], *, dtype: str, seed: int,
                  template: Sequence[str] | Callable[[int, int], list[str]] | None = None,
-                 gpu_offset: int = 0, revision: str | None = None) -> list[ServerSpec]:
+                 gpu_offset: int = 0, revision: str | None = None, memory_saver: bool = False) -> list[ServerSpec]:
     """Servers `indices` of the recipe: server i on port base_port + i, its GPUs from gpu_offset +
-    k x tp x dp on, k its place among `indices`; URLs as this node reaches them (host:port)."""
+    k x tp x dp on, k its place among `indices`; URLs as this node reaches them (host:port).
+    `memory_saver` adds --enable-memory-saver to SGLang's own command only: a template must carry it."""
     specs = []
     for k, i in enumerate(indices):
         port = cfg.base_port + i
         base_gpu = gpu_offset + k * gpus_per_server(cfg)
         if template is None:
-            cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed, base_gpu=base_gpu, revision=revision)
+            cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed, base_gpu=base_gpu, revision=revision,
+                                    memory_saver=memory_saver)
         elif callable(template):
             cmd = list(template(i, port))
         else:
@@ -265,7 +271,8 @@ def require_sglang() -> None:
 def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bfloat16",
                    run_dir: str | Path | None = None, seed: int = 0,
                    launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
-                   env: dict[str, str] | None = None, trainer_gpus: int = 0) -> list[ServerProcess]:
+                   env: dict[str, str] | None = None, trainer_gpus: int = 0,
+                   memory_saver: bool = False) -> list[ServerProcess]:
     """Start `cfg.num_servers` servers on base_port + i (not yet healthy); on failure none is left running.
 
     `launch_cmd` (or `cfg.launch_cmd`) replaces the SGLang command: a list with placeholders
@@ -282,7 +289,7 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
         require_sglang()
         check_gpus(cfg, visible_gpus(), trainer_gpus=trainer_gpus)
     specs = server_specs(model_arg(model_dir), cfg, range(cfg.num_servers), dtype=dtype, seed=seed,
-                         template=template, gpu_offset=trainer_gpus)
+                         template=template, gpu_offset=trainer_gpus, memory_saver=memory_saver)
     return start_servers(specs, cfg, run_dir, env)
 
 

@@ -103,7 +103,9 @@ class WeightPusher:
                            3600.0)
         self.fleet.weight_version[i] = str(version)  # the update flushed the server's prefix cache too
 
-    def update_from_disk(self, model_dir: str | Path, version: int) -> None:
+    def update_from_disk(self, model_dir: str | Path, version: int, verify: bool = True) -> None:
+        """Every live server loads the HF export `model_dir`; `verify` False leaves the check to the
+        caller (a colocated server verifies once its KV cache is back: the probe generates)."""
         fleet = self.fleet
         fleet.check_alive()
         model_path = model_arg(model_dir)
@@ -123,13 +125,18 @@ class WeightPusher:
                             raise
                         fleet.leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
         fleet.version = version
-        self.verify_export(model_dir, version)
+        if verify:
+            self.verify_export(model_dir, version)
 
     def update_from_state(self, state_dict: dict, version: int) -> None:
-        """Broadcast the weights into the servers (weight_sync: distributed); nothing touches disk."""
+        """Broadcast the weights into the servers (weight_sync: distributed), or send them in
+        /update_weights_from_tensor requests (weight_sync: tensor); nothing touches disk."""
+        if self.transport is WeightTransport.TENSOR:
+            self.update_from_tensor(state_dict, version)
+            return
         if self.transport is not WeightTransport.BROADCAST:
             raise NotImplementedError("SGLangEngine takes weights from disk unless rollout.sglang.weight_sync "
-                                      "is distributed")
+                                      "is distributed or tensor")
         fleet = self.fleet
         fleet.check_alive()
         self._forget(fleet.take_back(version))
@@ -143,6 +150,22 @@ class WeightPusher:
             fleet.weight_version[i] = str(version)
         fleet.version = version
         self.verify(version, state=state_dict)
+
+    def update_from_tensor(self, state_dict: dict, version: int, verify: bool = True) -> None:
+        """Send the weights pickled into /update_weights_from_tensor requests (sglang/tensor_push.py),
+        whatever rollout.sglang.weight_sync says, then verify them as any push (`verify` False: the
+        caller does, as update_from_disk)."""
+        from rlrecipe.rollout.sglang.tensor_push import push_tensors  # needs torch; the HTTP client does not
+
+        fleet = self.fleet
+        fleet.check_alive()
+        self._forget(fleet.take_back(version))
+        push_tensors(fleet, state_dict, version)
+        for i in fleet.live:
+            fleet.weight_version[i] = str(version)
+        fleet.version = version
+        if verify:
+            self.verify(version, state=state_dict)
 
     def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
         """Each server serves the weights of the HF directory `model_dir` (the trainer's export, or

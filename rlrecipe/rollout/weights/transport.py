@@ -16,10 +16,12 @@ class WeightTransport(Enum):
     IN_MEMORY = "in_memory"  # the in-process engine takes the trainer's state dict
     BROADCAST = "broadcast"  # SGLang, weight_sync distributed: tensors broadcast into the servers
     DISK = "disk"  # SGLang, weight_sync disk: an HF export that the servers load
+    TENSOR = "tensor"  # SGLang, weight_sync tensor: tensors pickled into /update_weights_from_tensor
 
 
 def weight_transport(engine: str, sglang: SGLangServer) -> WeightTransport:
     """The transport for `rollout.engine` = `engine` under `rollout.sglang` = `sglang`."""
     if engine == "inprocess":
         return WeightTransport.IN_MEMORY
-    return WeightTransport.BROADCAST if sglang.weight_sync == "distributed" else WeightTransport.DISK
+    return {"distributed": WeightTransport.BROADCAST, "tensor": WeightTransport.TENSOR}.get(sglang.weight_sync,
+                                                                                           WeightTransport.DISK)

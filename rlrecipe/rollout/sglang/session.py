@@ -1,0 +1,73 @@
+"""SGLang's weight-update session: from 0.5.21, `/update_weights_from_distributed` and
+`/update_weights_from_tensor` are refused unless they run between `/begin_weight_update` and
+`/end_weight_update` (sglang/srt/managers/scheduler_components/weight_updater.py).
+
+A push opens one on every live server that has it (known from the server's version, or from a 404
+on older ones) and closes it, also when the push fails, so the next push can open it again. A
+session a killed client left open is closed and opened again, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
+from rlrecipe.rollout.sglang.versions import Dialect
+
+SESSION_S = 300.0  # opening or closing a session waits for the server's ranks (a barrier), not a load
+# SGLang's 400 to /begin_weight_update while a session is open (0.5.21-0.5.23, scheduler_components/
+# weight_updater.py): "a weight-update session is already open; call end_weight_update() first"
+SESSION_LEFT_OPEN = "session is already open"
+
+
+class SessionServers(Protocol):
+    urls: list[str]
+
+    def post(self, i: int, path: str, body: dict, timeout: float | tuple | None = 30.0) -> Any: ...
+
+    def dialect(self, i: int) -> Dialect: ...
+
+
+def answer(r: Any) -> dict:
+    """A control endpoint's JSON {success, message}, or its text as the message."""
+    try:
+        body = r.json()
+    except ValueError:
+        return {"message": r.text[:300]}
+    return body if isinstance(body, dict) else {"message": str(body)[:300]}
+
+
+def session(srv: SessionServers, action: str, servers: list[int], failing: bool = False) -> list[int]:
+    """/begin_weight_update or /end_weight_update on `servers`; those that have a session (a 404:
+    a server before 0.5.21). While a push is failing, a close that fails is not raised."""
+    opened = []
+    for i in servers:
+        if not srv.dialect(i).weight_update_session:
+            continue
+        r = begin(srv, i) if action == "begin" else srv.post(i, "/end_weight_update", {}, timeout=(30.0, SESSION_S))
+        if r.status_code == 404:
+            continue
+        body = answer(r)
+        if (r.status_code != 200 or not body.get("success", False)) and not failing:
+            if action == "begin":
+                session(srv, "end", opened, failing=True)
+            raise UserError(f"SGLang server {srv.urls[i]} /{action}_weight_update failed: "
+                            f"{body.get('message', f'HTTP {r.status_code}')}")
+        opened.append(i)
+    return opened
+
+
+def begin(srv: SessionServers, i: int) -> Any:
+    """/begin_weight_update on server i. A session left open (a client killed mid-push) makes every
+    later begin a 400 that says so, and only an end closes it: it is closed and begun again, once.
+    The end's own answer is not judged: the second begin's decides, and any other failure of the
+    first is the caller's error as before."""
+    r = srv.post(i, "/begin_weight_update", {}, timeout=(30.0, SESSION_S))
+    if r.status_code == 400 and SESSION_LEFT_OPEN in str(answer(r).get("message", "")):
+        console.print(f"[yellow]warning[/]: SGLang server {srv.urls[i]} had a weight-update session left "
+                      "open (a push that never finished): closed, and this push opens its own", highlight=False,
+                      soft_wrap=True)
+        srv.post(i, "/end_weight_update", {}, timeout=(30.0, SESSION_S))
+        r = srv.post(i, "/begin_weight_update", {}, timeout=(30.0, SESSION_S))
+    return r

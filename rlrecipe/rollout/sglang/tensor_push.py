@@ -1,0 +1,85 @@
+"""Weights into SGLang servers by `/update_weights_from_tensor` (`weight_sync: tensor`).
+
+The body (sglang/srt/managers/io_struct.py, UpdateWeightsFromTensorReqInput) carries
+`serialized_named_tensors`: one base64 string per tensor-parallel rank, each a pickled list of
+(name, tensor); rank k unpickles entry k with SGLang's SafeUnpickler (utils/common.py). The
+tensors are pickled here by value (plain pickle: each storage travels in the request, rebuilt
+with torch.storage._load_from_bytes, which SafeUnpickler admits as a weights_only torch.load).
+torch's ForkingPickler would send handles instead (CUDA IPC on a GPU; on a CPU a file descriptor,
+which an unrelated process cannot receive, or a shm file name under the `file_system` sharing
+strategy), which reach only a server on the same machine and leave the memory's lifetime to the
+sender; by value works on a CPU and across machines, at the cost of the bytes on the wire.
+
+Each push serializes fresh copies (no storage of the trainer's is pickled whole, nor reused after
+the call) in buckets of `weight_sync_bucket_mb` (weights/sync.py `buckets`), inside SGLang's
+weight-update session where the version has one (sglang/session.py). The last bucket carries
+`flush_cache` and `weight_version`.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.rollout.sglang.session import session
+from rlrecipe.rollout.sglang.versions import Dialect
+from rlrecipe.rollout.weights.sync import buckets, distinct_tensors
+
+PATH = "/update_weights_from_tensor"
+PUSH_S = 3600.0
+
+
+class TensorServers(Protocol):
+    cfg: SGLangServer
+    urls: list[str]
+    live: list[int]
+
+    def post(self, i: int, path: str, body: dict, timeout: float | tuple | None = 30.0) -> Any: ...
+
+    def control(self, i: int, path: str, body: dict, read_timeout: float) -> None: ...
+
+    def dialect(self, i: int) -> Dialect: ...
+
+    def server_info(self, i: int) -> dict: ...
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """One rank's payload: base64 of the pickled list of (name, tensor), the tensors copied onto the CPU."""
+    fresh = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in named]
+    return base64.b64encode(pickle.dumps(fresh, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+
+
+def tensor_bodies(state_dict: dict, version: int, bucket_bytes: int, ranks: int) -> Iterator[dict]:
+    """The /update_weights_from_tensor bodies of one push, one per bucket, made as they are asked for
+    (the copies of the whole model never sit in memory at once), for a server of `ranks`
+    tensor-parallel ranks (each reads its own copy of the payload)."""
+    chunks = list(buckets(distinct_tensors(state_dict), bucket_bytes))
+    for k, chunk in enumerate(chunks):
+        last = k == len(chunks) - 1
+        body = {"serialized_named_tensors": [serialize_named_tensors(chunk)] * ranks, "load_format": None,
+                "flush_cache": last}
+        if last:
+            body["weight_version"] = str(version)
+        yield body
+
+
+def push_tensors(srv: TensorServers, state_dict: dict, version: int) -> None:
+    """Every live server takes `state_dict` by /update_weights_from_tensor, server by server, each
+    inside its weight-update session."""
+    bucket_bytes = srv.cfg.weight_sync_bucket_mb << 20
+    for i in list(srv.live):
+        ranks = int(srv.server_info(i).get("tp_size", srv.cfg.tp_size) or srv.cfg.tp_size)
+        opened = session(srv, "begin", [i])
+        try:
+            for body in tensor_bodies(state_dict, version, bucket_bytes, ranks):
+                srv.control(i, PATH, body, PUSH_S)
+        except BaseException:
+            session(srv, "end", opened, failing=True)  # the next push can open one again
+            raise
+        session(srv, "end", opened)
+

@@ -63,7 +63,14 @@ from rlrecipe.modeling import enable_checkpointing, load_model
 from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import LossFn, StepResult, TrainSample, add_sums
 from rlrecipe.train.launch import init_distributed
-from rlrecipe.train.torch_engine import TorchTrainEngine, capture_rng, load_state, make_scheduler, restore_rng
+from rlrecipe.train.torch_engine import (
+    TorchTrainEngine,
+    capture_rng,
+    empty_device_cache,
+    load_state,
+    make_scheduler,
+    restore_rng,
+)
 from rlrecipe.train.varlen_attention import training_attention
 
 CKPT_SUBDIR = "deepspeed"
@@ -128,7 +135,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
 
     def __init__(self, model_dir: str | Path, cfg: TrainerSection, total_steps: int, dtype: str = "float32",
                  temperature: float = 1.0, gradient_checkpointing: bool = False,
-                 ds_config_overrides: dict | None = None, attn_implementation: str = "sdpa"):
+                 ds_config_overrides: dict | None = None, attn_implementation: str = "sdpa",
+                 colocated: bool = False):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -154,8 +162,17 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         model = self._load_model(model_dir, dtype, training_attention(attn_implementation))
         if gradient_checkpointing:
             enable_checkpointing(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                                      weight_decay=cfg.weight_decay)
+        # ZeRO-3 moves its optimizer's state off the GPU (offload_states, for a colocated rollout) only
+        # with DeepSpeed's FusedAdam, a CUDA kernel of the same AdamW update
+        self.fused_adam = colocated and self.zero3 and torch.cuda.is_available()
+        if self.fused_adam:
+            from deepspeed.ops.adam import FusedAdam
+
+            optimizer = FusedAdam(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay, adam_w_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                          eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config,
             lr_scheduler=lambda opt: make_scheduler(opt, cfg, total_steps))
@@ -289,6 +306,24 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             out.overflow = skipped and math.isfinite(out.loss) and scale > self.ds_config["fp16"]["min_loss_scale"]
             out.loss_scale = scale
         return out
+
+    # -- colocated layouts ----------------------------------------------------------------------
+    def offload_states(self, part: str) -> None:
+        """DeepSpeed's offload_states: "optimizer" (moments, fp32 master weights, gradient buffers)
+        after the update, "weights" (the low-precision ones) after the push; pinned where CUDA is."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        parts = {"optimizer": [State.optim_states, State.hp_params, State.contiguous_grad_buffer, State.lp_grads],
+                 "weights": [State.lp_params]}
+        if part not in parts:
+            raise ValueError(f"unknown part {part!r}: 'optimizer' or 'weights'")
+        if self.zero3 and not self.fused_adam:
+            return  # on a CPU device (see __init__): the state already lives in host memory
+        self.engine.offload_states(include=parts[part], pin_memory=torch.cuda.is_available())
+        empty_device_cache()
+
+    def reload_states(self) -> None:
+        self.engine.reload_states()
 
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -61,6 +61,12 @@ def load_state(path: Path) -> dict:
         raise UserError(f"{path}: damaged ({str(err).splitlines()[0]})") from None
 
 
+def empty_device_cache() -> None:
+    """Return the caching allocator's free blocks to the device, so another process can use them."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def make_scheduler(optimizer, cfg: TrainerSection, total_steps: int):
     warmup = cfg.warmup_steps or int(math.ceil(cfg.warmup_ratio * total_steps))
     if cfg.lr_schedule == "constant":
@@ -169,6 +175,30 @@ class TorchTrainEngine:
             out.loss_scale = scale
             self.loss_scaler.update(overflow=not finite)
         return out
+
+    # -- colocated layouts: the GPU handed to the rollout engine between updates --------------
+    def offload_states(self, part: str) -> None:
+        """To host memory: "optimizer" (Adam's moments; gradients are already freed) right after the
+        update, "weights" once they have been pushed to the rollout engine. `reload_states` undoes both."""
+        host = torch.device("cpu")
+        if part == "optimizer":
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.device != host:
+                        state[k] = v.to(host, non_blocking=False)
+        elif part == "weights":
+            self.model.to(host)
+        else:
+            raise ValueError(f"unknown part {part!r}: 'optimizer' or 'weights'")
+        empty_device_cache()
+
+    def reload_states(self) -> None:
+        """The weights and the optimizer's state back on the training device."""
+        self.model.to(self.device)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and k != "step":  # AdamW keeps its step count on the host
+                    state[k] = v.to(self.device)
 
     # -- state -------------------------------------------------------------------------------
     def rollout_state(self) -> dict[str, torch.Tensor]:

@@ -85,6 +85,12 @@ def worker(spec: dict) -> None:
         dist.all_gather_object(counts, len(eng.microbatches_of(samples, eng.shard(samples))))
         stats = eng.train_step(samples, loss_fn)
         out["steps"].append({"step": step, "microbatches_per_rank": counts, **stats.additive()})
+        if spec.get("colocated"):  # a colocated step's hand-over: nothing it does may change the training
+            eng.offload_states("optimizer")
+            pushed = eng.rollout_state()  # the push reads the weights between the two offloads
+            out.setdefault("pushed_sums", []).append(sum(float(v.double().sum()) for v in pushed.values()))
+            eng.offload_states("weights")
+            eng.reload_states()
         if step + 1 == spec.get("save_at"):
             eng.save(spec["ckpt"])
     eng.export_hf(spec["export"])
@@ -192,6 +198,23 @@ def test_single_process_without_launcher(tiny_model_dir, reference, tmp_path):
     for ds, ref in zip(out["steps"], reference["steps"], strict=True):
         assert ds["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
         assert ds["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
+
+
+@two_ranks
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_and_reload_between_steps_change_nothing(stage, tiny_model_dir, reference, tmp_path):
+    """The colocated hand-over (optimizer offloaded, weights read for the push, weights offloaded,
+    all reloaded) between every two steps: the same steps as the torch engine without it."""
+    spec = {"model": str(tiny_model_dir), "stage": stage, "colocated": True, "export": str(tmp_path / "export"),
+            "out": str(tmp_path / "o.json")}
+    out = torchrun(spec)
+    for ds, ref in zip(out["steps"], reference["steps"], strict=True):
+        assert ds["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
+        assert ds["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
+    assert len(out["pushed_sums"]) == STEPS and len(set(out["pushed_sums"])) == STEPS  # the weights moved
+    exported = load_weights(tmp_path / "export")
+    for name, ref_w in reference["state"].items():
+        torch.testing.assert_close(exported[name], ref_w, rtol=0, atol=WEIGHT_ATOL)
 
 
 @two_ranks

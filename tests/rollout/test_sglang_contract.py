@@ -71,3 +71,21 @@ def test_a_version_rule_the_packages_contradict_is_named(summary):
     found = problems(changed, client_contract())
     assert any("endpoint /begin_weight_update routed, but Dialect.weight_update_session" in p for p in found)
     assert any("sampling_params.sampling_seed exists, but Dialect.sampling_seed" in p for p in found)
+
+
+def test_the_colocated_requests_are_checked_against_0_5_23_and_left_unread_only_for_0_5_1(summary):
+    client = client_contract()
+    newest = summary["sglang_versions"][".".join(map(str, NEWEST))]
+    for cls in ("UpdateWeightsFromTensorReqInput", "ReleaseMemoryOccupationReqInput",
+                "ResumeMemoryOccupationReqInput"):
+        assert set(client["requests"][cls]) <= set(newest["requests"][cls])
+        assert cls not in newest.get("requests_unread", [])
+    assert set(client["requests"]["UpdateWeightsFromTensorReqInput"]) >= {
+        "serialized_named_tensors", "load_format", "flush_cache", "weight_version"}
+    broken = copy.deepcopy(client)
+    broken["requests"]["UpdateWeightsFromTensorReqInput"].append("serialized_tensors")
+    broken["endpoints"]["/release_memory"] = None
+    found = problems(summary, broken)
+    assert f"{'.'.join(map(str, NEWEST))}: UpdateWeightsFromTensorReqInput has no field serialized_tensors " \
+           f"(sglang/srt/managers/io_struct.py)" in found
+    assert any("endpoint /release_memory not routed" in p for p in found)

@@ -25,7 +25,10 @@ process, see rollout/weights/sync.py), GET /health, GET /health_generate, GET /m
 old name /get_model_info), GET /server_info (context_length, max_req_input_len, version, device),
 GET|POST /get_weights_by_name ({name, truncate_size}: the parameter's first truncate_size rows as
 float32 lists, Llama-like models only), GET|POST /weights_checker ({"action": "checksum"}: every
-tensor's checksum as SGLang computes it on the CPU).
+tensor's checksum as SGLang computes it on the CPU), POST /update_weights_from_tensor (tensors
+pickled by value, inside the weight-update session: serve/tensors.py), POST|GET
+/release_memory_occupation and /resume_memory_occupation (with --enable-memory-saver only, and
+stricter than SGLang: serve/memory.py).
 
 Also: stop strings (`sampling_params.stop`: the text is cut before the match unless
 no_stop_trim; finish_reason matched is the string) and `n` parallel samples (results prompt by
@@ -43,7 +46,8 @@ fewest chunks first, so a request of many samples takes turns with the others. A
 (a truncated shard, a tensor of the wrong shape) answers 400 and leaves the served weights and
 weight_version as they were (SGLang reloads its original weights after a failed load).
 
-Modules: `protocol` (request parsing and validation, response bodies), `scheduler` (batches
+Modules: `memory` (released memory and garbage weights of a colocated server), `tensors` (the
+tensor-update body), `protocol` (request parsing and validation, response bodies), `scheduler` (batches
 requests onto the in-process engine, applies aborts and weight updates), `weights` (the update
 group and session, the weights read back), `http_server` (the endpoints, the server, `serve_forever`).
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.sglang.api_key import is_authorized
 from rlrecipe.rollout.sglang.versions import LOWEST, NEWEST, Dialect, parse_version
+from rlrecipe.serve.memory import Fatal, MemoryRefused
 from rlrecipe.serve.protocol import (
     BadRequest,
     GenRequest,
@@ -23,7 +24,6 @@ from rlrecipe.serve.protocol import (
     max_input_len,
     response_body,
 )
-from rlrecipe.serve.memory import Fatal, MemoryRefused
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
 
 # An older SGLang version whose rules to follow instead of the newest's (tests of the client

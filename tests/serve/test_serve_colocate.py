@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -192,10 +192,18 @@ class SGLangEngine(RolloutEngine):
             self.weights.update_from_disk(model_dir, version, verify=False)
         self.flush_cache()
         self.resume_memory(["kv_cache", "cuda_graph"])
+        self.verify_push(version, state_dict=state_dict, model_dir=model_dir)
+
+    def verify_push(self, version: int, *, state_dict: dict | None = None,
+                    model_dir: str | Path | None = None) -> None:
+        """The check of a push made with `verify=False`: every live server holds `state_dict` (or the
+        export `model_dir`) as `version`."""
         if state_dict is not None:
             self.weights.verify(version, state=state_dict)
-        else:
+        elif model_dir is not None:
             self.weights.verify_export(model_dir, version)
+        else:
+            raise ValueError("verify_push takes one of state_dict or model_dir")
 
     def expect_logprobs(self, scores) -> None:
         self.weights.expect(scores)

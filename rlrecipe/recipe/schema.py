@@ -168,6 +168,12 @@ class Recipe(Section):
         if self.rl.async_lag:
             raise ValueError(f"rollout.colocate with rl.async_lag {self.rl.async_lag}: on shared GPUs rollout and "
                              "training take turns, so there is nothing to overlap; set async_lag: 0 or colocate: false")
+        if ro.weight_update_every > 1:
+            raise ValueError(f"rollout.colocate with rollout.weight_update_every {ro.weight_update_every}: a released "
+                             "engine discards its weights, so every step pushes them; set weight_update_every: 1")
+        if ro.engine == "sglang" and ro.sglang.weight_sync == "distributed":
+            raise ValueError("rollout.colocate with rollout.sglang.weight_sync: distributed: a broadcast group cannot "
+                             "hold two ranks on one GPU; use weight_sync: tensor (or disk)")
         if ro.engine == "sglang" and not ro.urls:
             sg = ro.sglang
             server_gpus, trainer_gpus = sg.num_servers * sg.tp_size * sg.dp_size, tr.nproc * tr.nodes

@@ -17,6 +17,7 @@ from pathlib import Path
 from rlrecipe.core.dist import is_rank_zero
 from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.recipe.schema import Recipe
+from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
 from rlrecipe.rl.rollout_stats import RolloutStats
 from rlrecipe.rollout.weights.probe import Scores, probe_sequences
@@ -35,18 +36,34 @@ def step_seed(run_seed: int, step: int) -> int:
 class WeightsOut:
     """The trainer's weights on their way to the rollout engine, by the run's transport."""
 
-    def __init__(self, trainer, engine, run, tokenizer, transport: WeightTransport):
-        self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, engine, run, tokenizer, transport
+    def __init__(self, trainer, run, tokenizer, transport: WeightTransport, version: int,
+                 turns: TakingTurns | None = None):
+        """`version`: the trainer's now; `turns`: a colocated layout's hand-overs, which each push goes
+        through. The engine is attached after (`attach`): colocated, it starts once the trainer has
+        left the GPU, and the probe is scored before that."""
+        self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, None, run, tokenizer, transport
+        self.turns = turns if turns is not None and turns.enabled else None
         # servers are checked against the trainer's log-probs of a fixed probe where no exact check
         # reaches them (rollout/weights/probe.py): scored now for the weights they start with
         self.probe = probe_sequences(tokenizer) if transport is not WeightTransport.IN_MEMORY else None
-        self._expect(engine.version if engine is not None else 0)
+        self._scores = self._score(version)
+
+    def attach(self, engine) -> None:
+        """The rollout engine (None on ranks other than 0), told what its starting weights must give."""
+        self.engine = engine
+        if engine is not None and self._scores is not None:
+            engine.expect_logprobs(self._scores)
 
     def _expect(self, version: int) -> None:
         """The probe scored under the trainer's weights now (collective), handed to the engine as
         what `version` must give."""
+        scores = self._score(version)
+        if self.engine is not None and scores is not None:
+            self.engine.expect_logprobs(scores)
+
+    def _score(self, version: int) -> Scores | None:
         if not self.probe:
-            return
+            return None
         # SGLang's input_token_logprobs come from the raw logits whatever the request's temperature
         # (its logprob processor tempers the sampled tokens' only): the probe is scored at temperature 1
         sampling_temperature = self.trainer.temperature
@@ -55,25 +72,36 @@ class WeightsOut:
             logp = [lp.tolist() for lp, _ in self.trainer.compute_logprobs([TrainSample(s, 1) for s in self.probe])]
         finally:
             self.trainer.temperature = sampling_temperature
-        if self.engine is not None:
-            self.engine.expect_logprobs(Scores(version, self.probe, logp))
+        return Scores(version, self.probe, logp)
 
     @property
     def exports(self) -> Path:
         return Path(self.run.dir) / ROLLOUT_EXPORTS
 
     def push(self, version: int) -> None:
-        """Into the engine now (collective; rank 0 pushes): in memory, by broadcast, or by an HF
-        export the servers load."""
-        self._expect(version)
+        """Into the engine now (collective; rank 0 pushes): in memory, by broadcast, by pickled
+        tensors, or by an HF export the servers load; colocated, through the engine's release."""
+        if self.turns is not None:
+            self.turns.push(version, lambda: self._expect(version), lambda verify: self._send(version, verify))
+        else:
+            self._expect(version)
+            self._send(version, verify=True)
+
+    def _send(self, version: int, verify: bool) -> dict:
+        """Push by the transport; `verify` False leaves the check to `engine.verify_push` with what
+        this returns."""
         if self.transport is WeightTransport.DISK:
             export = self.trainer.export_hf(self.exports, self.tokenizer)
             if self.engine is not None:
-                self.engine.update_weights_from_disk(export, version)
-            return
+                self.engine.update_weights_from_disk(export, version, **({} if verify else {"verify": False}))
+            return {"model_dir": export}
         state = self.trainer.rollout_state()
         if self.engine is not None:
-            self.engine.update_weights_from_state(state, version)
+            if self.transport is WeightTransport.TENSOR:
+                self.engine.update_weights_from_tensor(state, version, verify=verify)
+            else:
+                self.engine.update_weights_from_state(state, version)
+        return {"state_dict": state}
 
     def freeze(self, version: int):
         """A copy of the weights now, for the worker to install later (collective): cloned tensors

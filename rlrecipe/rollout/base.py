@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
@@ -16,6 +16,10 @@ Refill = Callable[[int], list[Trajectory]]
 # token from a stream fixed by (that seed, the token's position), so a sample does not depend on
 # which other trajectories shared its batch, or on where an interrupted run stopped.
 SEED_KEY = "seed"
+
+# What a colocated engine gives up while the trainer trains, in SGLang's names (the in-process
+# engine keeps no CUDA graphs, so releasing "cuda_graph" frees nothing there).
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 class RolloutEngine(ABC):
@@ -38,12 +42,30 @@ class RolloutEngine(ABC):
         """
 
     @abstractmethod
-    def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
-        """Load new weights (an HF export) and set the policy version for new tokens."""
+    def update_weights_from_disk(self, model_dir: str | Path, version: int, verify: bool = True) -> None:
+        """Load new weights (an HF export) and set the policy version for new tokens; `verify` False:
+        the check is left to `verify_push`."""
 
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:
         """Faster path where the engine shares memory with the trainer; default: not supported."""
         raise NotImplementedError
+
+    # -- colocated layouts (rollout.colocate): the GPU handed to the trainer between rollouts -------
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Discard the KV cache and the weights (`tags`) while the trainer trains; nothing may be in flight."""
+        raise NotImplementedError(f"{type(self).__name__} cannot release its memory (rollout.colocate)")
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Allocate `tags` again. Resumed weights are garbage until the next push lands."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume its memory (rollout.colocate)")
+
+    def flush_cache(self) -> None:  # noqa: B027 - optional hook, no prefix cache by default
+        """Drop cached prefixes (computed under the weights before the push)."""
+
+    def verify_push(self, version: int, *, state_dict: dict | None = None,
+                    model_dir: str | Path | None = None) -> None:  # noqa: B027 - optional hook
+        """Check a push made with its verification deferred (a colocated step verifies once the KV
+        cache is back): the engine must hold `state_dict` or the export `model_dir` as `version`."""
 
     def expect_logprobs(self, scores) -> None:  # noqa: B027 - optional hook
         """The trainer's log-probs of a fixed probe under the weights of `scores.version`, which the

@@ -30,8 +30,9 @@ import torch
 from transformers import DynamicCache
 
 from rlrecipe.modeling import load_model, load_weights_into
-from rlrecipe.rollout.base import SEED_KEY, Refill, RolloutEngine
+from rlrecipe.rollout.base import MEMORY_TAGS, SEED_KEY, Refill, RolloutEngine
 from rlrecipe.rollout.c3po_budget import TokenBudget, admit
+from rlrecipe.rollout.engine_memory import EngineMemory
 from rlrecipe.rollout.kv_cache import GrowingCache
 from rlrecipe.rollout.packed_attention import band_cells, decode_bands, register_attention
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
@@ -169,6 +170,7 @@ class InProcessEngine(RolloutEngine):
         self.events: list | None = None
         self._scratch = torch.Generator()  # reseeded per token for trajectories with their own seed
         self._step_cells = 0  # cache cells the last decoding step attended (for its event)
+        self.memory = EngineMemory(self.model)  # rollout.colocate: released while the trainer trains
 
     @property
     def forward_passes(self) -> int:
@@ -177,17 +179,37 @@ class InProcessEngine(RolloutEngine):
         return self.counters.forward_passes
 
     # -- weights ----------------------------------------------------------------------------
-    def update_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
+    def update_weights_from_disk(self, model_dir: str | Path, version: int, verify: bool = True) -> None:
+        self.memory.pushed()
         load_weights_into(self.model, model_dir)  # in place: same architecture, as SGLang requires
         self.version = version
 
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:
+        self.memory.pushed()
         with torch.no_grad():
             own = self.model.state_dict()
             for name, tensor in state_dict.items():
                 if name in own:
                     own[name].copy_(tensor.to(own[name].dtype))
         self.version = version
+
+    # -- colocated layouts ------------------------------------------------------------------
+    def release_memory(self, tags=MEMORY_TAGS) -> None:
+        self.memory.release(tags)
+
+    def resume_memory(self, tags) -> None:
+        self.memory.resume(tags)
+
+    def verify_push(self, version: int, *, state_dict: dict | None = None, model_dir: str | Path | None = None) -> None:
+        """Exact: every pushed tensor, cast to the engine's dtype, equals what the engine holds."""
+        if state_dict is None:
+            return  # a disk push loads the export itself, with transformers' own checks
+        own = self.model.state_dict()
+        differ = [name for name, t in state_dict.items()
+                  if name in own and not torch.equal(own[name], t.to(own[name].dtype).to(own[name].device))]
+        if differ or self.version != version:
+            raise RuntimeError(f"the in-process engine does not hold the pushed weights of version {version} "
+                               f"(it holds version {self.version}; {len(differ)} tensors differ: {differ[:3]})")
 
     # -- decoding ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -212,6 +234,7 @@ class InProcessEngine(RolloutEngine):
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The log-prob of each token of `ids` after the first, given the ones before it (a
         teacher-forced pass at temperature 1, as SGLang's input_token_logprobs)."""
+        self.memory.check_can_generate()
         x = torch.tensor([ids])
         out = self.model(input_ids=x, attention_mask=torch.ones_like(x), position_ids=torch.arange(len(ids))[None],
                          **{self._cache_kw: GrowingCache()}, use_cache=True)
@@ -314,6 +337,7 @@ class InProcessEngine(RolloutEngine):
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
                  token_budget: int | None = None, seed: int | None = None,
                  refill: Refill | None = None) -> list[Trajectory]:
+        self.memory.check_can_generate()
         gen = torch.Generator().manual_seed(0 if seed is None else seed)
         # its own stream, so turning the stress test on leaves the sampling stream as it was
         noise = torch.Generator().manual_seed((0 if seed is None else seed) ^ _NOISE_SALT)

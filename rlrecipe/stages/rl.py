@@ -35,6 +35,7 @@ from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.recipe.systems import RolloutSection
 from rlrecipe.recipe.training import RLSection
 from rlrecipe.reward import Grader, grade_trajectories
+from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.pool import RolloutPool
 from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.rl.schedule import StepRollout, WeightsOut
@@ -283,16 +284,21 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
     recipe, run, tokenizer, cfg = stage.recipe, stage.run, stage.tokenizer, stage.recipe.rl
     lead = is_rank_zero()
     pool = make_pool(recipe, tokenizer) if lead else None
+    colocated = recipe.rollout.colocate
     trainer = make_train_engine(recipe.trainer, recipe.model, stage.model_dir, cfg.steps * cfg.ppo_minibatches,
-                                temperature=recipe.rollout.temperature)
+                                temperature=recipe.rollout.temperature, colocated=colocated)
     reference = make_reference(recipe, stage.model_dir)  # None unless rl.kl_coef > 0
     watch = EntropyWatch.from_config(cfg.entropy_watch, quiet=not lead)
     guard = BadStepGuard(cfg.max_bad_steps, "rl", rl_step_skipped)
     start, resumed_from = resume_rl(run, trainer, pool, watch, guard)
+    turns = TakingTurns(trainer, colocated)  # colocated: rollout and training take turns on the GPUs
+    weights_out = WeightsOut(trainer, run, tokenizer, weight_transport(recipe.rollout.engine, recipe.rollout.sglang),
+                             start, turns)
+    turns.before_rollout_starts()  # colocated: the trainer leaves the GPU to the engine about to start
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir,
-                                 beside_training=True) if lead else None
-    weights_out = WeightsOut(trainer, engine, run, tokenizer, weight_transport(recipe.rollout.engine,
-                                                                              recipe.rollout.sglang))
+                                 beside_training=not colocated) if lead else None
+    turns.attach(engine)
+    weights_out.attach(engine)
     params = sampling_params(recipe.rollout)
     t_start = time.time()
     t_mark = t_start  # the end of the last step's row: a step's wall time runs from there (validation left out)
@@ -306,13 +312,15 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                 with timer("rollout_s"):  # synchronous: collected now; asynchronous: collected ahead
                     batch, roll = rollout.batch_for(step)
                 with timer("train_s"):
-                    samples, logp_old, entropy = recompute_old_logprobs(trainer, batch, reference)
-                    weights = attach_ppo_fields(samples, batch, logp_old, cfg)
-                    update = ppo_update(trainer, samples, cfg)
-                    guard.check(update, step + 1)
+                    with turns.training():  # colocated: the engine releases the GPUs for the update
+                        samples, logp_old, entropy = recompute_old_logprobs(trainer, batch, reference)
+                        weights = attach_ppo_fields(samples, batch, logp_old, cfg)
+                        update = ppo_update(trainer, samples, cfg)
+                        guard.check(update, step + 1)
                     rollout.trained(step + 1)  # synchronous: push the weights (when due)
                 metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **roll.metrics(),
-                           **timer.seconds, **rollout.timing(timer.seconds["rollout_s"], roll.generated_tokens)}
+                           **timer.seconds, **rollout.timing(timer.seconds["rollout_s"], roll.generated_tokens),
+                           **turns.seconds()}
                 metrics.update(watch.update(metrics["entropy"], step + 1))
                 validation_s = 0.0
                 if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
@@ -328,13 +336,15 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                 metrics["step_wall_s"], t_mark = now - t_mark - validation_s, now
                 run.log(step + 1, metrics, total=cfg.steps)
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                    save_rl_checkpoint(run, step + 1, trainer, pool, rollout)
+                    with turns.trainer_resident():  # colocated: the trainer's state offloaded is read back
+                        save_rl_checkpoint(run, step + 1, trainer, pool, rollout)
     finally:
         if rollout is not None:
             rollout.close()
         if engine is not None:
             engine.close()
     console.print(f"RL done: {cfg.steps - start} steps in {time.time() - t_start:.1f}s")
+    turns.trainer_back()
     return finish_stage(stage, trainer, token_columns=("tokens_trained", "tokens_generated"))
 
 

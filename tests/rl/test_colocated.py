@@ -1,0 +1,145 @@
+"""rollout.colocate through the RL loop with the in-process engine: every hand-over runs, is timed,
+changes nothing the run computes, and a run stopped in any phase resumes to the same result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlrecipe.recipe.base import RecipeError
+from rlrecipe.recipe.schema import LoadedRecipe, recipe_from_dict
+from rlrecipe.rl.colocate import PHASES
+from rlrecipe.rollout.inprocess import InProcessEngine
+from rlrecipe.stages.rl import run_rl
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
+from tests.helpers import rl_recipe, write_tiny_data
+
+
+class _Stop(Exception):
+    pass
+
+
+def _loaded(root, data, model, colocate: bool, **rl) -> LoadedRecipe:
+    spec = rl_recipe(root, data, str(model), steps=4, save_every=2, eval_every=2, **rl)
+    spec["rollout"]["colocate"] = colocate
+    return LoadedRecipe(recipe=recipe_from_dict(spec), path="colocated.yaml")
+
+
+def _rows(root) -> list[dict]:
+    return [json.loads(x) for x in (root / "runs" / "rl" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.endswith("_s") and k != "gen_tokens_per_s"} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """The same recipe split and colocated, uninterrupted."""
+    root = tmp_path_factory.mktemp("colocated")
+    data = write_tiny_data(root / "data")
+    run_rl(_loaded(root / "split", data, tiny_model_dir, False))
+    run_rl(_loaded(root / "colocated", data, tiny_model_dir, True))
+    return root, data
+
+
+def test_colocated_trains_what_the_split_layout_trains_and_times_every_phase(runs):
+    root, _ = runs
+    split, colocated = _rows(root / "split"), _rows(root / "colocated")
+    assert len(colocated) == 4
+    assert _untimed(colocated) == _untimed(split)  # validation (eval_every 2) included
+    assert "val/tiny/avg" in colocated[1]
+    for row in colocated:
+        assert all(row[f"colocate/{p}"] > 0 for p in PHASES), row
+        assert sum(row[f"colocate/{p}"] for p in PHASES) <= row["train_s"] + row.get("colocate/reload_s", 0)
+    assert not any(k.startswith("colocate/") for k in split[0])
+
+
+@pytest.mark.parametrize("method", ["release_memory", "reload_states", "offload_states", "resume_memory",
+                                    "update_weights_from_state", "verify_push"])
+def test_a_run_stopped_in_any_phase_resumes_to_the_same_result(runs, tiny_model_dir, monkeypatch, method):
+    root, data = runs
+    owner = InProcessEngine if method in ("release_memory", "resume_memory", "update_weights_from_state",
+                                          "verify_push") else type_of_trainer()
+    real = getattr(owner, method)
+    other = root / f"stopped_{method}"
+    checkpoint = other / "runs" / "rl" / "checkpoints" / "step_0000002"
+
+    def stop_after_the_checkpoint(self, *args, **kwargs):
+        if checkpoint.exists():  # the first call once step 2's checkpoint is written
+            raise _Stop
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, method, stop_after_the_checkpoint)
+    with pytest.raises(_Stop):
+        run_rl(_loaded(other, data, tiny_model_dir, True))
+    monkeypatch.setattr(owner, method, real)
+    run_rl(_loaded(other, data, tiny_model_dir, True), resume=True)
+    assert _untimed(_rows(other)) == _untimed(_rows(root / "colocated"))
+
+
+def type_of_trainer():
+    from rlrecipe.train.torch_engine import TorchTrainEngine
+
+    return TorchTrainEngine
+
+
+# -- the in-process engine's side, rule by rule ---------------------------------------------------
+@pytest.fixture()
+def engine(tiny_model_dir):
+    return InProcessEngine(tiny_model_dir, eos_token_id=1, pad_token_id=0, dtype="float32", max_batch=4)
+
+
+def _generate(engine):
+    t = Trajectory("t", [5, 6, 7], "g")
+    return engine.generate([t], SamplingParams(max_new_tokens=3), seed=0)
+
+
+def test_a_released_engine_refuses_to_generate_until_resumed_and_pushed(engine):
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.release_memory()
+    assert all(p.numel() == 0 for p in engine.model.parameters())  # the weights' storage is gone
+    with pytest.raises(RuntimeError, match="kv_cache, weights released"):
+        _generate(engine)
+    engine.resume_memory(["weights"])
+    assert all(torch.isnan(p).all() for p in engine.model.parameters())  # garbage, not the old weights
+    with pytest.raises(RuntimeError, match="kv_cache released"):
+        _generate(engine)
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    with pytest.raises(RuntimeError, match="never pushed"):
+        _generate(engine)
+    with pytest.raises(RuntimeError, match="tensors differ"):
+        engine.verify_push(1, state_dict=state)  # nothing landed yet
+    engine.update_weights_from_state(state, version=1)
+    engine.verify_push(1, state_dict=state)
+    assert _generate(engine)[0].response_ids
+
+
+def test_release_and_resume_keep_to_sglangs_order(engine):
+    with pytest.raises(RuntimeError, match="not released"):
+        engine.resume_memory(["weights"])
+    engine.release_memory(["kv_cache"])
+    with pytest.raises(RuntimeError, match="already released"):
+        engine.release_memory(["kv_cache", "weights"])
+    with pytest.raises(ValueError, match="memory tags"):
+        engine.release_memory(["optimizer"])
+    engine.release_memory(["weights"])
+    with pytest.raises(RuntimeError, match="while the weights are released"):
+        engine.update_weights_from_state({}, version=1)
+
+
+# -- the recipe ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"rl": {"async_lag": 1}}, "nothing to overlap"),
+    ({"rollout": {"weight_update_every": 2}}, "every step pushes"),
+    ({"rollout": {"engine": "sglang", "sglang": {"weight_sync": "distributed"}}}, "two ranks on one GPU"),
+    ({"rollout": {"engine": "sglang", "sglang": {"num_servers": 2}}}, "make them equal"),
+])
+def test_the_recipe_refuses_what_cannot_share_a_gpu(extra, message):
+    spec = {"run": {"name": "r"}, "model": {"tiny": {}}, "rl": {}, "rollout": {"colocate": True}}
+    for section, fields in extra.items():
+        spec[section] = {**spec[section], **fields}
+    with pytest.raises(RecipeError, match=message):
+        recipe_from_dict(spec)

@@ -1,7 +1,8 @@
 """`rlrecipe fit`: lay a recipe out on the GPUs at hand without changing what it trains.
 
-Searched: the rollout/training split (whole nodes across nodes, GPUs inside one), SGLang's tensor
-parallelism and memory fraction, the ZeRO stage and CPU offload, micro-batch tokens (hence the
+Searched: the rollout/training split (whole nodes across nodes, GPUs inside one) and, on one node,
+the colocated layout (every GPU shared, rollout and training taking turns: colocate.py), SGLang's
+tensor parallelism and memory fraction, the ZeRO stage and CPU offload, micro-batch tokens (hence the
 gradient accumulation) and the log-prob chunk. Kept: the layouts whose `rlrecipe plan` budgets fit
 with FIT_MARGIN to spare (and the host memory, when given). Ranked: projected seconds per trained
 token (`step_time.py`). Every field fit changes is outside the recipe's algorithm sha256, so the
@@ -13,6 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rlrecipe.checks.colocate import (
+    SGLANG_OUTSIDE_POOL_GIB,
+    TRAINER_OFFLOADED_GIB,
+    colocated_training,
+    phase_seconds,
+)
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, model_dims
 from rlrecipe.checks.plan import rank0_host_parts, rollout_budget, sglang_memory, stage_of, train_budget
 from rlrecipe.checks.step_time import (
@@ -30,13 +37,17 @@ from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 # Of each GPU's memory, what a layout leaves unplanned beyond the plan's own reserve (1 GiB + 5%):
 # the plan's figures are within a few percent of measured peaks (docs/gpu.md), not exact.
 FIT_MARGIN = 0.05
-# SGLang's activations, CUDA graphs and sampler live outside its static pool: at least this much
-# of a GPU stays outside it (an assumption; SGLang's own default leaves 10-20%).
-SGLANG_OUTSIDE_POOL_GIB = 6.0
+# SGLang's activations, CUDA graphs and sampler live outside its static pool: at least
+# SGLANG_OUTSIDE_POOL_GIB of a GPU stays outside it (colocate.py). Colocated, the offloaded trainer
+# stays too, so smaller fractions are tried there (a small card has little room beside the pool).
 MEM_FRACTIONS = (0.9, 0.85, 0.8, 0.75, 0.7)
+COLOCATED_FRACTIONS = MEM_FRACTIONS + (0.65, 0.6, 0.55, 0.5)
 TP_SIZES = (1, 2, 4, 8)
 ZERO = ((3, False, False), (2, False, False), (1, False, False), (3, True, False), (2, True, False),
         (1, True, False), (3, True, True))
+# Colocated: ZeRO-3 only, whose ranks hold the least while offloaded and reload the least (the trainer
+# hands ZeRO-3's optimizer state over with DeepSpeed's FusedAdam on CUDA)
+COLOCATED_ZERO = tuple(z for z in ZERO if z[0] == 3)
 CHUNK_DIVISORS = (1, 2, 4)
 # Card sizes and machines tried for "the smallest hardware that fits" (GiB; GPUs per node, nodes).
 CARDS_GIB = (24, 40, 48, 80, 96, 141)
@@ -130,6 +141,7 @@ class Layout:
     step_s: float
     trained_tokens: float
     steps: int
+    colocated: bool = False  # every GPU both rolls out and trains (train.time holds the phase changes)
 
     @property
     def s_per_mtoken(self) -> float:
@@ -141,6 +153,8 @@ class Layout:
 
     @property
     def split(self) -> str:
+        if self.colocated:
+            return f"{self.train.ranks} shared"
         if self.machine.nodes > 1:
             return f"{self.train.nodes} + {self.rollout.nodes} nodes"
         return f"{self.train.ranks} + {self.rollout.gpus}"
@@ -196,15 +210,17 @@ class Search:
         return sorted({max(128, c // k) for k in CHUNK_DIVISORS}, reverse=True)
 
     def train_variant(self, ranks: int, nodes: int, stage: int, opt: bool, par: bool, micro: int,
-                      chunk: int) -> Recipe:
-        return _with(self.recipe, trainer={"nproc": ranks // nodes, "nodes": nodes, "zero_stage": stage,
-                                           "offload_optimizer": opt, "offload_params": par,
-                                           "max_tokens_per_microbatch": micro, "logprob_chunk_tokens": chunk,
-                                           "gpu_memory_gib": self.machine.gpu_memory_gib})
+                      chunk: int, colocated: bool = False) -> Recipe:
+        trainer = {"nproc": ranks // nodes, "nodes": nodes, "zero_stage": stage, "offload_optimizer": opt,
+                   "offload_params": par, "max_tokens_per_microbatch": micro, "logprob_chunk_tokens": chunk,
+                   "gpu_memory_gib": self.machine.gpu_memory_gib}
+        if colocated:  # the plan then counts the released servers beside it, and the offloaded state
+            return _with(self.recipe, trainer=trainer, rollout={"colocate": True})
+        return _with(self.recipe, trainer=trainer)
 
     def train_option(self, ranks: int, nodes: int, stage: int, opt: bool, par: bool, micro: int,
-                     chunk: int) -> TrainOption:
-        variant = self.train_variant(ranks, nodes, stage, opt, par, micro, chunk)
+                     chunk: int, colocated: bool = False) -> TrainOption:
+        variant = self.train_variant(ranks, nodes, stage, opt, par, micro, chunk, colocated)
         peak = train_budget(variant, self.dims).total
         host = sum(rank0_host_parts(variant, self.dims).values())
         if par:  # ZeRO-3's offloaded parameters: a node's share of the 16-bit weights in host memory
@@ -213,11 +229,15 @@ class Search:
                              dtype=variant.model.dtype, zero_stage=stage, offload_optimizer=opt,
                              offload_params=par, microbatch_tokens=micro, chunk_tokens=chunk,
                              minibatches=variant.rl.ppo_minibatches)
+        if colocated:
+            time = colocated_training(time, phase_seconds(
+                self.dims, dtype=variant.model.dtype, rollout_dtype=variant.rollout.dtype, ranks=ranks, nodes=nodes,
+                offload_optimizer=opt, offload_params=par, zero_stage=stage))
         return TrainOption(ranks, nodes, stage, opt, par, micro, chunk, peak, host, time)
 
-    def train_options(self, ranks: int, nodes: int) -> list[TrainOption]:
-        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk)
-                for stage, opt, par in ZERO
+    def train_options(self, ranks: int, nodes: int, colocated: bool = False) -> list[TrainOption]:
+        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk, colocated)
+                for stage, opt, par in (COLOCATED_ZERO if colocated else ZERO)
                 for micro in self.microbatch_candidates() for chunk in self.chunk_candidates()]
 
     def train_fits(self, o: TrainOption) -> bool:
@@ -254,12 +274,16 @@ class Search:
                             c3po_pool=r.c3po.pool_capacity)
         return RolloutOption(gpus, nodes, tp, frac, kv_tokens, pool, time)
 
-    def fractions(self) -> list[float]:
-        room = SGLANG_OUTSIDE_POOL_GIB / self.machine.gpu_memory_gib
-        return [f for f in MEM_FRACTIONS if 1 - f >= room - 1e-9]
+    def fractions(self, colocated: bool = False) -> list[float]:
+        """Memory fractions that leave SGLang's outside-the-pool allowance free (and, colocated, the
+        offloaded trainer's)."""
+        outside = SGLANG_OUTSIDE_POOL_GIB + (TRAINER_OFFLOADED_GIB if colocated else 0.0)
+        room = outside / self.machine.gpu_memory_gib
+        return [f for f in (COLOCATED_FRACTIONS if colocated else MEM_FRACTIONS) if 1 - f >= room - 1e-9]
 
-    def rollout_options(self, gpus: int, nodes: int) -> list[RolloutOption]:
-        found = (self.rollout_option(gpus, nodes, tp, f) for tp in self.tp_candidates(gpus) for f in self.fractions())
+    def rollout_options(self, gpus: int, nodes: int, colocated: bool = False) -> list[RolloutOption]:
+        found = (self.rollout_option(gpus, nodes, tp, f) for tp in self.tp_candidates(gpus)
+                 for f in self.fractions(colocated))
         return [o for o in found if o is not None]
 
     # -- layouts -----------------------------------------------------------------------------------
@@ -288,18 +312,69 @@ class Search:
             rollout = min(rollouts, key=lambda o: (o.time.seconds, o.tp, -o.mem_fraction))
             out.append(Layout(self.machine, train, rollout, self.step_seconds(train, rollout), self.trained,
                               self.recipe.rl.steps))
+        out += self.colocated_layouts()
         return sorted(out, key=lambda lay: lay.s_per_mtoken)
+
+    def can_colocate(self) -> bool:
+        """One node (servers the run launches itself), and no asynchronous lag (turns overlap nothing)."""
+        return self.machine.nodes == 1 and not self.recipe.rl.async_lag
+
+    def colocated_layouts(self) -> list[Layout]:
+        """The best colocated layout: every GPU a trainer rank and (part of) an SGLang server."""
+        if not self.can_colocate():
+            return []
+        gpus = self.machine.gpus
+        trains = [o for o in self.train_options(gpus, 1, colocated=True) if self.train_fits(o)]
+        rollouts = self.rollout_options(gpus, 1, colocated=True)
+        if not trains or not rollouts:
+            return []
+        train = min(trains, key=lambda o: (o.time.seconds, o.peak))
+        rollout = min(rollouts, key=lambda o: (o.time.seconds, o.tp, -o.mem_fraction))
+        return [Layout(self.machine, train, rollout, rollout.time.seconds + train.time.seconds, self.trained,
+                       self.recipe.rl.steps, colocated=True)]
 
     # -- saying no ---------------------------------------------------------------------------------
     def first_failure(self) -> str:
         m = self.machine
+        shared = self.colocated_failure() if self.can_colocate() else None
         if m.total < 2:
-            alone = min((o for o in self.train_options(1, 1)), key=lambda o: o.peak)
-            over = (f"; training alone would need {alone.peak / GIB:.1f} GiB of it ({alone.label})"
-                    if alone.peak > self.limit else "")
-            return ("rollout and training need GPUs of their own: SGLang's servers start on the GPUs after the "
-                    "trainer's, and sharing one GPU would need the trainer's weights, gradients and optimizer "
-                    f"state moved to host memory while SGLang generates, which rlrecipe does not do{over}")
+            if shared is None:  # an asynchronous lag: rollout and training must overlap
+                return (f"rl.async_lag {self.recipe.rl.async_lag}: rollout and training run at once, so they need "
+                        "GPUs of their own, and one GPU cannot be split")
+            return shared
+        split = self.split_failure()
+        return split if shared is None else f"{split}; {shared}"
+
+    def colocated_failure(self) -> str:
+        """Why no colocated layout fits, with the numbers."""
+        m, d = self.machine, self.dims
+        head = f"{d.params() / 1e9:.1f}B colocated on {m.label}"
+        trains = self.train_options(m.gpus, 1, colocated=True)
+        best = min(trains, key=lambda o: o.peak)
+        if best.peak > self.limit:
+            return (f"{head}: the training phase needs {best.peak / GIB:.1f} GiB per GPU > {self.limit / GIB:.1f} "
+                    f"usable ({FIT_MARGIN:.0%} kept free) at its least ({best.label}, with "
+                    f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB the released SGLang keeps)")
+        if not any(self.train_fits(o) for o in trains):
+            least = min((o for o in trains if o.peak <= self.limit), key=lambda o: o.host)
+            return (f"{head}: host memory needs {least.host / GIB:.0f} GiB ({least.label}: the offloaded trainer "
+                    f"state pinned, and rank 0's) > {m.host_memory_gib:g}")
+        seq = self.recipe.data.max_prompt_tokens + self.recipe.rollout.max_new_tokens
+        fractions = self.fractions(colocated=True)
+        outside = SGLANG_OUTSIDE_POOL_GIB + TRAINER_OFFLOADED_GIB
+        if not fractions:
+            return (f"{head}: the rollout phase needs {outside:g} GiB outside SGLang's pool (its own "
+                    f"{SGLANG_OUTSIDE_POOL_GIB:g}, the offloaded trainer's {TRAINER_OFFLOADED_GIB:g}) and a pool of "
+                    f"at least {min(COLOCATED_FRACTIONS):.2f} x {m.gpu_memory_gib:g} GiB")
+        b = BYTES[self.recipe.rollout.dtype]
+        weights = b * d.params() / GIB
+        one_seq = seq * 2 * d.layers * d.kv_dim * b / GIB
+        return (f"{head}: the rollout phase needs the weights ({weights:.1f} GiB at tp 1) and one {seq}-token "
+                f"sequence's KV cache ({one_seq:.1f} GiB) in a pool of at most {max(fractions):.2f} x "
+                f"{m.gpu_memory_gib:g} = {max(fractions) * m.gpu_memory_gib:.1f} GiB ({outside:g} GiB kept outside it)")
+
+    def split_failure(self) -> str:
+        m = self.machine
         splits = self.splits()
         trains = [o for t, tn, _, _ in splits for o in self.train_options(t, tn)]
         if not any(o.peak <= self.limit for o in trains):

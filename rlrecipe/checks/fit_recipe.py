@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from rlrecipe.checks.colocate import PHASES
 from rlrecipe.checks.fit import Fit, Layout, Search
 from rlrecipe.checks.model_dims import GIB
 from rlrecipe.checks.plan import plan
@@ -19,13 +20,14 @@ HEADER_WIDTH = 105  # the fitted recipe's header lines
 def fitted_fields(layout: Layout, source: Recipe) -> dict[str, object]:
     """Dotted field -> value for the layout (only those that differ from the source are written)."""
     t, r, m = layout.train, layout.rollout, layout.machine
-    return {"trainer.nproc": t.ranks // t.nodes, "trainer.nodes": t.nodes, "trainer.zero_stage": t.zero_stage,
+    shared = {"rollout.sglang.weight_sync": "tensor"} if layout.colocated else {}
+    return shared | {"trainer.nproc": t.ranks // t.nodes, "trainer.nodes": t.nodes, "trainer.zero_stage": t.zero_stage,
             "trainer.offload_optimizer": t.offload_optimizer, "trainer.offload_params": t.offload_params,
             "trainer.max_tokens_per_microbatch": t.microbatch_tokens,
             "trainer.logprob_chunk_tokens": t.chunk_tokens, "trainer.gpu_memory_gib": m.gpu_memory_gib,
             "rollout.sglang.tp_size": r.tp, "rollout.sglang.dp_size": 1, "rollout.sglang.num_servers": r.servers,
             "rollout.sglang.nodes": r.nodes, "rollout.sglang.mem_fraction_static": r.mem_fraction,
-            "rollout.sglang.host": "127.0.0.1" if m.nodes == 1 else "0.0.0.0"}
+            "rollout.sglang.host": "127.0.0.1" if m.nodes == 1 else "0.0.0.0", "rollout.colocate": layout.colocated}
 
 
 def _get(recipe: Recipe, dotted: str):
@@ -49,18 +51,26 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
     unit = "" if layout.machine.nodes > 1 else " GPUs"
     split = (f"{layout.split}{unit} for training + rollout, the split projected fastest per trained token "
              f"(rollout {r.time.seconds:.0f} s, training {t.time.seconds:.0f} s a step)")
-    for key in ("trainer.nproc", "trainer.nodes", "rollout.sglang.num_servers", "rollout.sglang.nodes"):
+    if layout.colocated:
+        changes = sum(t.time.parts.get(k, 0.0) for k in PHASES if k != "train")
+        split = (f"every GPU shared by a trainer rank and an SGLang server, taking turns: the layout projected "
+                 f"fastest per trained token (rollout {r.time.seconds:.0f} s, training {t.time.seconds:.0f} s a step, "
+                 f"{changes:.0f} s of it the phase changes: release, reload, offload, resume, push, verify)")
+    for key in ("trainer.nproc", "trainer.nodes", "rollout.sglang.num_servers", "rollout.sglang.nodes",
+                "rollout.colocate"):
         out[key] = split
     out["trainer.gpu_memory_gib"] = "the GPUs' memory, which `rlrecipe plan` checks both sides against"
     out["rollout.sglang.host"] = ("servers launched by the run on its own node" if layout.machine.nodes == 1
                                   else "servers on other nodes, reached over the network")
     out["rollout.sglang.dp_size"] = "one model copy per server"
+    out["rollout.sglang.weight_sync"] = ("the push in place, tensors handed to the servers on the same GPUs "
+                                         "(/update_weights_from_tensor), as the projection costs it")
 
     def train_alt(**change) -> str:
         base = dict(stage=t.zero_stage, opt=t.offload_optimizer, par=t.offload_params, micro=t.microbatch_tokens,
                     chunk=t.chunk_tokens)
         base.update(change)
-        o = search.train_option(t.ranks, t.nodes, **base)
+        o = search.train_option(t.ranks, t.nodes, **base, colocated=layout.colocated)
         if not search.train_fits(o):
             return (f"{t.peak / GIB:.1f} GiB per GPU; with the source's value training needs {o.peak / GIB:.1f}, "
                     f"over {search.limit / GIB:.1f}")
@@ -79,7 +89,7 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
     for key, (tp, frac) in {"rollout.sglang.tp_size": (s.tp_size, r.mem_fraction),
                             "rollout.sglang.mem_fraction_static": (r.tp, s.mem_fraction_static)}.items():
         alt = (search.rollout_option(r.gpus, r.nodes, tp, frac)
-               if tp in search.tp_candidates(r.gpus) and frac in search.fractions() else None)
+               if tp in search.tp_candidates(r.gpus) and frac in search.fractions(layout.colocated) else None)
         here = f"KV cache of {r.kv_tokens:,} tokens per server"
         out[key] = (f"{here}; the source's value does not fit this machine" if alt is None else
                     f"{here}; the source's value projects {alt.time.seconds - r.time.seconds:+.0f} s a step")
@@ -109,6 +119,10 @@ def _header(fitted: Fit, layout: Layout, out: Path, recipe: Recipe, changes: dic
     servers = f"{r.servers} SGLang server{'s' if r.servers > 1 else ''}, tp {r.tp}"
     where = (f"{t.ranks} GPUs train ({ds}), {r.gpus} serve rollouts ({servers})" if m.nodes == 1 else
              f"{t.nodes} node{'s' if t.nodes > 1 else ''} train ({ds}), {r.nodes} serve rollouts ({servers})")
+    if layout.colocated:
+        where = (f"{t.ranks} GPU{'s' if t.ranks > 1 else ''}, each shared by a training rank ({ds}, its state "
+                 f"offloaded to host memory while SGLang generates) and {servers} (released while the trainer "
+                 "trains)")
     sets = "".join(f" --set {s}" for s in fitted.source.overrides)
     host = f" --host-memory {m.host_memory_gib:g}" if m.host_memory_gib is not None else ""
     nodes = f" --nodes {m.nodes}" if m.nodes > 1 else ""

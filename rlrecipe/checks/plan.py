@@ -33,6 +33,8 @@ Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
                ZeRO-3's reduce bucket are added on top (see `deepspeed_buffers`); ZeRO-1/2's
                bucket lives in backward only, so it joins the backward phases (`backward_bucket`).
   reserve      CUDA context and allocator fragmentation: 1 GiB + 5%, an assumption.
+  colocated    (rollout.colocate) what the released SGLang servers keep on the GPU meanwhile
+               (colocate.py: SGLANG_OUTSIDE_POOL_GIB).
 
 With C3PO++, a note gives the host memory and checkpoint size of the in-flight pool at its worst
 (every rollout at full length), outside the GPU budgets.
@@ -44,6 +46,11 @@ mem_fraction_static x GPU memory = weights + KV cache):
                x dtype / tp. Sequences at full length (max_prompt_tokens + max_new_tokens)
                that fit at once, beside the concurrency the recipe asks of each server.
 
+Colocated, a third budget is the GPU while the servers generate: their static pool (then
+mem_fraction_static is a fraction of a GPU the offloaded trainer leaves almost empty), what SGLang
+keeps outside it, and what the offloaded trainer still holds (colocate.py); each node's host memory
+holds its ranks' offloaded state (rank0_host_parts).
+
 The model's dimensions come from model_dims.py. These are estimates for planning: `make bench`
 prints them beside measured peaks.
 """
@@ -53,6 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rlrecipe.checks import colocate
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, model_dims
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 
@@ -210,9 +218,38 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
         # no-grad forward runs between updates, inside the room the activations leave then
         parts["reference model"] = b * p
         notes.append(f"rl.kl_coef > 0: a whole reference model on every rank ({b * p / GIB:.1f} GiB)")
+    if colocated(recipe):
+        parts["SGLang while released"] = colocate.SGLANG_OUTSIDE_POOL_GIB * GIB
+        notes.append("colocated: the training phase, beside what the released SGLang servers keep")
     gpu = tr.gpu_memory_gib * GIB
     parts["reserve"] = GIB + 0.05 * gpu
     return Budget("train", parts, gpu, notes)
+
+
+def colocated(recipe: Recipe) -> bool:
+    """Rollout servers launched on the trainer's GPUs, taking turns with it."""
+    return recipe.rollout.colocate and recipe.rollout.engine == "sglang" and stage_of(recipe) == "rl"
+
+
+def trainer_offloaded_bytes(recipe: Recipe, d: ModelDims) -> float:
+    """Bytes a colocated rank moves to host memory while the servers generate: DeepSpeed's
+    offload_states (colocate.offloaded_bytes); the torch engine's weights, gradients and AdamW's m
+    and v, all in the model dtype."""
+    tr = recipe.trainer
+    if tr.engine != "deepspeed":
+        return 4.0 * BYTES[recipe.model.dtype] * d.params()
+    return colocate.offloaded_bytes(d, recipe.model.dtype, tr.nproc * tr.nodes, tr.offload_optimizer,
+                                    tr.offload_params, tr.zero_stage)
+
+
+def rollout_phase_budget(recipe: Recipe, d: ModelDims, train: Budget) -> Budget:
+    """Colocated: the whole GPU while the servers generate (see the module docstring)."""
+    pool, _, _, _ = sglang_memory(recipe, d)
+    parts = colocate.rollout_phase_parts(pool)
+    notes = ["colocated: the rollout phase, the trainer offloaded"]
+    if "reference model" in train.parts:  # the frozen copy is not offloaded
+        parts["reference model"] = train.parts["reference model"]
+    return Budget("rollout phase", parts, recipe.trainer.gpu_memory_gib * GIB, notes)
 
 
 def stage_of(recipe: Recipe) -> str:
@@ -309,7 +346,10 @@ def plan(loaded: LoadedRecipe) -> tuple[ModelDims, str, list[Budget]]:
     d = model_dims(loaded)
     stage = stage_of(loaded.recipe)
     budgets = [train_budget(loaded.recipe, d)] if stage != "eval" else []
-    return d, stage, budgets + [rollout_budget(loaded.recipe, d, stage)]
+    budgets.append(rollout_budget(loaded.recipe, d, stage))
+    if colocated(loaded.recipe):
+        budgets.append(rollout_phase_budget(loaded.recipe, d, budgets[0]))
+    return d, stage, budgets
 
 
 # -- outside the GPUs: rank 0's host memory and the run's disk --------------------------------------
@@ -346,6 +386,9 @@ def rank0_host_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
         parts["weights gathered for push and export"] = b * d.params()
     if recipe.trainer.offload_optimizer:
         parts["optimizer offloaded"] = 12 * d.params() / max(1, recipe.trainer.nodes)
+    if colocated(recipe):
+        # pinned: what the node's ranks offload while the servers generate
+        parts["trainer state offloaded (pinned)"] = recipe.trainer.nproc * trainer_offloaded_bytes(recipe, d)
     return parts
 
 

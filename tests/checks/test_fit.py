@@ -54,17 +54,22 @@ def test_fit_writes_a_layout_the_plan_and_validate_accept(machine, tmp_path, mon
     tr, s = fitted.trainer, fitted.rollout.sglang
     assert (tr.lr, tr.adam_betas, tr.weight_decay, tr.grad_clip) == (source.trainer.lr, source.trainer.adam_betas,
                                                                       source.trainer.weight_decay, source.trainer.grad_clip)
-    # every GPU is used once: training ranks plus the servers' GPUs
-    assert tr.nproc * tr.nodes + s.num_servers * s.tp_size * s.dp_size == gpus * nodes
+    # every GPU is used: once by a training rank or a server, or colocated by both
+    server_gpus = s.num_servers * s.tp_size * s.dp_size
+    if fitted.rollout.colocate:
+        assert tr.nproc * tr.nodes == server_gpus == gpus * nodes and s.weight_sync == "tensor"
+    else:
+        assert tr.nproc * tr.nodes + server_gpus == gpus * nodes
     if nodes == 1:
         assert tr.nodes == 1 and s.nodes == 1 and s.host == "127.0.0.1"
         # the run's own check before it launches servers beside the trainer: exactly the node's GPUs
         from rlrecipe.core.errors import UserError
         from rlrecipe.rollout.sglang.server import check_gpus, trainer_gpus_on_node
 
-        check_gpus(s, visible=gpus, trainer_gpus=trainer_gpus_on_node(tr))
+        beside = 0 if fitted.rollout.colocate else trainer_gpus_on_node(tr)
+        check_gpus(s, visible=gpus, trainer_gpus=beside)
         with pytest.raises(UserError):
-            check_gpus(s, visible=gpus - 1, trainer_gpus=trainer_gpus_on_node(tr))
+            check_gpus(s, visible=gpus - 1, trainer_gpus=beside)
     else:
         assert tr.nodes + s.nodes == nodes and tr.nproc == gpus and s.num_servers * s.tp_size == s.nodes * gpus
     assert tr.gpu_memory_gib == mem
@@ -87,7 +92,7 @@ def test_fitted_header_says_what_changed_and_why(tmp_path, monkeypatch):
     assert any(ln.startswith("# Command:") for ln in header[:8])
     fitted, source = flat_recipe(str(out)), flat_recipe("7b_boba.yaml")
     changed = {k for k in source if source[k] != fitted[k]}
-    assert "trainer.nproc" in changed and "trainer.gpu_memory_gib" in changed
+    assert "rollout.colocate" in changed and "trainer.gpu_memory_gib" in changed
     listed = " ".join(ln.lstrip("#").strip() for ln in header)  # wrapped lines joined again
     for key in changed:  # every changed field is named in the header, with its old and new value
         assert f"{key} {source[key]} -> {fitted[key]}" in listed, key
@@ -111,17 +116,24 @@ def test_shipped_fitted_recipes_are_what_fit_writes_today(tmp_path, monkeypatch)
         assert load_recipe(shipped).recipe.algorithm_sha256() == load_recipe(REPO / "recipes" / source).recipe.algorithm_sha256()
 
 
-def test_no_fit_on_one_24gb_card_is_one_line_naming_the_cause_and_a_machine_that_fits():
-    proc = _cli(["fit", SOURCE, "--gpus", "1", "--gpu-memory", "24"])
+@pytest.mark.parametrize("mem", [24, 80])
+def test_no_fit_on_one_card_is_one_line_with_the_colocated_numbers_and_a_machine_that_fits(mem):
+    proc = _cli(["fit", SOURCE, "--gpus", "1", "--gpu-memory", str(mem)])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
-    assert "does not fit 1 x 24 GB" in lines[0] and "GPUs of their own" in lines[0]
-    assert "Smallest that fits: 4 x 8 x 24 GB, or 4 x 40 GB." in lines[0]
-    # the machines it names fit, and the next smaller one of each does not
+    # the least training phase of a colocated rank (ZeRO-3, with what the released SGLang keeps)
     loaded = load_recipe(REPO / SOURCE)
-    assert fit(loaded, Machine(8, 4, 24)).layouts and fit(loaded, Machine(4, 1, 40)).layouts
-    assert fit(loaded, Machine(8, 2, 24)).refusal and fit(loaded, Machine(2, 1, 40)).refusal
+    search = Search(loaded, Machine(1, 1, mem))
+    least = min(search.train_options(1, 1, colocated=True), key=lambda o: o.peak)
+    usable = 0.95 * mem
+    assert least.peak / GIB > usable
+    assert (f"does not fit 1 x {mem} GB: 7.6B colocated on 1 x {mem} GB: the training phase needs "
+            f"{least.peak / GIB:.1f} GiB per GPU > {usable:.1f} usable") in lines[0]
+    assert lines[0].endswith(f"Smallest that fits: {'4 x 8 x 24 GB, or ' if mem == 24 else ''}2 x 80 GB.")
+    # the machines it names fit, and the next smaller one of each does not
+    assert fit(loaded, Machine(8, 4, 24)).layouts and fit(loaded, Machine(2, 1, 80)).layouts
+    assert fit(loaded, Machine(8, 2, 24)).refusal and fit(loaded, Machine(1, 1, 80)).refusal
 
 
 def test_when_training_fits_no_split_the_refusal_says_by_how_much():
@@ -131,7 +143,10 @@ def test_when_training_fits_no_split_the_refusal_says_by_how_much():
     search = Search(loaded, Machine(2, 1, 40))
     least = min(o.peak for o in search.train_options(1, 1)) / GIB
     assert f"training does not fit: at least {least:.1f} GiB per GPU" in refused and "of 38.0 GiB usable" in refused
-    assert refused.endswith("Smallest that fits: 4 x 40 GB.")
+    # and colocated, every GPU a rank, by how much
+    shared = min(search.train_options(2, 1, colocated=True), key=lambda o: o.peak).peak / GIB
+    assert f"colocated on 2 x 40 GB: the training phase needs {shared:.1f} GiB per GPU > 38.0 usable" in refused
+    assert refused.endswith("Smallest that fits: 4 x 40 GB, or 2 x 80 GB.")
 
 
 def test_host_memory_limits_the_layouts():
@@ -241,7 +256,8 @@ def test_table_figures_follow_from_each_other():
     assert best.hours == pytest.approx(best.step_s * 400 / 3600)
     assert [lay.s_per_mtoken for lay in result.layouts] == sorted(lay.s_per_mtoken for lay in result.layouts)
     # its training side is the fastest fitting option on its GPUs
-    options = [o for o in search.train_options(best.train.ranks, 1) if search.train_fits(o)]
+    assert best.colocated  # every GPU both rolls out and trains: faster than any split here
+    options = [o for o in search.train_options(best.train.ranks, 1, colocated=True) if search.train_fits(o)]
     assert best.train.time.seconds == min(o.time.seconds for o in options)
 
 

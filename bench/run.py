@@ -298,6 +298,15 @@ def bench_async_projection() -> dict:
     return fast_projection()
 
 
+def bench_colocated_projection() -> dict:
+    """The 7B colocated C3PO++ projection with every phase change costed (bench/projection/colocated.py):
+    against the shipped split per trained token on both length distributions, the sensitivity to each
+    phase-cost assumption, and whether 2.27x is met."""
+    from bench.projection.colocated import colocated_projection
+
+    return colocated_projection()
+
+
 def bench_weight_fingerprint() -> dict:
     """Seconds per weight push and per fingerprint check after it, against `rlrecipe serve`
     (bench/weight_fingerprint.py)."""
@@ -322,7 +331,8 @@ def benchmarks(results: dict) -> list[tuple[str, object]]:
             ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory),
             ("plan_vs_measured", bench_plan_vs_measured),
             ("plan_vs_measured_deepspeed", bench_plan_vs_measured_deepspeed),
-            ("weight_fingerprint", bench_weight_fingerprint), ("async_projection_7b", bench_async_projection)]
+            ("weight_fingerprint", bench_weight_fingerprint), ("async_projection_7b", bench_async_projection),
+            ("colocated_projection_7b", bench_colocated_projection)]
 
 
 def main() -> None:
@@ -367,6 +377,9 @@ def main() -> None:
     from bench.plan_vs_measured import table as plan_table
 
     console.print(plan_table(results["plan_vs_measured"]["rows"]))
+    from bench.projection.colocated import markdown as colocated_table
+
+    console.print(colocated_table(results["colocated_projection_7b"]), highlight=False)
     if full:
         from bench.plan_vs_measured_ds import table as plan_ds_table
 

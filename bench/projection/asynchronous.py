@@ -150,7 +150,7 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
                      cost_name: str = "", load_s: float | None = None, train_scale: float = 1.0,
                      push_model: PushModel = PushModel(), per_node: bool = True, weight_bytes: float = WEIGHT_BYTES_7B,
                      splits: tuple[int, ...] | None = None, overrides: list[str] | None = None,
-                     cache: dict | None = None) -> dict:
+                     cache: dict | None = None, colocated_phases: dict[str, float] | None = None) -> dict:
     # Long (~65 lines) on purpose: the rows are built in one pass so each schedule's row reads
     # beside the others', from the same simulated rollouts.
     """The four schedules (and sync / C3PO++ both colocated and split as shipped) on the recipe's own
@@ -162,6 +162,9 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
     `splits`: rollout GPU counts to try for async (default: the node grid around the balance).
     `cache`: simulated rollout steps by engine count, shared by calls that differ only in the
     training model (`train_scale`, `load_s`, `etas`, the push).
+    `colocated_phases`: seconds of a colocated step's phase changes (bench.projection.colocated), which
+    add the rows "sync, colocated, costed" and "C3PO++, colocated, costed" in their place of the
+    idealised rows' in-place load.
     The push (`bench.projection.push`): over the recipe's transport (disk at eta >= 2), `per_node`
     loading as sglang/weights.py does; `load_s`, when given, replaces the modelled rollout-side pause of
     every layout with separate rollout GPUs (the sensitivity to the push)."""
@@ -194,6 +197,12 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
         rows.append(schedule_row(f"{label}, split as shipped", sim(shipped_r)[mode], gpus=gpus,
                                  rollout_gpus=shipped_r, train_gpus=shipped_t, eta=0, colocated=False, cost=cost,
                                  push=push(shipped_r, 0)))
+    if colocated_phases is not None:
+        costed = {"transport": "in place, phases costed", "trainer_s": sum(colocated_phases.values()),
+                  "rollout_s": 0.0}
+        for mode, label in (("sync", "sync"), ("c3po", "C3PO++")):
+            rows.append(schedule_row(f"{label}, colocated, costed", sim(gpus)[mode], gpus=gpus, rollout_gpus=gpus,
+                                     train_gpus=gpus, eta=0, colocated=True, cost=cost, push=costed))
     if splits is None:
         splits = balanced_splits(sim(shipped_r), shipped_r, gpus, cost)
     for mode, label in (("sync", "async"), ("c3po", "async + C3PO++")):

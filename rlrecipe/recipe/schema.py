@@ -155,9 +155,10 @@ class Recipe(Section):
         if lag and self.rollout.weight_update_every > 1:
             raise ValueError("rl.async_lag and rollout.weight_update_every > 1 both delay the rollout's weights; "
                              "set one of them")
-        if lag > 1 and self.rollout.engine == "sglang" and self.rollout.sglang.weight_sync == "distributed":
-            raise ValueError("rl.async_lag > 1 with rollout.sglang.weight_sync: distributed would broadcast weights "
-                             "into servers that are generating; use weight_sync: disk or async_lag: 1")
+        sync = self.rollout.sglang.weight_sync
+        if lag > 1 and self.rollout.engine == "sglang" and sync in ("distributed", "tensor"):
+            raise ValueError(f"rl.async_lag > 1 with rollout.sglang.weight_sync: {sync} would push weights into "
+                             "servers that are generating; use weight_sync: disk or async_lag: 1")
         return self
 
     @model_validator(mode="after")

@@ -17,8 +17,8 @@ from pathlib import Path
 from rlrecipe.core.dist import is_rank_zero
 from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.recipe.schema import Recipe
-from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
+from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.rollout_stats import RolloutStats
 from rlrecipe.rollout.weights.probe import Scores, probe_sequences
 from rlrecipe.rollout.weights.transport import WeightTransport

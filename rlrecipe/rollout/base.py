@@ -62,8 +62,8 @@ class RolloutEngine(ABC):
     def flush_cache(self) -> None:  # noqa: B027 - optional hook, no prefix cache by default
         """Drop cached prefixes (computed under the weights before the push)."""
 
-    def verify_push(self, version: int, *, state_dict: dict | None = None,
-                    model_dir: str | Path | None = None) -> None:  # noqa: B027 - optional hook
+    def verify_push(self, version: int, *, state_dict: dict | None = None,  # noqa: B027 - optional hook
+                    model_dir: str | Path | None = None) -> None:
         """Check a push made with its verification deferred (a colocated step verifies once the KV
         cache is back): the engine must hold `state_dict` or the export `model_dir` as `version`."""
 

@@ -117,9 +117,10 @@ def test_async_lag_refuses_a_second_delay_and_broadcast_into_busy_servers():
     with pytest.raises(RecipeError, match="async_lag and rollout.weight_update_every"):
         load_recipe(REPO / "recipes" / "tiny_rl.yaml", ["rl.async_lag=1", "rollout.weight_update_every=2",
                                                         "rl.save_every=2"])
-    with pytest.raises(RecipeError, match="weight_sync: distributed"):
-        load_recipe(REPO / "recipes" / "tiny_rl.yaml", ["rl.async_lag=2", "rollout.engine=sglang",
-                                                        "rollout.sglang.weight_sync=distributed"])
+    for sync in ("distributed", "tensor"):
+        with pytest.raises(RecipeError, match=f"weight_sync: {sync} would push weights into servers that are"):
+            load_recipe(REPO / "recipes" / "tiny_rl.yaml", ["rl.async_lag=2", "rollout.engine=sglang",
+                                                            f"rollout.sglang.weight_sync={sync}"])
 
 
 # -- through the loop -------------------------------------------------------------------------------

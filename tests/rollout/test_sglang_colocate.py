@@ -4,6 +4,7 @@ resume on every server, the tensor push (weight_sync: tensor) verified, and the 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,6 +121,8 @@ def test_colocate_adds_the_memory_saver_flag_to_launched_servers_only():
     template = ["rlrecipe", "serve", "{model}", "--port", "{port}"]
     spec, = server_specs("m", cfg, [0], dtype="float32", seed=0, template=template, memory_saver=True)
     assert "--enable-memory-saver" not in spec.cmd  # a template carries it itself
+    # `rlrecipe` at the head of a template is this installation's CLI, whatever PATH holds
+    assert spec.cmd == [sys.executable, "-m", "rlrecipe.cli.app", "serve", "m", "--port", str(cfg.base_port)]
 
 
 def test_weight_sync_tensor_selects_the_tensor_transport():

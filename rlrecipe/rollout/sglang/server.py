@@ -83,6 +83,14 @@ def fill_placeholders(template: Sequence[str], **values) -> list[str]:
     return out
 
 
+def own_cli(cmd: list[str]) -> list[str]:
+    """A launch_cmd that starts with `rlrecipe` runs this installation's CLI (`rlrecipe serve`), found
+    by this interpreter rather than PATH, which need not hold the environment the run started from."""
+    if cmd and cmd[0] == "rlrecipe":
+        return [sys.executable, "-m", "rlrecipe.cli.app", *cmd[1:]]
+    return cmd
+
+
 def shown_cmd(cmd: Sequence[str]) -> str:
     """The command as logs and --dry-run print it, ready for a shell: the API key's value is not
     written out but read from the environment ("$SGLANG_API_KEY")."""
@@ -121,8 +129,8 @@ def server_specs(model: str, cfg: SGLangServer, indices: Sequence[int], *, dtype
         elif callable(template):
             cmd = list(template(i, port))
         else:
-            cmd = fill_placeholders(template, model=model, host=cfg.host, port=port, index=i, dtype=dtype,
-                                    seed=seed, base_gpu_id=base_gpu, revision=revision or "")
+            cmd = own_cli(fill_placeholders(template, model=model, host=cfg.host, port=port, index=i, dtype=dtype,
+                                            seed=seed, base_gpu_id=base_gpu, revision=revision or ""))
         specs.append(ServerSpec(i, port, base_gpu, url_for(cfg.host, port), cmd))
     return specs
 

@@ -102,7 +102,7 @@ def markdown(result: dict) -> str:
     lines = ["| lengths | rollout s | train s | " + " | ".join(f"{p} s" for p in phases)
              + " | step s | vs sync split | idealised (in-place load only) |", "|" + "---|" * 11]
     for prefix, name in (("lognormal_", "log-normal"), ("areal_", "AReaL logs")):
-        g = lambda k: result[f"{prefix}{k}"]  # noqa: E731
+        g = lambda k, prefix=prefix: result[f"{prefix}{k}"]  # noqa: E731
         lines.append(f"| {name} | {g('c3po_colocated_costed_rollout_s'):.0f} | {g('c3po_colocated_costed_train_s'):.0f} | "
                      + " | ".join(f"{g(f'phase_{p}_s'):.2f}" for p in phases)
                      + f" | {g('c3po_colocated_costed_step_s'):.0f} | "

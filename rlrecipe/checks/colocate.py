@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
-from rlrecipe.checks.step_time import H100, GPU, Training
+from rlrecipe.checks.step_time import GPU, H100, Training
 
 # ASSUMPTION: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its static pool
 # (SGLang's own default leaves 10-20% of a GPU). --enable-memory-saver releases only the pool (weights

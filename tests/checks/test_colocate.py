@@ -21,6 +21,9 @@ from tests.conftest import REPO
 
 DIMS = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=True)
 RECIPE_1_5B = "recipes/1.5b_boba_icepop_c3po_1x80gb.yaml"
+# the 1.5B recipe's batch, as its header's fit command sets it
+ONE_GPU_BATCH = ["rl.prompts_per_step=128", "rl.samples_per_prompt=8", "rollout.max_new_tokens=8192",
+                 "rl.c3po.token_budget=4000000", "rl.c3po.pool_capacity=2048"]
 
 
 def test_phase_seconds_by_hand():
@@ -76,8 +79,9 @@ def test_colocated_plan_by_hand():
 def test_the_shipped_1_5b_recipe_is_fits_layout_on_one_gpu(tmp_path):
     loaded = load_recipe(REPO / RECIPE_1_5B)
     source = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml",
-                         ["model.path=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "model.revision=null"])
-    # the 7B recipe's algorithm, the 1.5B model
+                         ["model.path=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "model.revision=null",
+                          *ONE_GPU_BATCH])
+    # the 7B recipe's algorithm at one GPU's batch, the 1.5B model
     assert loaded.recipe.rl == source.recipe.rl and loaded.recipe.algorithm_sha256() == source.recipe.algorithm_sha256()
     best = fit(source, Machine(1, 1, 80)).layouts[0]
     r, s, t = loaded.recipe, loaded.recipe.rollout.sglang, loaded.recipe.trainer

@@ -307,6 +307,14 @@ def bench_colocated_projection() -> dict:
     return colocated_projection()
 
 
+def bench_colocated_phases() -> dict:
+    """A colocated step's hand-overs on this CPU through `rlrecipe serve`, beside the same step with
+    the server keeping its memory (bench/colocated_phases.py)."""
+    from bench.colocated_phases import colocated_phases_bench
+
+    return colocated_phases_bench()
+
+
 def bench_weight_fingerprint() -> dict:
     """Seconds per weight push and per fingerprint check after it, against `rlrecipe serve`
     (bench/weight_fingerprint.py)."""
@@ -331,7 +339,8 @@ def benchmarks(results: dict) -> list[tuple[str, object]]:
             ("engine_refill_vs_generate", bench_engine), ("logprob_memory", bench_logprob_memory),
             ("plan_vs_measured", bench_plan_vs_measured),
             ("plan_vs_measured_deepspeed", bench_plan_vs_measured_deepspeed),
-            ("weight_fingerprint", bench_weight_fingerprint), ("async_projection_7b", bench_async_projection),
+            ("weight_fingerprint", bench_weight_fingerprint), ("colocated_phases_cpu", bench_colocated_phases),
+            ("async_projection_7b", bench_async_projection),
             ("colocated_projection_7b", bench_colocated_projection)]
 
 

@@ -30,8 +30,11 @@ from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
 # against both ends of the pin): its version, e.g. 0.5.1, in this environment variable.
 RULES_ENV = "RLRECIPE_SERVE_SGLANG"
 HEALTH_GENERATE_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT: a probe not answered by then is a 503
-# A request body larger than this is refused with 413 before any of it is read.
+# A request body larger than this is refused with 413 before any of it is read; a weight push by
+# value carries a whole bucket (weight_sync_bucket_mb, 512 MB by default, base64 and once per
+# tensor-parallel rank), which SGLang takes whatever its size: that route gets a larger bound.
 MAX_BODY_BYTES = 256 * 1024 * 1024
+MAX_TENSOR_BODY_BYTES = 8 * 1024 * 1024 * 1024
 
 
 class TooLarge(Exception):
@@ -79,8 +82,9 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest("Content-Length must be an integer") from None
         if n < 0:  # read(-1) would wait for the client to close the connection
             raise BadRequest("Content-Length must not be negative")
-        if n > MAX_BODY_BYTES:
-            raise TooLarge(f"request body of {n} bytes; at most {MAX_BODY_BYTES}")
+        limit = MAX_TENSOR_BODY_BYTES if self.path.split("?")[0] == "/update_weights_from_tensor" else MAX_BODY_BYTES
+        if n > limit:
+            raise TooLarge(f"request body of {n} bytes; at most {limit}")
         raw = self.rfile.read(n) if n else b""
         if not raw:
             return {}
@@ -119,7 +123,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"model_path": self.sched.model_path, "context_length": self.sched.stated_context_length,
                              "max_req_input_len": max_input_len(self.sched.context_len), "tp_size": 1, "dp_size": 1,
                              "version": self.sched.rules.label(), "frontend": "rlrecipe-serve",
-                             "device": "cpu", "dtype": self.sched.dtype})
+                             "device": "cpu", "dtype": self.sched.dtype,
+                             "kv_cache_dtype": getattr(self.sched.engine, "kv_cache_dtype", "auto")})
         elif path == "/get_weight_version":
             self._send(200, {"weight_version": self.sched.weight_version})
         elif path == "/flush_cache":
@@ -297,12 +302,16 @@ class Server(ThreadingHTTPServer):
 def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
                 chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0,
                 join_timeout_s: float = JOIN_TIMEOUT_S, api_key: str | None = None,
-                context_length: int | None = None, enable_memory_saver: bool = False) -> tuple[Server, Scheduler]:
+                context_length: int | None = None, enable_memory_saver: bool = False,
+                kv_cache_dtype: str = "auto") -> tuple[Server, Scheduler]:
     from rlrecipe.modeling import DTYPES, load_tokenizer
+    from rlrecipe.rollout.fp8_kv import KV_CACHE_DTYPES
     from rlrecipe.rollout.inprocess import InProcessEngine
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UserError(f"--kv-cache-dtype {kv_cache_dtype!r}: the stand-in serves {', '.join(KV_CACHE_DTYPES)}")
     if not (Path(model) / "config.json").exists():
         raise UserError(f"{model}: no model there (an HF directory with config.json)")
     from rlrecipe.checks.model_check import check_model_dir, read_model_config
@@ -312,7 +321,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
     t0 = time.time()
     tokenizer = load_tokenizer(model)
     engine = InProcessEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             dtype=dtype, max_batch=max_batch)
+                             dtype=dtype, max_batch=max_batch, kv_cache_dtype=kv_cache_dtype)  # unit scales, as SGLang
     context_len = context_length or int(getattr(engine.model.config, "max_position_embeddings", 0) or 1 << 30)
     sched = Scheduler(engine, tokenizer, str(model), context_len, chunk_tokens=chunk_tokens, seed=seed,
                       join_timeout_s=join_timeout_s)
@@ -329,17 +338,19 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
         server = Server((host, port), make_handler(sched, api_key))
     except OSError as err:
         raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    log(f"loaded {model} ({dtype}, context {context_len}) in {time.time() - t0:.1f}s")
+    kv = "" if kv_cache_dtype == "auto" else f", KV cache {kv_cache_dtype} with scales 1.0"
+    log(f"loaded {model} ({dtype}{kv}, context {context_len}) in {time.time() - t0:.1f}s")
     sched.start()
     return server, sched
 
 
 def serve_forever(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
                   chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0, api_key: str | None = None,
-                  context_length: int | None = None, enable_memory_saver: bool = False) -> None:
+                  context_length: int | None = None, enable_memory_saver: bool = False,
+                  kv_cache_dtype: str = "auto") -> None:
     server, sched = make_server(model, host, port, dtype, chunk_tokens=chunk_tokens, max_batch=max_batch, seed=seed,
                                 api_key=api_key, context_length=context_length,
-                                enable_memory_saver=enable_memory_saver)
+                                enable_memory_saver=enable_memory_saver, kv_cache_dtype=kv_cache_dtype)
 
     def _terminate(signum, frame):
         raise SystemExit(0)

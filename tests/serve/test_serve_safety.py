@@ -12,7 +12,7 @@ import threading
 import pytest
 from safetensors.torch import load_file, save_file
 
-from rlrecipe.serve.http_server import MAX_BODY_BYTES
+from rlrecipe.serve.http_server import MAX_BODY_BYTES, MAX_TENSOR_BODY_BYTES
 from rlrecipe.serve.protocol import MAX_N, MAX_SAMPLES_PER_REQUEST
 from tests.helpers import serving_in_thread
 
@@ -105,9 +105,11 @@ def test_too_many_samples_in_one_request_get_400(served):
     assert not sched.pending and not sched.active  # nothing of it was queued
 
 
-@pytest.mark.parametrize("request_line", [b"POST /generate", b"POST /update_weights_from_disk",
-                                          b"GET /get_weights_by_name"])
-def test_a_huge_content_length_gets_413_without_the_body_being_read(served, request_line):
+@pytest.mark.parametrize(("request_line", "limit"), [(b"POST /generate", MAX_BODY_BYTES),
+                                                     (b"POST /update_weights_from_disk", MAX_BODY_BYTES),
+                                                     (b"GET /get_weights_by_name", MAX_BODY_BYTES),
+                                                     (b"POST /update_weights_from_tensor", MAX_TENSOR_BODY_BYTES)])
+def test_a_huge_content_length_gets_413_without_the_body_being_read(served, request_line, limit):
     port, _ = served
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         # the headers alone: a server that tried to read 10^12 bytes would never answer
@@ -115,7 +117,7 @@ def test_a_huge_content_length_gets_413_without_the_body_being_read(served, requ
         resp = http.client.HTTPResponse(s)
         resp.begin()
         body = json.loads(resp.read())
-    assert resp.status == 413 and f"at most {MAX_BODY_BYTES}" in body["error"]["message"]
+    assert resp.status == 413 and f"at most {limit}" in body["error"]["message"]
     assert greedy(port)  # still serving
 
 

@@ -71,7 +71,7 @@ ALGORITHM_FIELDS: dict[str, set[str]] = {
            "negative_adv_scale", "icepop", "offpolicy_seq_delta", "early_stop_imp_ratio", "c3po", "async_lag",
            "adv_quantile", "dynamic_sampling", "overlong", "max_token_staleness"},
     "rollout": {"dtype", "temperature", "top_p", "top_k", "max_new_tokens", "weight_update_every",
-                "stress_logit_noise"},
+                "stress_logit_noise", "kv_cache_dtype", "kv_scales"},
     "trainer": {"engine", "lr", "lr_schedule", "warmup_ratio", "warmup_steps", "min_lr_ratio", "weight_decay",
                 "adam_betas", "adam_eps", "grad_clip", "bf16_autocast", "fp16_autocast"},
     "eval": set(),

@@ -44,8 +44,8 @@ class SGLangServer(Section):
     # brings it the current weights (rollout/sglang/recovery.py). Needs retry_on_other_servers.
     max_restarts: int = Field(0, ge=0)
     # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
-    # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} (model.revision for a
-    # hub id started by `rlrecipe rollout-servers`, else empty). E.g. the CPU stand-in that
+    # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {kv_cache_dtype}
+    # {revision} (model.revision for a hub id started by `rlrecipe rollout-servers`, else empty). E.g. the CPU stand-in that
     # speaks the same API: ["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"].
     launch_cmd: list[str] = []
     # After each step: "disk" = HF export + /update_weights_from_disk (always works); "distributed"
@@ -120,9 +120,49 @@ class RolloutSection(Section):
     # KV cache and weights while the trainer trains, then takes the new weights back (rl/colocate.py).
     # false: rollout and training have GPUs of their own.
     colocate: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
+    # The KV cache's storage: "auto" = rollout.dtype; fp8_e4m3 / fp8_e5m2 = one byte an element with a
+    # scale per layer for K and one for V (SGLang's --kv-cache-dtype, which this sets; docs/fp8-kv.md).
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field("auto", json_schema_extra=HASHED_WHEN_SET)
+    # FP8 scales: "unit" = 1.0 (SGLang without calibration); "calibrated" = amax / fp8_max per layer,
+    # recomputed from the current weights after every push (in-process engine only: SGLang cannot).
+    kv_scales: Literal["unit", "calibrated"] = Field("unit", json_schema_extra=HASHED_WHEN_SET)
     # Attach to running servers instead of launching them.
     urls: list[str] = []
     sglang: SGLangServer = SGLangServer()
+
+    @property
+    def kv_cache_flag(self) -> str | None:
+        """The value of --kv-cache-dtype in rollout.sglang.extra_args or launch_cmd, if any."""
+        args = [*self.sglang.extra_args, *self.sglang.launch_cmd]
+        for i, arg in enumerate(args):
+            if arg.startswith("--kv-cache-dtype="):
+                return arg.split("=", 1)[1]
+            if arg == "--kv-cache-dtype" and i + 1 < len(args):
+                return args[i + 1]
+        return None
+
+    @property
+    def kv_storage(self) -> str:
+        """The KV cache's dtype as served: kv_cache_dtype, else an FP8 --kv-cache-dtype flag, else auto."""
+        flag = self.kv_cache_flag
+        if self.kv_cache_dtype == "auto" and self.engine == "sglang" and flag in ("fp8_e4m3", "fp8_e5m2"):
+            return flag
+        return self.kv_cache_dtype
+
+    @model_validator(mode="after")
+    def _kv_cache_consistent(self) -> RolloutSection:
+        flag = self.kv_cache_flag
+        if self.kv_cache_dtype != "auto" and flag not in (None, "{kv_cache_dtype}", self.kv_cache_dtype):
+            raise ValueError(f"rollout.kv_cache_dtype is {self.kv_cache_dtype} but rollout.sglang carries "
+                             f"--kv-cache-dtype {flag}: set one of them (the field adds the flag itself)")
+        if self.kv_scales == "calibrated" and self.kv_storage == "auto":
+            raise ValueError("rollout.kv_scales: calibrated scales an FP8 cache; set rollout.kv_cache_dtype: "
+                             "fp8_e4m3 or fp8_e5m2, or kv_scales: unit")
+        if self.kv_scales == "calibrated" and self.engine == "sglang":
+            raise ValueError("rollout.kv_scales: calibrated with rollout.engine: sglang: SGLang reads KV scales only "
+                             "at startup (--quantization-param-path) and a weight update cannot change them "
+                             "(docs/fp8-kv.md); use kv_scales: unit (SGLang's 1.0) or the in-process engine")
+        return self
 
 
 class TrainerSection(Section):

@@ -22,4 +22,4 @@ def make_rollout_engine(recipe: Recipe, model_dir: str | Path, tokenizer, versio
 
     return InProcessEngine(model_dir, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                            dtype=ro.dtype, max_batch=ro.max_batch, refill_fraction=ro.refill_fraction,
-                           version=version)
+                           version=version, kv_cache_dtype=ro.kv_cache_dtype, kv_scales=ro.kv_scales)

@@ -17,6 +17,10 @@ left-padded cache layout that decoding uses.
 
 Decoding attends by bands of rows of similar lengths; rows are kept longest first for it. Both
 attentions are `packed_attention.py`'s.
+
+`kv_cache_dtype` fp8_e4m3 / fp8_e5m2 stores the cache in FP8 with per-layer scales (rollout/fp8_kv.py):
+unit scales, or scales calibrated from the current weights at the first generation after each push.
+Evaluation through the engine uses the same cache.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from rlrecipe.modeling import load_model, load_weights_into
 from rlrecipe.rollout.base import MEMORY_TAGS, SEED_KEY, Refill, RolloutEngine
 from rlrecipe.rollout.c3po_budget import TokenBudget, admit
 from rlrecipe.rollout.engine_memory import EngineMemory
+from rlrecipe.rollout.fp8_kv import KVQuant
 from rlrecipe.rollout.kv_cache import GrowingCache
 from rlrecipe.rollout.packed_attention import band_cells, decode_bands, register_attention
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
@@ -152,8 +157,11 @@ def returned_cache(out):
 
 class InProcessEngine(RolloutEngine):
     def __init__(self, model_dir: str | Path, eos_token_id: int, pad_token_id: int, dtype: str = "float32",
-                 max_batch: int = 512, refill_fraction: float = 0.25, version: int = 0):
+                 max_batch: int = 512, refill_fraction: float = 0.25, version: int = 0,
+                 kv_cache_dtype: str = "auto", kv_scales: str = "unit"):
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_quant = KVQuant.of(kv_cache_dtype, kv_scales)  # None: the cache in the engine's dtype
         self.model = load_model(model_dir, dtype, register_attention()).eval()
         self._cache_kw = cache_keyword(self.model)
         self.eos = eos_token_id
@@ -183,6 +191,7 @@ class InProcessEngine(RolloutEngine):
         self.memory.pushed()
         load_weights_into(self.model, model_dir)  # in place: same architecture, as SGLang requires
         self.version = version
+        self._scales_stale()
 
     def update_weights_from_state(self, state_dict: dict, version: int) -> None:
         self.memory.pushed()
@@ -192,6 +201,19 @@ class InProcessEngine(RolloutEngine):
                 if name in own:
                     own[name].copy_(tensor.to(own[name].dtype))
         self.version = version
+        self._scales_stale()
+
+    def _scales_stale(self) -> None:
+        # recalibrated at the next generation, not here: a push may come in several buckets
+        if self.kv_quant is not None:
+            self.kv_quant.stale = True
+
+    def _new_cache(self) -> GrowingCache:
+        """An empty KV cache for a forward pass: FP8 with current scales where kv_cache_dtype asks."""
+        q = self.kv_quant
+        if q is not None and q.calibrated and q.stale:
+            q.calibrate(self.model, self._cache_kw)
+        return GrowingCache(q)
 
     # -- colocated layouts ------------------------------------------------------------------
     def release_memory(self, tags=MEMORY_TAGS) -> None:
@@ -237,7 +259,7 @@ class InProcessEngine(RolloutEngine):
         self.memory.check_can_generate()
         x = torch.tensor([ids])
         out = self.model(input_ids=x, attention_mask=torch.ones_like(x), position_ids=torch.arange(len(ids))[None],
-                         **{self._cache_kw: GrowingCache()}, use_cache=True)
+                         **{self._cache_kw: self._new_cache()}, use_cache=True)
         logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
         return logp.gather(-1, x[0, 1:, None])[:, 0].tolist()
 
@@ -252,7 +274,7 @@ class InProcessEngine(RolloutEngine):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         self.counters.prefill_tokens += ids.numel()
         # only the last position's logits are needed: [rows, V], not [rows, width, V]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{self._cache_kw: GrowingCache()},
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, **{self._cache_kw: self._new_cache()},
                          use_cache=True, logits_to_keep=1)
         return _Batch(out.logits[:, -1, :].float(), returned_cache(out), mask, pos[:, -1])
 
@@ -270,7 +292,7 @@ class InProcessEngine(RolloutEngine):
         pos = (torch.arange(total) - starts.repeat_interleave(lens))[None]
         self.counters.prefill_tokens += total
         layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
-        out = self.model(input_ids=ids, position_ids=pos, **{self._cache_kw: GrowingCache()}, use_cache=True,
+        out = self.model(input_ids=ids, position_ids=pos, **{self._cache_kw: self._new_cache()}, use_cache=True,
                          attention_mask={lt: None for lt in layer_types},  # no mask: documents come from cu_seq_lens
                          cu_seq_lens_q=torch.cat([starts[:1], ends]).to(torch.int32), max_length_q=int(lens.max()),
                          logits_to_keep=ends - 1)

@@ -8,6 +8,14 @@ column, and the buffer is copied only when it fills (a quarter of its length is 
 or when the engine has replaced the tensors itself (joining, compacting, re-laying a packed
 prefill), which it does between steps, not within them. `keys`/`values` stay what transformers
 and the engine expect: [rows, heads, length, head_dim] tensors, here views into the buffer.
+
+With an FP8 cache (rollout.kv_cache_dtype, rollout/fp8_kv.py) the buffers hold FP8: each write is
+quantized with its layer's scale, and `update` hands attention the whole cache dequantized, except
+to a prefill (nothing cached before the call), which attends its own keys and values at full
+precision as SGLang's extend kernels do; decoding then reads every token, its own included, from
+FP8, as SGLang's decode kernels do. `keys`/`values` are then the FP8 tensors, so the engine's
+joins, selections and re-layouts move FP8 bytes. Dequantizing the cache each step costs a copy of
+it: on CPU this models the numerics of an FP8 cache, not its speed.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+
+from rlrecipe.rollout.fp8_kv import KVQuant, dequantize, quantize
 
 MIN_ROOM = 32  # spare columns added at the least when a buffer is (re)made
 
@@ -26,11 +36,21 @@ class GrowingLayer(DynamicLayer):
         super().__init__(**kwargs)
         self._view: torch.Tensor | None = None  # the keys view last handed out; anything else was replaced
         self._room = 0
+        self.fp8: tuple[torch.dtype, float, float] | None = None  # (format, k_scale, v_scale): an FP8 cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         old = self.keys.shape[-2] if self.keys.dim() == 4 else 0  # lazy_initialization leaves an empty 1-d tensor
+        if self.fp8 is None:
+            return self._write(old, key_states, value_states)
+        fmt, k_scale, v_scale = self.fp8
+        keys, values = self._write(old, quantize(key_states, k_scale, fmt), quantize(value_states, v_scale, fmt))
+        if not old:  # a prefill attends its own tokens before they are stored
+            return key_states, value_states
+        return dequantize(keys, k_scale, key_states.dtype), dequantize(values, v_scale, value_states.dtype)
+
+    def _write(self, old: int, key_states: torch.Tensor, value_states: torch.Tensor):
         new = old + key_states.shape[-2]
         if self.keys is not self._view or new > self._room:
             self._rebuffer(old, new, key_states)
@@ -52,7 +72,15 @@ class GrowingLayer(DynamicLayer):
 
 
 class GrowingCache(DynamicCache):
-    """A DynamicCache (so every check for one still holds) made of GrowingLayers."""
+    """A DynamicCache (so every check for one still holds) made of GrowingLayers; FP8 with `quant`."""
 
-    def __init__(self) -> None:
+    def __init__(self, quant: KVQuant | None = None) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+        self.quant = quant
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.quant is not None:  # the layer learns its format and scales before its first write
+            while len(self.layers) <= layer_idx:
+                self.layers.append(GrowingLayer())
+            self.layers[layer_idx].fp8 = (self.quant.fmt, *self.quant.scales(layer_idx))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -45,7 +45,7 @@ def test_where_and_how_it_runs_leaves_the_algorithm_hash(override):
     "rl.prompts_per_step=256", "rl.samples_per_prompt=8", "rl.eps_clip_high=0.28", "rl.async_lag=1",
     "rl.icepop.mode=icepop", "rl.c3po.enabled=true", "rollout.temperature=0.7", "rollout.max_new_tokens=16384",
     "data.max_prompt_tokens=2048", "model.revision=" + "a" * 40, "rl.steps=200", "trainer.engine=torch",
-    "rl.max_token_staleness=4",
+    "rl.max_token_staleness=4", "rollout.kv_cache_dtype=fp8_e4m3", "rollout.kv_cache_dtype=fp8_e5m2",
 ])
 def test_what_is_trained_changes_the_algorithm_hash(override):
     base, other = load_recipe(BOBA), load_recipe(BOBA, [override])
@@ -156,3 +156,34 @@ def test_two_layouts_with_one_algorithm_hash_train_alike(tmp_path, tiny_model_di
         assert first_c[key] == first_a[key], key
     for key in ("loss", "grad_norm", "entropy"):  # the update, accumulated over other micro-batches
         assert first_c[key] == pytest.approx(first_a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_kv_scales_enter_the_hash_only_once_set():
+    base = load_recipe(REPO / "recipes" / "tiny_rl.yaml")
+    fp8 = load_recipe(REPO / "recipes" / "tiny_rl.yaml", ["rollout.kv_cache_dtype=fp8_e4m3"])
+    calibrated = load_recipe(REPO / "recipes" / "tiny_rl.yaml",
+                             ["rollout.kv_cache_dtype=fp8_e4m3", "rollout.kv_scales=calibrated"])
+    assert len({r.recipe.algorithm_sha256() for r in (base, fp8, calibrated)}) == 3
+    assert "kv_cache_dtype" not in base.recipe.hashed()["rollout"]  # recipes written before keep their sha256
+    assert "kv_scales" not in fp8.recipe.hashed()["rollout"]
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.extra_args=[--kv-cache-dtype, fp8_e5m2]"],
+     "rollout.kv_cache_dtype is fp8_e4m3 but rollout.sglang carries --kv-cache-dtype fp8_e5m2"),
+    (["rollout.kv_scales=calibrated"], "rollout.kv_scales: calibrated scales an FP8 cache"),
+    (["rollout.kv_cache_dtype=fp8_e4m3", "rollout.kv_scales=calibrated"],
+     "rollout.kv_scales: calibrated with rollout.engine: sglang"),
+])
+def test_kv_cache_field_and_flag_are_consistent(overrides, error):
+    from rlrecipe.recipe.base import RecipeError
+
+    with pytest.raises(RecipeError, match=error.replace("[", r"\[")):
+        load_recipe(BOBA, overrides)
+
+
+def test_the_flag_alone_counts_as_the_kv_storage():
+    flagged = load_recipe(BOBA, ["rollout.sglang.extra_args=[--kv-cache-dtype=fp8_e4m3]"]).recipe.rollout
+    assert flagged.kv_storage == "fp8_e4m3" and load_recipe(BOBA).recipe.rollout.kv_storage == "auto"
+    same = load_recipe(BOBA, ["rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.extra_args=[--kv-cache-dtype, fp8_e4m3]"])
+    assert same.recipe.rollout.kv_storage == "fp8_e4m3"

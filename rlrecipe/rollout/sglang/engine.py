@@ -86,7 +86,7 @@ class SGLangEngine(RolloutEngine):
             trainer_gpus = trainer_gpus_on_node(recipe.trainer) if beside_training else 0
             engine = cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
                                 version=version, seed=recipe.run.seed, trainer_gpus=trainer_gpus,
-                                memory_saver=ro.colocate)
+                                memory_saver=ro.colocate, kv_cache_dtype=ro.kv_cache_dtype)
         try:
             if ro.urls:
                 engine.ensure_model(model_dir, version)
@@ -102,12 +102,14 @@ class SGLangEngine(RolloutEngine):
     def launch(cls, model_dir: str | Path, *, cfg: SGLangServer | None = None, dtype: str = "bfloat16",
                run_dir: str | Path | None = None, eos_token_id: int | None = None, version: int = 0, seed: int = 0,
                launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
-               env: dict[str, str] | None = None, trainer_gpus: int = 0, memory_saver: bool = False) -> SGLangEngine:
+               env: dict[str, str] | None = None, trainer_gpus: int = 0, memory_saver: bool = False,
+               kv_cache_dtype: str = "auto") -> SGLangEngine:
         """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
         front of them; wait until they generate; return the engine."""
         cfg = cfg or SGLangServer()
         fleet = ServerFleet.launch(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
-                                   env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver)
+                                   env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver,
+                                   kv_cache_dtype=kv_cache_dtype)
         return cls(fleet.urls, eos_token_id=eos_token_id, version=version, max_concurrency=cfg.max_concurrency,
                    served_dtype=dtype, fleet=fleet)
 

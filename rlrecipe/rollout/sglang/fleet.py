@@ -79,11 +79,13 @@ class ServerFleet:
     @classmethod
     def launch(cls, model_dir: str | Path, cfg: SGLangServer, *, dtype: str, run_dir: str | Path | None, seed: int,
                launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None,
-               env: dict[str, str] | None, trainer_gpus: int, memory_saver: bool = False) -> ServerFleet:
+               env: dict[str, str] | None, trainer_gpus: int, memory_saver: bool = False,
+               kv_cache_dtype: str = "auto") -> ServerFleet:
         """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
         front of them; wait until they generate."""
         servers = launch_servers(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
-                                 env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver)
+                                 env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver,
+                                 kv_cache_dtype=kv_cache_dtype)
         router = None
         try:
             wait_until_healthy([(s.url, s) for s in servers], cfg.startup_timeout_s)

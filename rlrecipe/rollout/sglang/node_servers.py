@@ -118,7 +118,7 @@ def plan_node(recipe: Recipe, node: int, *, gpus: int | None, url_host: str | No
     model, revision = server_model(recipe)
     specs = server_specs(model, cfg, indices, dtype=recipe.rollout.dtype, seed=recipe.run.seed,
                          template=cfg.launch_cmd or None, revision=revision,
-                         memory_saver=recipe.rollout.colocate)
+                         memory_saver=recipe.rollout.colocate, kv_cache_dtype=recipe.rollout.kv_cache_dtype)
     host = url_host or advertised_host(cfg.host)
     return NodePlan(node, cfg.nodes, specs, [url_for(host, s.port) for s in specs],
                     len(indices) * gpus_per_server(cfg))

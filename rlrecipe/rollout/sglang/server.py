@@ -56,11 +56,12 @@ WAIT_NOTICE_S = 10.0  # say what is awaited once a start-up takes this long
 
 def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
                       seed: int, base_gpu: int | None = None, revision: str | None = None,
-                      memory_saver: bool = False) -> list[str]:
+                      memory_saver: bool = False, kv_cache_dtype: str = "auto") -> list[str]:
     """`python -m sglang.launch_server ...` for server `index`, its GPUs from `base_gpu` on
     (default index * tp * dp: every server of the recipe on this node); `revision` pins a hub id's
     snapshot, as model.revision pins the trainer's; `memory_saver` (rollout.colocate): the server
-    can release its memory while the trainer trains (without the flag SGLang frees nothing)."""
+    can release its memory while the trainer trains (without the flag SGLang frees nothing);
+    `kv_cache_dtype` (rollout.kv_cache_dtype): --kv-cache-dtype unless "auto" or in extra_args already."""
     if base_gpu is None:
         base_gpu = index * gpus_per_server(cfg)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
@@ -70,7 +71,13 @@ def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangS
             *(["--revision", revision] if revision else []),
             *(["--api-key", api_key()] if api_key() else []),
             *(["--enable-memory-saver"] if memory_saver and "--enable-memory-saver" not in cfg.extra_args else []),
+            *(["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype != "auto" and not _has_flag(
+                cfg.extra_args, "--kv-cache-dtype") else []),
             *cfg.extra_args]
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def fill_placeholders(template: Sequence[str], **values) -> list[str]:
@@ -115,22 +122,25 @@ def url_for(host: str, port: int) -> str:
 
 def server_specs(model: str, cfg: SGLangServer, indices: Sequence[int], *, dtype: str, seed: int,
                  template: Sequence[str] | Callable[[int, int], list[str]] | None = None,
-                 gpu_offset: int = 0, revision: str | None = None, memory_saver: bool = False) -> list[ServerSpec]:
+                 gpu_offset: int = 0, revision: str | None = None, memory_saver: bool = False,
+                 kv_cache_dtype: str = "auto") -> list[ServerSpec]:
     """Servers `indices` of the recipe: server i on port base_port + i, its GPUs from gpu_offset +
     k x tp x dp on, k its place among `indices`; URLs as this node reaches them (host:port).
-    `memory_saver` adds --enable-memory-saver to SGLang's own command only: a template must carry it."""
+    `memory_saver` adds --enable-memory-saver to SGLang's own command only: a template must carry it;
+    `kv_cache_dtype` adds --kv-cache-dtype to SGLang's command, and fills a template's {kv_cache_dtype}."""
     specs = []
     for k, i in enumerate(indices):
         port = cfg.base_port + i
         base_gpu = gpu_offset + k * gpus_per_server(cfg)
         if template is None:
             cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed, base_gpu=base_gpu, revision=revision,
-                                    memory_saver=memory_saver)
+                                    memory_saver=memory_saver, kv_cache_dtype=kv_cache_dtype)
         elif callable(template):
             cmd = list(template(i, port))
         else:
             cmd = own_cli(fill_placeholders(template, model=model, host=cfg.host, port=port, index=i, dtype=dtype,
-                                            seed=seed, base_gpu_id=base_gpu, revision=revision or ""))
+                                            seed=seed, base_gpu_id=base_gpu, revision=revision or "",
+                                            kv_cache_dtype=kv_cache_dtype))
         specs.append(ServerSpec(i, port, base_gpu, url_for(cfg.host, port), cmd))
     return specs
 
@@ -280,11 +290,11 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
                    run_dir: str | Path | None = None, seed: int = 0,
                    launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
                    env: dict[str, str] | None = None, trainer_gpus: int = 0,
-                   memory_saver: bool = False) -> list[ServerProcess]:
+                   memory_saver: bool = False, kv_cache_dtype: str = "auto") -> list[ServerProcess]:
     """Start `cfg.num_servers` servers on base_port + i (not yet healthy); on failure none is left running.
 
     `launch_cmd` (or `cfg.launch_cmd`) replaces the SGLang command: a list with placeholders
-    {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision}, or a callable (index, port) -> argv.
+    {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} {kv_cache_dtype}, or a callable (index, port) -> argv.
     `trainer_gpus`: GPUs 0 .. trainer_gpus - 1 of this node train (servers launched beside
     training); the servers take the GPUs after them.
     """
@@ -297,7 +307,8 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
         require_sglang()
         check_gpus(cfg, visible_gpus(), trainer_gpus=trainer_gpus)
     specs = server_specs(model_arg(model_dir), cfg, range(cfg.num_servers), dtype=dtype, seed=seed,
-                         template=template, gpu_offset=trainer_gpus, memory_saver=memory_saver)
+                         template=template, gpu_offset=trainer_gpus, memory_saver=memory_saver,
+                         kv_cache_dtype=kv_cache_dtype)
     return start_servers(specs, cfg, run_dir, env)
 
 

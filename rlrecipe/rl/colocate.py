@@ -52,8 +52,8 @@ class TakingTurns:
 
     @contextmanager
     def training(self):
-        """Around the update: the engine releases the GPU and the trainer reloads before it; the
-        optimizer's state goes back to host memory after it."""
+        """Around the update (or a checkpoint's save): the engine releases the GPU and the trainer
+        reloads before it; the optimizer's state goes back to host memory after it."""
         if not self.enabled:
             yield
             return
@@ -67,19 +67,6 @@ class TakingTurns:
             yield
         with self.phase("offload_s"):
             self.trainer.offload_states("optimizer")
-
-    @contextmanager
-    def trainer_resident(self):
-        """The trainer's state on the GPU for a while (a checkpoint reads it), then offloaded again."""
-        if not self.enabled:
-            yield
-            return
-        with self.phase("reload_s"):
-            self.trainer.reload_states()
-        try:
-            yield
-        finally:
-            self.before_rollout_starts()
 
     def trainer_back(self) -> None:
         """The run is over and the engine closed: the trainer's state back for the final export."""

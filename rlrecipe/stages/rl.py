@@ -336,8 +336,12 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
                 metrics["step_wall_s"], t_mark = now - t_mark - validation_s, now
                 run.log(step + 1, metrics, total=cfg.steps)
                 if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                    with turns.trainer_resident():  # colocated: the trainer's state offloaded is read back
+                    # colocated: the engine steps aside again while the trainer's state is saved from
+                    # the GPU, then gets its weights back (its memory never holds both sides at once)
+                    with turns.training():
                         save_rl_checkpoint(run, step + 1, trainer, pool, rollout)
+                    if turns.released and step + 1 < cfg.steps:
+                        weights_out.push(step + 1)
     finally:
         if rollout is not None:
             rollout.close()

@@ -1,7 +1,8 @@
 """`rlrecipe fit`: lay a recipe out on the GPUs at hand without changing what it trains.
 
 Searched: the rollout/training split (whole nodes across nodes, GPUs inside one) and, on one node,
-the colocated layout (every GPU shared, rollout and training taking turns: colocate.py), SGLang's
+the colocated layout (every GPU shared, rollout and training taking turns: colocate.py, with the
+cheaper of its two built weight pushes, by value or over disk), SGLang's
 tensor parallelism and memory fraction, the ZeRO stage and CPU offload, micro-batch tokens (hence the
 gradient accumulation) and the log-prob chunk. Kept: the layouts whose `rlrecipe plan` budgets fit
 with FIT_MARGIN to spare (and the host memory, when given). Ranked: projected seconds per trained
@@ -15,12 +16,16 @@ import math
 from dataclasses import dataclass
 
 from rlrecipe.checks.colocate import (
+    ASSUMED,
     SGLANG_OUTSIDE_POOL_GIB,
     TRAINER_OFFLOADED_GIB,
+    PhaseCosts,
+    cheapest_push,
     colocated_training,
     phase_seconds,
+    push_seconds,
 )
-from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, model_dims
+from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, kv_bytes, model_dims
 from rlrecipe.checks.plan import rank0_host_parts, rollout_budget, sglang_memory, stage_of, train_budget
 from rlrecipe.checks.step_time import (
     Lengths,
@@ -142,6 +147,7 @@ class Layout:
     trained_tokens: float
     steps: int
     colocated: bool = False  # every GPU both rolls out and trains (train.time holds the phase changes)
+    push: str | None = None  # colocated: the weight push costed, rollout.sglang.weight_sync ("tensor" or "disk")
 
     @property
     def s_per_mtoken(self) -> float:
@@ -185,11 +191,13 @@ def _needs(loaded: LoadedRecipe) -> None:
 class Search:
     """The layouts of one recipe on one machine (see the module docstring)."""
 
-    def __init__(self, loaded: LoadedRecipe, machine: Machine, dims: ModelDims | None = None):
-        self.loaded, self.machine = loaded, machine
+    def __init__(self, loaded: LoadedRecipe, machine: Machine, dims: ModelDims | None = None,
+                 costs: PhaseCosts = ASSUMED):
+        self.loaded, self.machine, self.costs = loaded, machine, costs
         r = self.recipe = loaded.recipe
         self.dims = dims or model_dims(loaded)
-        self.rates = Rates.of(self.dims, r.rollout.dtype, r.model.gradient_checkpointing)
+        self.rates = Rates.of(self.dims, r.rollout.dtype, r.model.gradient_checkpointing,
+                              kv_bytes=kv_bytes(r.rollout))
         self.lengths = Lengths.assumed(r.rollout.max_new_tokens, r.data.max_prompt_tokens)
         self.c3po = r.rl.c3po.enabled
         self.rollouts = r.rl.prompts_per_step * r.rl.samples_per_prompt
@@ -219,7 +227,8 @@ class Search:
         return _with(self.recipe, trainer=trainer)
 
     def train_option(self, ranks: int, nodes: int, stage: int, opt: bool, par: bool, micro: int,
-                     chunk: int, colocated: bool = False) -> TrainOption:
+                     chunk: int, colocated: bool = False, push_s: float = 0.0) -> TrainOption:
+        """`push_s`: colocated, the push's seconds (they depend on the servers: push_seconds)."""
         variant = self.train_variant(ranks, nodes, stage, opt, par, micro, chunk, colocated)
         peak = train_budget(variant, self.dims).total
         host = sum(rank0_host_parts(variant, self.dims).values())
@@ -231,12 +240,12 @@ class Search:
                              minibatches=variant.rl.ppo_minibatches)
         if colocated:
             time = colocated_training(time, phase_seconds(
-                self.dims, dtype=variant.model.dtype, rollout_dtype=variant.rollout.dtype, ranks=ranks, nodes=nodes,
-                offload_optimizer=opt, offload_params=par, zero_stage=stage))
+                self.dims, dtype=variant.model.dtype, ranks=ranks, offload_optimizer=opt, offload_params=par,
+                push_s=push_s, zero_stage=stage, costs=self.costs))
         return TrainOption(ranks, nodes, stage, opt, par, micro, chunk, peak, host, time)
 
-    def train_options(self, ranks: int, nodes: int, colocated: bool = False) -> list[TrainOption]:
-        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk, colocated)
+    def train_options(self, ranks: int, nodes: int, colocated: bool = False, push_s: float = 0.0) -> list[TrainOption]:
+        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk, colocated, push_s)
                 for stage, opt, par in (COLOCATED_ZERO if colocated else ZERO)
                 for micro in self.microbatch_candidates() for chunk in self.chunk_candidates()]
 
@@ -319,19 +328,35 @@ class Search:
         """One node (servers the run launches itself), and no asynchronous lag (turns overlap nothing)."""
         return self.machine.nodes == 1 and not self.recipe.rl.async_lag
 
+    def pushes(self, rollout: RolloutOption) -> dict[str, float]:
+        """Seconds of one colocated push into this rollout option's servers, by each way (push_seconds)."""
+        return push_seconds(self.dims, self.recipe.rollout.dtype, servers=rollout.servers, tp=rollout.tp,
+                            nodes=rollout.nodes, costs=self.costs)
+
     def colocated_layouts(self) -> list[Layout]:
-        """The best colocated layout: every GPU a trainer rank and (part of) an SGLang server."""
+        """The best colocated layout: every GPU a trainer rank and (part of) an SGLang server, the new
+        weights pushed by the cheaper built way into its servers."""
         if not self.can_colocate():
             return []
         gpus = self.machine.gpus
-        trains = [o for o in self.train_options(gpus, 1, colocated=True) if self.train_fits(o)]
         rollouts = self.rollout_options(gpus, 1, colocated=True)
-        if not trains or not rollouts:
+        if not rollouts:
+            return []
+
+        def push(o: RolloutOption) -> tuple[str, float]:
+            seconds = self.pushes(o)
+            kind = cheapest_push(seconds)
+            return kind, seconds[kind]
+
+        # the push depends on the servers and adds to the step, so it ranks the rollout options too
+        rollout = min(rollouts, key=lambda o: (o.time.seconds + push(o)[1], o.tp, -o.mem_fraction))
+        kind, push_s = push(rollout)
+        trains = [o for o in self.train_options(gpus, 1, colocated=True, push_s=push_s) if self.train_fits(o)]
+        if not trains:
             return []
         train = min(trains, key=lambda o: (o.time.seconds, o.peak))
-        rollout = min(rollouts, key=lambda o: (o.time.seconds, o.tp, -o.mem_fraction))
         return [Layout(self.machine, train, rollout, rollout.time.seconds + train.time.seconds, self.trained,
-                       self.recipe.rl.steps, colocated=True)]
+                       self.recipe.rl.steps, colocated=True, push=kind)]
 
     # -- saying no ---------------------------------------------------------------------------------
     def first_failure(self) -> str:

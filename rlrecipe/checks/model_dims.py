@@ -14,8 +14,14 @@ from rlrecipe.recipe.training import ModelSection
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}  # rollout.kv_cache_dtype; "auto" stores rollout.dtype
 SHIPPED_CONFIGS = Path(__file__).parent.parent / "model_configs"
 TINY_TOKENIZER_SIZE = 261  # the character tokenizer: 4 specials + 256 bytes + `\boxed{`
+
+
+def kv_bytes(rollout) -> int:
+    """Bytes of one cached K or V element: 1 in FP8 (the field, or SGLang's flag), else rollout.dtype's."""
+    return KV_BYTES.get(rollout.kv_storage, BYTES[rollout.dtype])
 
 
 @dataclass(frozen=True)

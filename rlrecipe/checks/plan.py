@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass
 
 from rlrecipe.checks import colocate
-from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, model_dims
+from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, kv_bytes, model_dims
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 
 
@@ -275,7 +275,7 @@ def sglang_memory(recipe: Recipe, d: ModelDims) -> tuple[float, float, float, fl
     s, b = recipe.rollout.sglang, BYTES[recipe.rollout.dtype]
     pool = s.mem_fraction_static * recipe.trainer.gpu_memory_gib * GIB
     weights = b * d.params() / s.tp_size
-    return pool, weights, max(0.0, pool - weights), 2 * d.layers * d.kv_dim * b / s.tp_size
+    return pool, weights, max(0.0, pool - weights), 2 * d.layers * d.kv_dim * kv_bytes(recipe.rollout) / s.tp_size
 
 
 def kv_cache_tokens(loaded: LoadedRecipe) -> int | None:
@@ -307,11 +307,13 @@ def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
         notes.append(f"SGLang pool {s.mem_fraction_static:.2f} x GPU; {engines} engines of tp {tp}")
     else:  # in-process engine: one process holds weights and the KV cache of its decoding slots
         weights = b * d.params()
-        kv_token = 2 * d.layers * d.kv_dim * b
+        kv_token = 2 * d.layers * d.kv_dim * kv_bytes(ro)
         wanted = min(ro.max_batch, wanted_total)
         kv = wanted * seq * kv_token
         pool = weights + kv
     fit = int(kv // (seq * kv_token)) if kv_token else 0
+    if ro.kv_storage != "auto":
+        notes.append(f"KV cache {ro.kv_storage}: 1 byte an element")
     notes.append(f"{_count(fit, 'sequence')} of {seq} tokens fit at once beside the {wanted} asked of each engine"
                  + ("" if fit >= wanted else " (SGLang queues or retracts the rest: slower, not out of memory)"))
     if stage == "rl" and rl.c3po.enabled:

@@ -99,15 +99,18 @@ class Rates:
     train_token_s: float  # forward, backward and the old log-probs of one trained token
 
     @classmethod
-    def of(cls, d: ModelDims, rollout_dtype: str, gradient_checkpointing: bool, gpu: GPU = H100) -> Rates:
+    def of(cls, d: ModelDims, rollout_dtype: str, gradient_checkpointing: bool, gpu: GPU = H100,
+           kv_bytes: int | None = None) -> Rates:
+        """`kv_bytes`: of one cached K or V element (1 for an FP8 cache); default rollout_dtype's."""
         n = d.params()
         b = BYTES[rollout_dtype]
+        kv = b if kv_bytes is None else kv_bytes
         # 6N forward and backward, 2N recomputing the old log-probs, 2N more recomputing the
         # forward under gradient checkpointing
         train_flop = (10 if gradient_checkpointing else 8) * n
         return cls(step_s=b * n / gpu.hbm_bytes_s + gpu.decode_overhead_s,
                    row_s=2 * n / (gpu.decode_gemm_mfu * gpu.bf16_flop_s),
-                   ctx_s=2 * d.layers * d.kv_dim * b / gpu.hbm_bytes_s,
+                   ctx_s=2 * d.layers * d.kv_dim * kv / gpu.hbm_bytes_s,
                    prefill_token_s=2 * n / (gpu.prefill_mfu * gpu.bf16_flop_s),
                    train_token_s=train_flop / (gpu.train_mfu * gpu.bf16_flop_s))
 

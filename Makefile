@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks sglang-contract lint clean
+.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study fp8-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks sglang-contract lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -71,6 +71,13 @@ async-study: $(STAMP)
 # and RESULTS.md's section.
 options-study: $(STAMP)
 	$(BIN)/python -m scripts.options_study
+
+# The rollout's KV cache {bf16, fp8 unit scales, fp8 calibrated} x {no correction, TIS, IcePop, M2PO}, 3 seeds
+# of tiny_rl from the demo's SFT model (run `make demo` first); STEPS=40 by default; about 4 hours on 2
+# cores (36 runs). Writes runs/fp8-study/ (study.json, fp8-study.png) and RESULTS.md's section.
+STEPS ?= 40
+fp8-study: $(STAMP)
+	$(BIN)/python -m scripts.fp8_study --steps $(STEPS)
 
 # The fast set a developer runs before a change (the thread-wait check included); bench-full adds the
 # slowest benchmarks that start processes of their own (async overlap, DeepSpeed plan check). Both

@@ -256,7 +256,7 @@ def published_table(published: list[dict[str, Any]]) -> str:
 
 STUDY_FILE = Path("mismatch-study") / "study.json"  # under the runs folder, written by scripts/mismatch_study.py
 STUDY_RECIPES = "recipes/mismatch_"  # their evaluations are reported in the studies' own tables
-STUDY_RUNS = "opt-"  # the options study's runs (scripts/options_study.py), reported in its table
+STUDY_RUNS = ("opt-", "fp8-")  # the options and FP8 studies' runs (scripts/options_study.py, fp8_study.py), in their tables
 
 
 ASYNC_STUDY_FILE = Path("async-study") / "study.json"  # written by scripts/async_study.py

@@ -14,8 +14,10 @@ quantized with its layer's scale, and `update` hands attention the whole cache d
 to a prefill (nothing cached before the call), which attends its own keys and values at full
 precision as SGLang's extend kernels do; decoding then reads every token, its own included, from
 FP8, as SGLang's decode kernels do. `keys`/`values` are then the FP8 tensors, so the engine's
-joins, selections and re-layouts move FP8 bytes. Dequantizing the cache each step costs a copy of
-it: on CPU this models the numerics of an FP8 cache, not its speed.
+joins, selections and re-layouts move FP8 bytes. What attention reads is a dequantized copy of the
+buffers, kept beside them: a step dequantizes only the columns it wrote, a remade buffer all of
+them (the same values as dequantizing on every read, without its cost). On CPU this models the
+numerics of an FP8 cache, not its speed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class GrowingLayer(DynamicLayer):
         self._view: torch.Tensor | None = None  # the keys view last handed out; anything else was replaced
         self._room = 0
         self.fp8: tuple[torch.dtype, float, float] | None = None  # (format, k_scale, v_scale): an FP8 cache
+        self._deq: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 cache: its buffers dequantized
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -45,10 +48,19 @@ class GrowingLayer(DynamicLayer):
         if self.fp8 is None:
             return self._write(old, key_states, value_states)
         fmt, k_scale, v_scale = self.fp8
-        keys, values = self._write(old, quantize(key_states, k_scale, fmt), quantize(value_states, v_scale, fmt))
+        new = old + key_states.shape[-2]
+        rebuilt = self.keys is not self._view or new > self._room
+        k8, v8 = quantize(key_states, k_scale, fmt), quantize(value_states, v_scale, fmt)
+        keys, values = self._write(old, k8, v8)
+        dtype = key_states.dtype
+        if rebuilt:  # the buffers were remade: dequantize what they hold once
+            self._deq = (dequantize(self._key_buffer, k_scale, dtype), dequantize(self._value_buffer, v_scale, dtype))
+        else:  # only the new columns: a step dequantizes what it wrote, not the whole cache
+            self._deq[0][:, :, old:new] = dequantize(k8, k_scale, dtype)
+            self._deq[1][:, :, old:new] = dequantize(v8, v_scale, dtype)
         if not old:  # a prefill attends its own tokens before they are stored
             return key_states, value_states
-        return dequantize(keys, k_scale, key_states.dtype), dequantize(values, v_scale, value_states.dtype)
+        return self._deq[0][:, :, :new], self._deq[1][:, :, :new]
 
     def _write(self, old: int, key_states: torch.Tensor, value_states: torch.Tensor):
         new = old + key_states.shape[-2]

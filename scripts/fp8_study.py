@@ -113,7 +113,7 @@ def section(table: list[dict], plan: dict) -> str:
              f"{plan['steps']} steps, seeds {', '.join(map(str, plan['seeds']))}; mismatch averaged over every "
              "step; held-out avg@8 at the end; collapse: train accuracy over the last "
              f"{WINDOW} steps more than {COLLAPSE_DROP:.0%} below the first {WINDOW} steps', or a stopped run.", "",
-             "| KV cache | correction | seeds | mismatch |log π_train − log π_infer| | IcePop-masked share | "
+             "| KV cache | correction | seeds | mismatch: mean abs(log π_train − log π_infer) | IcePop-masked share | "
              "held-out avg@8 | wall s | collapsed |", "|---|---|---|---|---|---|---|---|"]
     for t in table:
         ev = "-" if t["eval_avg_mean"] is None else (

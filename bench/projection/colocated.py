@@ -2,10 +2,12 @@
 rollout, every phase change costed, beside the shipped split, the idealised colocated row and the
 async rows of bench.projection.async_fast.
 
-The phase changes (release, reload, offload, resume, push in place, verification) come from
+The phase changes (release, reload, offload, resume, push, verification) come from
 rlrecipe/checks/colocate.py, the same assumptions `rlrecipe fit` ranks colocated layouts by; each is
-an assumption (that module says how to measure it). The training itself is the projection's cost model
-(bench.projection.asynchronous). The sensitivity table scales one assumption at a time.
+an assumption (that module says how to measure it). The push is the cheaper of the two built (by value
+over HTTP, weight_sync: tensor; over disk), as fit chooses. The training itself is the projection's cost
+model (bench.projection.asynchronous). The sensitivity table scales one assumption at a time and costs
+each push kind: by value as built, over disk, and in place over CUDA IPC, which is not built.
 
 The goal it is read against: colocated C3PO++ at >= 2.27x the shipped split per trained token (the
 figure AReaL v0.3 measured for its asynchronous mode at 7B). Reported, never tuned toward.
@@ -20,21 +22,43 @@ import json
 from bench.projection.async_fast import AREAL_GOAL, LOGNORMAL, STEPS, SYNC_RECIPE
 from bench.projection.asynchronous import AREAL_LENGTHS, areal_groups, async_projection
 from bench.projection.rollout import lognormal_groups
-from rlrecipe.checks.colocate import ASSUMED, PhaseCosts, describe, phase_seconds
+from rlrecipe.checks.colocate import ASSUMED, PhaseCosts, cheapest_push, describe, phase_seconds, push_seconds
 
-# One assumption scaled at a time: (label, key, PhaseCosts.scaled factors); > 1 is slower.
-SENSITIVITY = (("push 0.5x", "push0.5x_", {"push_bytes_s": 0.5}), ("push 2x", "push2x_", {"push_bytes_s": 2}),
-               ("push 4x", "push4x_", {"push_bytes_s": 4}),
-               ("offload 10 GB/s", "offload10_", {"offload_bytes_s": 2}),
-               ("offload 5 GB/s", "offload5_", {"offload_bytes_s": 4}),
-               ("release, resume 5x", "release5x_", {"release_s": 5, "resume_s": 5}),
-               ("verify 10x", "verify10x_", {"verify_s": 10}),
-               ("all 4x", "all4x_", {"push_bytes_s": 4, "offload_bytes_s": 4, "release_s": 4, "resume_s": 4,
-                                     "verify_s": 4}))
+DISK = ("export_bytes_s", "disk_load_bytes_s", "node_read_bytes_s", "fs_read_bytes_s")
+# One assumption scaled at a time: (label, key, PhaseCosts.scaled factors, push kind); a factor > 1 is
+# slower; push None: the cheaper built push, as fit chooses; "ipc" is not built.
+SENSITIVITY = (("push by value, as built", "tensor_", {}, "tensor"),
+               ("push by value 4x faster (1 GB/s)", "tensor0.25x_", {"by_value_bytes_s": 0.25}, "tensor"),
+               ("push over disk", "disk_", {}, "disk"),
+               ("push over disk 4x slower", "disk4x_", dict.fromkeys(DISK, 4), "disk"),
+               ("push in place over CUDA IPC (not built)", "ipc_", {}, "ipc"),
+               ("offload 10 GB/s", "offload10_", {"offload_bytes_s": 2}, None),
+               ("offload 5 GB/s", "offload5_", {"offload_bytes_s": 4}, None),
+               ("release, resume 5x", "release5x_", {"release_s": 5, "resume_s": 5}, None),
+               ("verify 10x", "verify10x_", {"verify_s": 10}, None),
+               ("all 4x", "all4x_", {**dict.fromkeys(DISK, 4), "by_value_bytes_s": 4, "ipc_push_bytes_s": 4,
+                                     "offload_bytes_s": 4, "release_s": 4, "resume_s": 4, "verify_s": 4}, None))
 
 
-def recipe_phases(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED) -> dict[str, float]:
-    """The phase changes of the recipe's colocated step, on all its GPUs (trainer ranks + servers')."""
+def recipe_pushes(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED) -> dict[str, float]:
+    """Seconds of one push by each way (push_seconds) into the recipe's servers, colocated on all its GPUs
+    (trainer ranks + servers'): as many servers of its tensor parallelism as cover them."""
+    from rlrecipe.checks.model_dims import model_dims
+    from rlrecipe.checks.plan import rollout_engines
+    from rlrecipe.recipe.schema import load_recipe
+
+    loaded = load_recipe(recipe_path)
+    r = loaded.recipe
+    tp = r.rollout.sglang.tp_size
+    gpus = r.trainer.nproc * r.trainer.nodes + rollout_engines(r) * tp
+    return push_seconds(model_dims(loaded), r.rollout.dtype, servers=gpus // tp, tp=tp,
+                        nodes=gpus // r.trainer.nproc, costs=costs)
+
+
+def recipe_phases(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED,
+                  push: str | None = None) -> dict[str, float]:
+    """The phase changes of the recipe's colocated step, on all its GPUs (trainer ranks + servers'), with
+    the push `push` ("tensor", "disk", "ipc") or, None, the cheaper built one."""
     from rlrecipe.checks.model_dims import model_dims
     from rlrecipe.checks.plan import rollout_engines
     from rlrecipe.recipe.schema import load_recipe
@@ -42,10 +66,10 @@ def recipe_phases(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED) -
     loaded = load_recipe(recipe_path)
     r = loaded.recipe
     gpus = r.trainer.nproc * r.trainer.nodes + rollout_engines(r) * r.rollout.sglang.tp_size
-    nodes = gpus // r.trainer.nproc
-    return phase_seconds(model_dims(loaded), dtype=r.model.dtype, rollout_dtype=r.rollout.dtype, ranks=gpus,
-                         nodes=nodes, offload_optimizer=r.trainer.offload_optimizer,
-                         offload_params=r.trainer.offload_params, zero_stage=r.trainer.zero_stage, costs=costs)
+    pushes = recipe_pushes(recipe_path, costs)
+    return phase_seconds(model_dims(loaded), dtype=r.model.dtype, ranks=gpus,
+                         offload_optimizer=r.trainer.offload_optimizer, offload_params=r.trainer.offload_params,
+                         push_s=pushes[push or cheapest_push(pushes)], zero_stage=r.trainer.zero_stage, costs=costs)
 
 
 def _ratios(result: dict, prefix: str) -> dict:
@@ -68,10 +92,11 @@ def one_distribution(groups: list[list[int]], label: str, steps: int = STEPS) ->
                 "c3po_colocated_costed_step_s": costed["step_s"], "sync_split_step_s": rows["sync, split as shipped"]["step_s"],
                 "c3po_colocated_costed_rollout_s": costed["rollout_s"],
                 "c3po_colocated_costed_train_s": costed["train_push_s"] - costed["push_trainer_s"],
-                "phase_changes_s": sum(phases.values()),
+                "phase_changes_s": sum(phases.values()), "push_kind": cheapest_push(recipe_pushes()),
+                **{f"push_{k}_s": v for k, v in recipe_pushes().items()},
                 **{f"phase_{k}_s": v for k, v in phases.items()}})
-    for _, key, factors in SENSITIVITY:
-        varied = recipe_phases(costs=ASSUMED.scaled(**factors))
+    for _, key, factors, push in SENSITIVITY:
+        varied = recipe_phases(costs=ASSUMED.scaled(**factors), push=push)
         out.update(_ratios(async_projection(SYNC_RECIPE, groups, colocated_phases=varied, **kw), key))
         out[f"{key}phase_changes_s"] = sum(varied.values())
     out["goal_2_27x_vs_sync_split_met"] = out["c3po_colocated_costed_vs_sync_split_per_trained_token"] >= AREAL_GOAL
@@ -110,10 +135,10 @@ def markdown(result: dict) -> str:
                        f"{g('c3po_colocated_idealised_vs_sync_split_per_trained_token'):.2f}× |")
     lines += ["", "| assumption varied | phase changes s / step | C3PO++ colocated vs sync split, log-normal | AReaL logs |",
               "|---|---|---|---|",
-              f"| as assumed | {result['lognormal_phase_changes_s']:.1f} | "
+              f"| as assumed (push {result['lognormal_push_kind']}) | {result['lognormal_phase_changes_s']:.1f} | "
               f"{result['lognormal_c3po_colocated_costed_vs_sync_split_per_trained_token']:.3f}× | "
               f"{result['areal_c3po_colocated_costed_vs_sync_split_per_trained_token']:.3f}× |"]
-    for label, key, _ in SENSITIVITY:
+    for label, key, _, _ in SENSITIVITY:
         lines.append(f"| {label} | {result[f'lognormal_{key}phase_changes_s']:.1f} | "
                      f"{result[f'lognormal_{key}c3po_colocated_costed_vs_sync_split_per_trained_token']:.3f}× | "
                      f"{result[f'areal_{key}c3po_colocated_costed_vs_sync_split_per_trained_token']:.3f}× |")

@@ -4,8 +4,19 @@ Trainer ranks and SGLang servers share every GPU and take turns. A step: the ser
 release their weights and KV cache (/release_memory_occupation, SGLang under --enable-memory-saver);
 the trainer reloads its offloaded state (DeepSpeed reload_states), computes the old log-probs and the
 update, and offloads it again (offload_states, to pinned host memory); the servers take their weights
-back, receive the new ones in place (/update_weights_from_tensor over CUDA IPC, bucketed), flush the
-prefix cache and take the KV cache back; the weights are verified.
+back, receive the new ones, flush the prefix cache and take the KV cache back; the weights are verified.
+
+The new weights reach the resumed servers by one of two pushes that are built, whichever costs less
+(fit writes it as rollout.sglang.weight_sync):
+  tensor    rank 0 gathers the weights, pickles them by value (base64 in a JSON body, one copy per
+            tensor-parallel rank of the server) and POSTs them to each server in turn
+            (rollout/sglang/tensor_push.py): servers x tp x the weights' bytes, one after another
+  disk      rank 0 writes an HF export once; the servers load it (/update_weights_from_disk, into the
+            storage /resume_memory_occupation mapped back), one server per node first and then the
+            node's others from the page cache (rollout/sglang/weights.py), as bench/projection/push.py
+            costs a split layout's disk push
+A push in place over CUDA IPC (tensor handles, nothing serialized) is not built; ipc_push_s says what it
+would cost, for comparison only.
 
 So per GPU the peak is the larger of two phases (docs/gpu.md, "The colocated layout"):
   rollout   SGLang's static pool (mem_fraction_static x GPU: weights and KV cache), what SGLang keeps
@@ -18,6 +29,7 @@ Every constant below is an assumption, not a measurement; each comment says how 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
@@ -49,11 +61,31 @@ class PhaseCosts:
     # 20 GB/s, step_time.GPU.pcie_bytes_s (PCIe Gen5 x16 is 64 GB/s nominal; GPUs behind one switch and
     # one host's memory share it). Measure: reload_states and offload_states of one rank, bytes over seconds.
     offload_bytes_s: float = H100.pcie_bytes_s
-    # ASSUMPTION, not verified here: bucketed CUDA IPC in place (/update_weights_from_tensor), the ZeRO-3
-    # gather inside one node included, from peers' published figure of about 1.6 s for a 14B model
-    # (14.8e9 parameters, 29.6 GB in bf16) on 8 x H100: 18.5 GB/s. Measure: the push's wall time in a
-    # run's log (rollout/weights/sync.py logs it).
-    push_bytes_s: float = 29.6e9 / 1.6
+    # ASSUMPTION, not verified: the push as built (weight_sync: tensor), per byte of the weights and per
+    # tensor-parallel rank, for real SGLang on a GPU node: 0.25 GB/s. Each byte is pickled, base64-encoded,
+    # JSON-encoded, sent over HTTP, parsed, decoded, unpickled and copied, one step after another on the CPU;
+    # the GPU speeds none of it. CPU_STANDIN_BY_VALUE_BYTES_S is the whole chain measured here through
+    # `rlrecipe serve`; the serialization alone (no HTTP) measured about as slow, so a faster host and
+    # SGLang's uvicorn are assumed to make it about 4x faster, no more. Measure: /update_weights_from_tensor's
+    # wall time for one push in a run's log (rollout/weights/sync.py logs it), weights x tp_size / seconds.
+    by_value_bytes_s: float = 0.25e9
+    # ASSUMPTION: trainer rank 0 writing the HF export (ZeRO-3 parameters gathered, safetensors written by
+    # one process), bench/projection/push.py's PushModel.export_write_bps. Measure: the trainer's export_hf
+    # seconds in a run's log at this size.
+    export_bytes_s: float = 2e9
+    # ASSUMPTION: one server's /update_weights_from_disk of an export in the page cache into its GPU:
+    # step_time.GPU.weight_push_bytes_s, PushModel.load_bps. Measure: one load's wall time, export cached.
+    disk_load_bytes_s: float = H100.weight_push_bytes_s
+    # ASSUMPTION: one node's read of the shared file system (one 100 Gb/s link) and the file system's
+    # aggregate over all readers: PushModel.node_read_bps and fs_read_bps. They bind only across nodes
+    # (the bench's projection at 128 GPUs). Measure: `dd` of the export after dropping the page cache, on
+    # one node and on every node at once.
+    node_read_bytes_s: float = 12.5e9
+    fs_read_bytes_s: float = 100e9
+    # NOT BUILT: what an in-place push would cost (bucketed CUDA IPC handles, the ZeRO-3 gather inside a
+    # node included), from peers' published figure of about 1.6 s for a 14B model (14.8e9 parameters,
+    # 29.6 GB in bf16) on 8 x H100: 18.5 GB/s. Only the projection's sensitivity uses it.
+    ipc_push_bytes_s: float = 29.6e9 / 1.6
     # ASSUMPTION: the weight verification after each push (checksums on both sides: the weights read once
     # at HBM speed, milliseconds, plus the calls). Measure: the verification's seconds in a run's log.
     verify_s: float = 0.5
@@ -68,6 +100,11 @@ class PhaseCosts:
 
 ASSUMED = PhaseCosts()
 PHASES = ("release", "reload", "train", "offload", "resume", "push", "verify")
+# MEASURED here (CPU, `rlrecipe serve` as the server, commit 9fcf686): 271 MB by value in about 4.0 s
+# (pickle, base64, HTTP, unpickle, copy), for comparison with PhaseCosts.by_value_bytes_s.
+CPU_STANDIN_BY_VALUE_BYTES_S = 271e6 / 4.0
+# The pushes a colocated layout can use (rollout.sglang.weight_sync), cheapest chosen; "ipc" is not built.
+BUILT_PUSHES = ("tensor", "disk")
 
 
 def offloaded_bytes(d: ModelDims, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
@@ -87,25 +124,69 @@ def offloaded_bytes(d: ModelDims, dtype: str, ranks: int, offload_optimizer: boo
     return params + grads + 4.0 * p / ranks + bucket + optimizer
 
 
-def push_s(d: ModelDims, rollout_dtype: str, nodes: int, costs: PhaseCosts = ASSUMED, gpu: GPU = H100) -> float:
-    """The push in place: the whole weights to every server at push_bytes_s (the gather within a node
-    included); across nodes each rank's gather also crosses the network."""
-    w = BYTES[rollout_dtype] * d.params()
-    return w / costs.push_bytes_s + (w / gpu.network_bytes_s if nodes > 1 else 0.0)
+def _weights(d: ModelDims, rollout_dtype: str) -> float:
+    return BYTES[rollout_dtype] * d.params()
 
 
-def phase_seconds(d: ModelDims, *, dtype: str, rollout_dtype: str, ranks: int, nodes: int, offload_optimizer: bool,
-                  offload_params: bool, zero_stage: int = 3, costs: PhaseCosts = ASSUMED,
-                  gpu: GPU = H100) -> dict[str, float]:
-    """Seconds of each phase change of a colocated step (the training itself aside)."""
+def tensor_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, tp: int, nodes: int = 1,
+                  costs: PhaseCosts = ASSUMED, gpu: GPU = H100) -> float:
+    """The push as built (weight_sync: tensor): every server's body holds the weights once per
+    tensor-parallel rank, and the servers are posted one after another; across nodes rank 0's gather
+    also crosses the network."""
+    w = _weights(d, rollout_dtype)
+    return servers * tp * w / costs.by_value_bytes_s + (w / gpu.network_bytes_s if nodes > 1 else 0.0)
+
+
+def disk_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 1,
+                costs: PhaseCosts = ASSUMED) -> float:
+    """weight_sync: disk: the export written once, then one server per node loads it from the shared file
+    system (side by side, at most MAX_PARALLEL_LOADS at once, each at the least of its load rate, its
+    node's link and its share of the file system), then the nodes' other servers from the page cache,
+    MAX_PARALLEL_LOADS at a time (rollout/sglang/weights.py's order)."""
+    from rlrecipe.rollout.sglang.weights import MAX_PARALLEL_LOADS  # the client's threads; heavy imports
+
+    w = _weights(d, rollout_dtype)
+    readers = min(servers, nodes)
+    rate = min(costs.disk_load_bytes_s, costs.node_read_bytes_s,
+               costs.fs_read_bytes_s / min(readers, MAX_PARALLEL_LOADS))
+    seconds = w / costs.export_bytes_s + math.ceil(readers / MAX_PARALLEL_LOADS) * w / rate
+    return seconds + math.ceil((servers - readers) / MAX_PARALLEL_LOADS) * w / costs.disk_load_bytes_s
+
+
+def ipc_push_s(d: ModelDims, rollout_dtype: str, nodes: int = 1, costs: PhaseCosts = ASSUMED,
+               gpu: GPU = H100) -> float:
+    """NOT BUILT: the push in place, the whole weights to every server at ipc_push_bytes_s (the gather
+    within a node included); across nodes each rank's gather also crosses the network."""
+    w = _weights(d, rollout_dtype)
+    return w / costs.ipc_push_bytes_s + (w / gpu.network_bytes_s if nodes > 1 else 0.0)
+
+
+def push_seconds(d: ModelDims, rollout_dtype: str, *, servers: int, tp: int, nodes: int = 1,
+                 costs: PhaseCosts = ASSUMED, gpu: GPU = H100) -> dict[str, float]:
+    """Seconds of one push to `servers` servers of `tp` GPUs on `nodes` nodes, by each way: the two
+    built ("tensor", "disk") and the in-place one that is not ("ipc")."""
+    return {"tensor": tensor_push_s(d, rollout_dtype, servers=servers, tp=tp, nodes=nodes, costs=costs, gpu=gpu),
+            "disk": disk_push_s(d, rollout_dtype, servers=servers, nodes=nodes, costs=costs),
+            "ipc": ipc_push_s(d, rollout_dtype, nodes, costs, gpu)}
+
+
+def cheapest_push(seconds: dict[str, float]) -> str:
+    """The built push that costs least (on a tie, tensor: nothing written to disk)."""
+    return min(BUILT_PUSHES, key=lambda kind: seconds[kind])
+
+
+def phase_seconds(d: ModelDims, *, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
+                  push_s: float, zero_stage: int = 3, costs: PhaseCosts = ASSUMED) -> dict[str, float]:
+    """Seconds of each phase change of a colocated step (the training itself aside), with `push_s`, the
+    push's seconds (push_seconds: it depends on the servers, which the training options do not)."""
     moved = offloaded_bytes(d, dtype, ranks, offload_optimizer, offload_params, zero_stage) / costs.offload_bytes_s
     return {"release": costs.release_s, "reload": moved, "offload": moved, "resume": costs.resume_s,
-            "push": push_s(d, rollout_dtype, nodes, costs, gpu), "verify": costs.verify_s}
+            "push": push_s, "verify": costs.verify_s}
 
 
 def colocated_training(training: Training, phases: dict[str, float]) -> Training:
     """A training step on shared GPUs: the split layout's push (over disk or a broadcast, in
-    "step and push") replaced by the phase changes, the push in place among them."""
+    "step and push") replaced by the phase changes, the colocated push among them."""
     from rlrecipe.checks.step_time import STEP_OVERHEAD_S
 
     parts = {k: v for k, v in training.parts.items() if k != "step and push"}
@@ -123,5 +204,7 @@ def rollout_phase_parts(pool: float) -> dict[str, float]:
 def describe(costs: PhaseCosts = ASSUMED) -> dict[str, str]:
     """The assumptions, for a result's record."""
     out = {k: (f"{v / 1e9:g} GB/s" if k.endswith("bytes_s") else f"{v:g} s") for k, v in asdict(costs).items()}
-    out.update(sglang_outside_pool=f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB", trainer_offloaded=f"{TRAINER_OFFLOADED_GIB:g} GiB")
+    out.update(sglang_outside_pool=f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB", trainer_offloaded=f"{TRAINER_OFFLOADED_GIB:g} GiB",
+               cpu_standin_by_value_measured=f"{CPU_STANDIN_BY_VALUE_BYTES_S / 1e9:.3g} GB/s",
+               ipc_push_bytes_s=f"{costs.ipc_push_bytes_s / 1e9:g} GB/s (not built)")
     return out

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from rlrecipe.checks.colocate import PHASES
+from rlrecipe.checks.colocate import BUILT_PUSHES, PHASES
 from rlrecipe.checks.fit import Fit, Layout, Search
 from rlrecipe.checks.model_dims import GIB
 from rlrecipe.checks.plan import plan
@@ -20,7 +20,7 @@ HEADER_WIDTH = 105  # the fitted recipe's header lines
 def fitted_fields(layout: Layout, source: Recipe) -> dict[str, object]:
     """Dotted field -> value for the layout (only those that differ from the source are written)."""
     t, r, m = layout.train, layout.rollout, layout.machine
-    shared = {"rollout.sglang.weight_sync": "tensor"} if layout.colocated else {}
+    shared = {"rollout.sglang.weight_sync": layout.push} if layout.colocated else {}
     return shared | {"trainer.nproc": t.ranks // t.nodes, "trainer.nodes": t.nodes, "trainer.zero_stage": t.zero_stage,
             "trainer.offload_optimizer": t.offload_optimizer, "trainer.offload_params": t.offload_params,
             "trainer.max_tokens_per_microbatch": t.microbatch_tokens,
@@ -55,7 +55,8 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
         changes = sum(t.time.parts.get(k, 0.0) for k in PHASES if k != "train")
         split = (f"every GPU shared by a trainer rank and an SGLang server, taking turns: the layout projected "
                  f"fastest per trained token (rollout {r.time.seconds:.0f} s, training {t.time.seconds:.0f} s a step, "
-                 f"{changes:.0f} s of it the phase changes: release, reload, offload, resume, push, verify)")
+                 f"{changes:.0f} s of it the phase changes: release, reload, offload, resume, push, verify; "
+                 f"{_push_short(search.pushes(r), layout.push)})")
     for key in ("trainer.nproc", "trainer.nodes", "rollout.sglang.num_servers", "rollout.sglang.nodes",
                 "rollout.colocate"):
         out[key] = split
@@ -63,14 +64,15 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
     out["rollout.sglang.host"] = ("servers launched by the run on its own node" if layout.machine.nodes == 1
                                   else "servers on other nodes, reached over the network")
     out["rollout.sglang.dp_size"] = "one model copy per server"
-    out["rollout.sglang.weight_sync"] = ("the push in place, tensors handed to the servers on the same GPUs "
-                                         "(/update_weights_from_tensor), as the projection costs it")
+    if layout.colocated:
+        out["rollout.sglang.weight_sync"] = _push_reason(search.pushes(r), layout.push)
 
     def train_alt(**change) -> str:
         base = dict(stage=t.zero_stage, opt=t.offload_optimizer, par=t.offload_params, micro=t.microbatch_tokens,
                     chunk=t.chunk_tokens)
         base.update(change)
-        o = search.train_option(t.ranks, t.nodes, **base, colocated=layout.colocated)
+        o = search.train_option(t.ranks, t.nodes, **base, colocated=layout.colocated,
+                                push_s=t.time.parts.get("push", 0.0))
         if not search.train_fits(o):
             return (f"{t.peak / GIB:.1f} GiB per GPU; with the source's value training needs {o.peak / GIB:.1f}, "
                     f"over {search.limit / GIB:.1f}")
@@ -91,9 +93,31 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
         alt = (search.rollout_option(r.gpus, r.nodes, tp, frac)
                if tp in search.tp_candidates(r.gpus) and frac in search.fractions(layout.colocated) else None)
         here = f"KV cache of {r.kv_tokens:,} tokens per server"
+        # colocated, the push also depends on the servers: the cheaper built one into the alternative's
+        dpush = (min(search.pushes(alt)[k] for k in BUILT_PUSHES) - t.time.parts["push"]
+                 if alt is not None and layout.colocated else 0.0)
         out[key] = (f"{here}; the source's value does not fit this machine" if alt is None else
-                    f"{here}; the source's value projects {alt.time.seconds - r.time.seconds:+.0f} s a step")
+                    f"{here}; the source's value projects {alt.time.seconds + dpush - r.time.seconds:+.0f} s a step")
     return out
+
+
+def _push_reason(seconds: dict[str, float], kind: str) -> str:
+    """Why the colocated layout pushes its weights as it does: both built pushes' seconds, and the one not built."""
+    other = "disk" if kind == "tensor" else "tensor"
+    how = {"tensor": "rank 0 posts the weights by value (pickled, base64 in the body, once per tensor-parallel "
+                     "rank) to each server in turn (/update_weights_from_tensor)",
+           "disk": "rank 0 writes an HF export once and the servers load it into their resumed weights "
+                   "(/update_weights_from_disk)"}
+    return (f"{how[kind]}: the cheaper built push, {seconds[kind]:.1f} s a step against {seconds[other]:.1f} s "
+            f"{'by value' if other == 'tensor' else 'over disk'} (a push in place over CUDA IPC, not built, would "
+            f"take {seconds['ipc']:.1f} s)")
+
+
+def _push_short(seconds: dict[str, float], kind: str) -> str:
+    other = "disk" if kind == "tensor" else "tensor"
+    way = {"tensor": "by value", "disk": "over disk"}
+    return (f"rollout.sglang.weight_sync {kind}: the weights pushed {way[kind]} in {seconds[kind]:.1f} s, "
+            f"{way[other]} they would take {seconds[other]:.1f} s")
 
 
 def fitted_recipe(fitted: Fit, layout: Layout, out: Path) -> tuple[str, Recipe]:

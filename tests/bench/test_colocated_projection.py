@@ -3,7 +3,7 @@
 import pytest
 
 from bench.projection.asynchronous import schedule_row
-from bench.projection.colocated import SENSITIVITY, markdown, recipe_phases
+from bench.projection.colocated import SENSITIVITY, markdown, recipe_phases, recipe_pushes
 from bench.projection.sim import CostModel
 from rlrecipe.checks.colocate import ASSUMED
 from rlrecipe.checks.model_dims import model_dims
@@ -31,14 +31,28 @@ def test_the_7b_recipe_phase_changes_by_hand():
     # 128 ZeRO-3 ranks in float16: 2 + 2 + 4 + 12 bytes a parameter over 128, and the 1 GB reduce bucket
     moved = 20 * p / 128 + 2 * 500_000_000
     assert phases["reload"] == phases["offload"] == pytest.approx(moved / 20e9)
-    # 16 nodes: the in-place push and the gather across nodes
-    assert phases["push"] == pytest.approx(2 * p / (29.6e9 / 1.6) + 2 * p / 25e9)
+    # 128 GPUs on 16 nodes, 128 servers of tp 1. By value (as built): 128 bodies of the weights, one after
+    # another, at 0.25 GB/s, and rank 0's gather across nodes at 25 GB/s
+    w = 2 * p
+    pushes = recipe_pushes()
+    assert pushes["tensor"] == pytest.approx(128 * w / 0.25e9 + w / 25e9)
+    # over disk: the export (2 GB/s), the 16 nodes' first loads sharing the file system's 100 GB/s, then the
+    # other 112 servers from the page cache at 8 GB/s, 32 at a time (4 rounds)
+    assert pushes["disk"] == pytest.approx(w / 2e9 + w / (100e9 / 16) + 4 * w / 8e9)
+    # in place over CUDA IPC, not built: 18.5 GB/s and the gather
+    assert pushes["ipc"] == pytest.approx(w / (29.6e9 / 1.6) + w / 25e9)
+    # the step's push: the cheaper built one, over disk here
+    assert phases["push"] == pytest.approx(pushes["disk"])
+    assert recipe_phases(push="ipc")["push"] == pytest.approx(pushes["ipc"])
     assert (phases["release"], phases["resume"], phases["verify"]) == (1.0, 1.0, 0.5)
-    # each sensitivity variant costs more or less in the direction of its factor
-    for _, _, factors in SENSITIVITY:
-        varied = sum(recipe_phases(costs=ASSUMED.scaled(**factors)).values())
-        slower = all(f > 1 for f in factors.values())
-        assert (varied > sum(phases.values())) == slower
+    # each sensitivity variant of the same push costs more or less in the direction of its factor
+    for _, _, factors, push in SENSITIVITY:
+        base = sum(recipe_phases(push=push).values())
+        varied = sum(recipe_phases(costs=ASSUMED.scaled(**factors), push=push).values())
+        if factors:
+            assert (varied > base) == all(f > 1 for f in factors.values()), factors
+        else:
+            assert varied == base
 
 
 def test_markdown_has_a_row_per_variant():
@@ -50,9 +64,11 @@ def test_markdown_has_a_row_per_variant():
             keys[prefix + k] = 1.0
         for p in ("release", "reload", "offload", "resume", "push", "verify"):
             keys[f"{prefix}phase_{p}_s"] = 0.5
-        for _, key, _ in SENSITIVITY:
+        keys[f"{prefix}push_kind"] = "disk"
+        for _, key, _, _ in SENSITIVITY:
             keys[f"{prefix}{key}phase_changes_s"] = 2.0
             keys[f"{prefix}{key}c3po_colocated_costed_vs_sync_split_per_trained_token"] = 1.5
     text = markdown(keys)
-    assert sum(line.startswith("| push ") for line in text.splitlines()) == 3
+    assert sum(line.startswith("| push ") for line in text.splitlines()) == 5
+    assert "| as assumed (push disk) |" in text
     assert len([ln for ln in text.splitlines() if ln.startswith("| ")]) == 3 + 2 + len(SENSITIVITY)  # each table: its head, then its rows

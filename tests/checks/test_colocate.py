@@ -8,9 +8,12 @@ from rlrecipe.checks.colocate import (
     ASSUMED,
     SGLANG_OUTSIDE_POOL_GIB,
     TRAINER_OFFLOADED_GIB,
+    PhaseCosts,
+    cheapest_push,
     colocated_training,
     offloaded_bytes,
     phase_seconds,
+    push_seconds,
 )
 from rlrecipe.checks.fit import Machine, Search, fit
 from rlrecipe.checks.model_dims import GIB, ModelDims, model_dims
@@ -36,14 +39,58 @@ def test_phase_seconds_by_hand():
     assert offloaded_bytes(DIMS, "bfloat16", 4, True, True) == pytest.approx((2 + 4) * p / 4 + 2 * DS_REDUCE_BUCKET)
     # ZeRO-2: whole 16-bit parameters, no bucket kept
     assert offloaded_bytes(DIMS, "bfloat16", 4, False, False, 2) == pytest.approx(2 * p + (2 + 4 + 12) * p / 4)
-    one = phase_seconds(DIMS, dtype="bfloat16", rollout_dtype="bfloat16", ranks=4, nodes=1, offload_optimizer=False,
-                        offload_params=False)
+    one = phase_seconds(DIMS, dtype="bfloat16", ranks=4, offload_optimizer=False, offload_params=False, push_s=7.0)
     assert one == pytest.approx({"release": 1.0, "reload": moved / 20e9, "offload": moved / 20e9, "resume": 1.0,
-                                 "push": 2 * p / (29.6e9 / 1.6), "verify": 0.5})
-    # across nodes the gather crosses the network (25 GB/s a GPU); a slower push is divided, a time multiplied
-    two = phase_seconds(DIMS, dtype="bfloat16", rollout_dtype="bfloat16", ranks=16, nodes=2, offload_optimizer=False,
-                        offload_params=False, costs=ASSUMED.scaled(push_bytes_s=2, release_s=3))
-    assert two["push"] == pytest.approx(2 * p / (29.6e9 / 1.6 / 2) + 2 * p / 25e9) and two["release"] == 3.0
+                                 "push": 7.0, "verify": 0.5})
+    # a slower bandwidth is divided, a time multiplied
+    two = phase_seconds(DIMS, dtype="bfloat16", ranks=4, offload_optimizer=False, offload_params=False, push_s=0.0,
+                        costs=ASSUMED.scaled(offload_bytes_s=2, release_s=3))
+    assert two["reload"] == pytest.approx(moved / 10e9) and two["release"] == 3.0
+
+
+def test_push_seconds_by_hand():
+    w = 2 * DIMS.params()  # bf16 weights
+    # by value, as built: 4 servers of tp 2, each body carrying the weights once per rank, one server after
+    # another, at 0.25 GB/s
+    one_node = push_seconds(DIMS, "bfloat16", servers=4, tp=2)
+    assert one_node["tensor"] == pytest.approx(4 * 2 * w / 0.25e9)
+    # over disk: the export at 2 GB/s, then the first server from the shared file system (8 GB/s), then the
+    # other 3 at once from the page cache (8 GB/s)
+    assert one_node["disk"] == pytest.approx(w / 2e9 + w / 8e9 + w / 8e9)
+    # in place (not built): 18.5 GB/s, whatever the servers
+    assert one_node["ipc"] == pytest.approx(w / (29.6e9 / 1.6))
+    # one server: a single load
+    assert push_seconds(DIMS, "bfloat16", servers=1, tp=1)["disk"] == pytest.approx(w / 2e9 + w / 8e9)
+    # 128 servers on 16 nodes: rank 0's gather crosses the network (25 GB/s) for the pushes by tensors; over
+    # disk the 16 first loads share the file system's 100 GB/s (6.25 GB/s each), then the other 112 load
+    # 32 at a time (4 rounds)
+    wide = push_seconds(DIMS, "bfloat16", servers=128, tp=1, nodes=16)
+    assert wide["tensor"] == pytest.approx(128 * w / 0.25e9 + w / 25e9)
+    assert wide["disk"] == pytest.approx(w / 2e9 + w / 6.25e9 + 4 * w / 8e9)
+    assert wide["ipc"] == pytest.approx(w / (29.6e9 / 1.6) + w / 25e9)
+    # a scaled bandwidth is divided
+    slow = push_seconds(DIMS, "bfloat16", servers=4, tp=2, costs=ASSUMED.scaled(by_value_bytes_s=2))
+    assert slow["tensor"] == pytest.approx(2 * one_node["tensor"])
+
+
+def test_disk_push_is_bench_projection_pushs_disk_push():
+    from bench.projection.push import PushModel, disk_push
+
+    # the same constants as the split layouts' projection, and the same order of loads
+    model = PushModel()
+    assert (ASSUMED.export_bytes_s, ASSUMED.disk_load_bytes_s, ASSUMED.node_read_bytes_s,
+            ASSUMED.fs_read_bytes_s) == (model.export_write_bps, model.load_bps, model.node_read_bps,
+                                         model.fs_read_bps)
+    w = 2 * DIMS.params()
+    for servers, nodes, tp in ((8, 1, 1), (2, 1, 4), (128, 16, 1), (1, 1, 1)):
+        split = disk_push(w, servers, gpus_per_server=tp)
+        ours = push_seconds(DIMS, "bfloat16", servers=servers, tp=tp, nodes=nodes)["disk"]
+        assert ours == pytest.approx(split["trainer_s"] + split["rollout_s"]), (servers, nodes)
+
+
+def test_the_cheaper_built_push_is_chosen_never_the_one_not_built():
+    assert cheapest_push({"tensor": 2.0, "disk": 3.0, "ipc": 0.1}) == "tensor"
+    assert cheapest_push({"tensor": 4.0, "disk": 3.0, "ipc": 0.1}) == "disk"
 
 
 def test_colocated_training_swaps_the_split_push_for_the_phase_changes():
@@ -111,5 +158,40 @@ def test_a_colocated_step_is_its_rollout_and_its_training_with_the_phase_changes
     assert best.step_s == pytest.approx(best.rollout.time.seconds + sum(parts.values()))
     # every GPU rolls out: 8 servers of tp 1, each with the KV cache of a 0.9 x 80 GB pool
     assert best.rollout.gpus == best.train.ranks == 8
-    d = model_dims(loaded)
-    assert parts["push"] == pytest.approx(2 * d.params() / ASSUMED.push_bytes_s)
+    # the push over disk, into 8 servers: the export, then one load and seven side by side
+    w = 2 * model_dims(loaded).params()
+    assert best.push == "disk" and parts["push"] == pytest.approx(w / 2e9 + 2 * w / 8e9)
+    # by value it would take 8 x the weights at 0.25 GB/s
+    assert Search(loaded, Machine(8, 1, 80)).pushes(best.rollout)["tensor"] == pytest.approx(8 * w / 0.25e9)
+
+
+# by value at 5 GB/s: one server's body (1 x tp 1) costs less than the disk's export alone (2 GB/s);
+# eight GPUs' bodies cost more than the export and two rounds of loads
+FAST_BY_VALUE = PhaseCosts(by_value_bytes_s=5e9)
+
+
+def test_fit_pushes_by_value_where_that_is_cheaper_and_over_disk_where_that_is(tmp_path):
+    source = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml",
+                         ["model.path=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "model.revision=null",
+                          *ONE_GPU_BATCH])
+    w = 2 * model_dims(source).params()
+    # one server on one GPU, by value at 5 GB/s: w / 5e9 against the disk's w / 2e9 + w / 8e9
+    fast = Search(source, Machine(1, 1, 80), costs=FAST_BY_VALUE).layouts()[0]
+    assert fast.colocated and fast.push == "tensor"
+    assert fast.train.time.parts["push"] == pytest.approx(w / 5e9)
+    # 8 GPUs, 8 servers or fewer of more ranks: by value 8 x w / 5e9 (whatever the tp) against at most
+    # w / 2e9 + 2 x w / 8e9 over disk
+    eight = Search(source, Machine(8, 1, 80), costs=FAST_BY_VALUE).colocated_layouts()[0]
+    assert eight.push == "disk"
+    assert eight.train.time.parts["push"] == pytest.approx(w / 2e9 + (2 if eight.rollout.servers > 1 else 1) * w / 8e9)
+    # the fitted recipe carries the choice, and says why
+    from rlrecipe.checks.fit import Fit
+    from rlrecipe.checks.fit_recipe import fitted_recipe
+
+    text, recipe = fitted_recipe(Fit(source, Machine(1, 1, 80), [fast]), fast, tmp_path / "one.yaml")
+    assert recipe.rollout.colocate and recipe.rollout.sglang.weight_sync == "tensor"
+    assert "rollout.sglang.weight_sync disk -> tensor" in " ".join(ln.lstrip("#").strip() for ln in text.splitlines()
+                                                                   if ln.startswith("#"))
+    # at the assumed rates one GPU's single server is cheaper over disk too: the shipped 1.5B recipe
+    assert load_recipe(REPO / RECIPE_1_5B).recipe.rollout.sglang.weight_sync == fit(
+        source, Machine(1, 1, 80)).layouts[0].push == "disk"

@@ -57,7 +57,9 @@ def test_fit_writes_a_layout_the_plan_and_validate_accept(machine, tmp_path, mon
     # every GPU is used: once by a training rank or a server, or colocated by both
     server_gpus = s.num_servers * s.tp_size * s.dp_size
     if fitted.rollout.colocate:
-        assert tr.nproc * tr.nodes == server_gpus == gpus * nodes and s.weight_sync == "tensor"
+        assert tr.nproc * tr.nodes == server_gpus == gpus * nodes
+        # the push fit costed: over disk at the assumed rates (8 servers' bodies by value cost more)
+        assert s.weight_sync == fit(load_recipe(REPO / SOURCE), Machine(gpus, nodes, mem)).layouts[0].push == "disk"
     else:
         assert tr.nproc * tr.nodes + server_gpus == gpus * nodes
     if nodes == 1:
@@ -257,7 +259,9 @@ def test_table_figures_follow_from_each_other():
     assert [lay.s_per_mtoken for lay in result.layouts] == sorted(lay.s_per_mtoken for lay in result.layouts)
     # its training side is the fastest fitting option on its GPUs
     assert best.colocated  # every GPU both rolls out and trains: faster than any split here
-    options = [o for o in search.train_options(best.train.ranks, 1, colocated=True) if search.train_fits(o)]
+    # (with the push into its servers, which the options share)
+    push = search.pushes(best.rollout)[best.push]
+    options = [o for o in search.train_options(best.train.ranks, 1, colocated=True, push_s=push) if search.train_fits(o)]
     assert best.train.time.seconds == min(o.time.seconds for o in options)
 
 

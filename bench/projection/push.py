@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from rlrecipe.rollout.sglang.weights import MAX_PARALLEL_LOADS
+from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS
 
 # bf16 weights of DeepSeek-R1-Distill-Qwen-7B: 7.62e9 parameters (its config.json, the Qwen2.5-Math-7B
 # architecture: 28 layers, hidden 3584, intermediate 18944, vocabulary 152,064, untied embeddings) x 2 bytes

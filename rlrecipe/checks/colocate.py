@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
 from rlrecipe.checks.step_time import GPU, H100, Training
+from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS
 
 # ASSUMPTION: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its static pool
 # (SGLang's own default leaves 10-20% of a GPU). --enable-memory-saver releases only the pool (weights
@@ -142,8 +143,7 @@ def disk_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 
     """weight_sync: disk: the export written once, then one server per node loads it from the shared file
     system (side by side, at most MAX_PARALLEL_LOADS at once, each at the least of its load rate, its
     node's link and its share of the file system), then the nodes' other servers from the page cache,
-    MAX_PARALLEL_LOADS at a time (rollout/sglang/weights.py's order)."""
-    from rlrecipe.rollout.sglang.weights import MAX_PARALLEL_LOADS  # the client's threads; heavy imports
+    MAX_PARALLEL_LOADS at a time (rollout/sglang/weights.py's order, recipe/systems.py's bound)."""
 
     w = _weights(d, rollout_dtype)
     readers = min(servers, nodes)

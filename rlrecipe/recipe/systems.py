@@ -13,6 +13,10 @@ from pydantic import Field, field_validator, model_validator
 
 from rlrecipe.recipe.base import HASHED_WHEN_SET, Section
 
+# Servers whose weights one push loads at once at most (the client's threads, rollout/sglang/weights.py);
+# here, below both, so that fit's and the projection's push costs read the same number.
+MAX_PARALLEL_LOADS = 32
+
 
 class SGLangServer(Section):
     tp_size: int = Field(1, ge=1)

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import requests
 
 from rlrecipe.core.errors import UserError
-from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.server import model_arg
 from rlrecipe.rollout.weights.transport import WeightTransport, weight_transport
@@ -52,10 +52,6 @@ def node_waves(urls: list[str], members: list[int]) -> tuple[list[int], list[int
         else:
             first[host] = i
     return list(first.values()), rest
-
-
-# servers loading an export at once within a wave (threads of the client): a wave of more loads in rounds
-MAX_PARALLEL_LOADS = 32
 
 
 class WeightPusher:

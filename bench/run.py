@@ -315,6 +315,14 @@ def bench_colocated_phases() -> dict:
     return colocated_phases_bench()
 
 
+def bench_fp8_kv_projection() -> dict:
+    """The 7B projection with an FP8 KV cache beside bf16 (bench/projection/fp8_kv.py): the decode bound
+    with the cache full, the rollout and the step per trained token."""
+    from bench.projection.fp8_kv import fp8_projection
+
+    return fp8_projection()
+
+
 def bench_weight_fingerprint() -> dict:
     """Seconds per weight push and per fingerprint check after it, against `rlrecipe serve`
     (bench/weight_fingerprint.py)."""
@@ -341,7 +349,7 @@ def benchmarks(results: dict) -> list[tuple[str, object]]:
             ("plan_vs_measured_deepspeed", bench_plan_vs_measured_deepspeed),
             ("weight_fingerprint", bench_weight_fingerprint), ("colocated_phases_cpu", bench_colocated_phases),
             ("async_projection_7b", bench_async_projection),
-            ("colocated_projection_7b", bench_colocated_projection)]
+            ("colocated_projection_7b", bench_colocated_projection), ("fp8_kv_projection_7b", bench_fp8_kv_projection)]
 
 
 def main() -> None:
@@ -389,6 +397,9 @@ def main() -> None:
     from bench.projection.colocated import markdown as colocated_table
 
     console.print(colocated_table(results["colocated_projection_7b"]), highlight=False)
+    from bench.projection.fp8_kv import markdown as fp8_table
+
+    console.print(fp8_table(results["fp8_kv_projection_7b"]), highlight=False)
     if full:
         from bench.plan_vs_measured_ds import table as plan_ds_table
 

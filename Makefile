@@ -74,7 +74,8 @@ options-study: $(STAMP)
 
 # The rollout's KV cache {bf16, fp8 unit scales, fp8 calibrated} x {no correction, TIS, IcePop, M2PO}, 3 seeds
 # of tiny_rl from the demo's SFT model (run `make demo` first); STEPS=40 by default; about 4 hours on 2
-# cores (36 runs). Writes runs/fp8-study/ (study.json, fp8-study.png) and RESULTS.md's section.
+# cores (36 runs). Writes runs/fp8-study/study.json, keeps results/fp8-study.json and .png, and regenerates
+# RESULTS.md from them; `python -m scripts.fp8_study --no-new-runs ...` only summarises the runs there are.
 STEPS ?= 40
 fp8-study: $(STAMP)
 	$(BIN)/python -m scripts.fp8_study --steps $(STEPS)

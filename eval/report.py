@@ -18,6 +18,7 @@ from rlrecipe.eval.markdown import num, table
 from rlrecipe.eval.results_store import (
     ASYNC_STUDY,
     ASYNC_STUDY_EQUAL_STEPS,
+    FP8_STUDY,
     OPTIONS_STUDY,
     STORE,
     load_records,
@@ -25,7 +26,7 @@ from rlrecipe.eval.results_store import (
     merge,
     read_study,
 )
-from rlrecipe.eval.study_sections import async_section, options_section, study_section
+from rlrecipe.eval.study_sections import async_section, fp8_section, options_section, study_section
 
 from rlrecipe.core.errors import UserError
 
@@ -263,6 +264,9 @@ ASYNC_STUDY_FILE = Path("async-study") / "study.json"  # written by scripts/asyn
 
 
 OPTIONS_STUDY_FILE = Path("options-study") / "study.json"  # written by scripts/options_study.py
+FP8_STUDY_FILE = Path("fp8-study") / "study.json"  # written by scripts/fp8_study.py
+
+
 def load_study(runs_dir: str | Path = "runs", name: Path = STUDY_FILE) -> dict[str, Any] | None:
     """A local study.json, or None."""
     return read_study(Path(runs_dir) / name)
@@ -271,7 +275,8 @@ def load_study(runs_dir: str | Path = "runs", name: Path = STUDY_FILE) -> dict[s
 def render_results_md(results: list[dict[str, Any]], published: list[dict[str, Any]] | None = None,
                       study: dict[str, Any] | None = None, async_study: dict[str, Any] | None = None,
                       options_study: dict[str, Any] | None = None,
-                      async_earlier: dict[str, Any] | None = None) -> str:
+                      async_earlier: dict[str, Any] | None = None,
+                      fp8_study: dict[str, Any] | None = None) -> str:
     results = [r for r in results if not str(r.get("recipe", "")).startswith(STUDY_RECIPES)
                and not str(r.get("run", "")).startswith(STUDY_RUNS)]
     parts = [HEADER, "## Recorded results\n"]
@@ -313,6 +318,8 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
         parts.append(async_section(async_study, async_earlier))
     if options_study:
         parts.append(options_section(options_study))
+    if fp8_study:
+        parts.append(fp8_section(fp8_study))
     return "\n".join(parts)
 
 
@@ -327,8 +334,9 @@ def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, An
     async_study = load_stored_study(store, ASYNC_STUDY) or load_study(runs_dir, ASYNC_STUDY_FILE)
     options_study = load_stored_study(store, OPTIONS_STUDY) or load_study(runs_dir, OPTIONS_STUDY_FILE)
     async_earlier = load_stored_study(store, ASYNC_STUDY_EQUAL_STEPS)
+    fp8_study = load_stored_study(store, FP8_STUDY) or load_study(runs_dir, FP8_STUDY_FILE)
     atomic_write_text(path, render_results_md(all_results(runs_dir, store) if results is None else results, published,
-                                              study, async_study, options_study, async_earlier))
+                                              study, async_study, options_study, async_earlier, fp8_study))
     return path
 
 

@@ -23,6 +23,7 @@ STUDY = "mismatch-study.json"
 ASYNC_STUDY = "async-study.json"
 ASYNC_STUDY_EQUAL_STEPS = "async-study-equal-steps.json"  # the first async study: equal steps only
 OPTIONS_STUDY = "options-study.json"
+FP8_STUDY = "fp8-study.json"
 DROP = {"per_problem"}  # per-problem detail stays in the run directory
 
 
@@ -78,9 +79,11 @@ def load_stored_study(store: str | Path = STORE, name: str = STUDY) -> dict[str,
     return read_study(Path(store) / name)
 
 
-def save_study(study: dict[str, Any], store: str | Path = STORE, name: str = STUDY) -> Path:
-    """A study's table and plan (what RESULTS.md renders), without the per-run detail."""
-    kept = {k: study[k] for k in ("plan", "table", "collapse_rule", "provenance", "time_table", "figure")
+def save_study(study: dict[str, Any], store: str | Path = STORE, name: str = STUDY,
+               also: tuple[str, ...] = ()) -> Path:
+    """A study's table and plan (what RESULTS.md renders), without the per-run detail unless `also`
+    names it (the FP8 study keeps its per-run rows, their curves left in the run folder)."""
+    kept = {k: study[k] for k in ("plan", "table", "collapse_rule", "provenance", "time_table", "figure", *also)
             if k in study}
     path = Path(store) / name
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""RESULTS.md's study sections: the mismatch study, asynchronous RL, and DAPO / QAE / Dr. GRPO,
-each rendered from its study.json."""
+"""RESULTS.md's study sections: the mismatch study, asynchronous RL, DAPO / QAE / Dr. GRPO and the FP8
+KV cache, each rendered from its study.json."""
 
 from __future__ import annotations
 
@@ -163,3 +163,72 @@ def options_section(study: dict[str, Any]) -> str:
               "truncated frac",
               "its metrics", "collapsed", "sha256 (with the seed set)", "commit"]
     return "## DAPO, QAE and Dr. GRPO\n\n" + wrapped(intro) + "\n" + table(header, rows)
+
+
+FP8_HEADER = ["KV cache", "correction", "seeds", "mismatch: mean abs(log π_train − log π_infer)",
+              "IcePop-masked share", "held-out avg@8", "collapsed", "wall-clock s", "commit"]
+
+
+def _fp8_missing(study: dict[str, Any]) -> list[str]:
+    """What the study's design has and its table lacks (arms, seeds, steps, single runs), and the runs
+    that did not finish: empty for a complete study. A study kept before it carried its design says
+    nothing here, since nothing can be told."""
+    plan, design = study.get("plan", {}), study.get("plan", {}).get("design")
+    if not design:
+        return []
+    out = []
+    for key, what in (("kv", "KV cache arms"), ("corrections", "corrections"), ("seeds", "seeds")):
+        left = [str(x) for x in design[key] if x not in plan.get(key, [])]
+        if left:
+            out.append(f"{what} not run: {', '.join(left)}")
+    if plan.get("steps") != design.get("steps"):
+        out.append(f"{plan.get('steps')} steps where the design has {design.get('steps')}")
+    have = {(t["kv"], t["correction"], s) for t in study.get("table", []) for s in t.get("seeds", [])}
+    gaps = [f"{kv}/{corr} seed {s}" for s in plan.get("seeds", []) for kv in plan.get("kv", [])
+            for corr in plan.get("corrections", []) if (kv, corr, s) not in have]
+    if gaps:
+        out.append("runs of the arms above that are missing: " + ", ".join(gaps))
+    unfinished = [f"{r['kv']}/{r['correction']} seed {r['seed']} ({r['status']})"
+                  for r in study.get("runs", []) if r.get("status") != "done"]
+    if unfinished:
+        out.append("runs that did not finish (counted as collapses): " + ", ".join(unfinished))
+    return out
+
+
+def fp8_section(study: dict[str, Any]) -> str:
+    """RESULTS.md's "FP8 KV cache study": one line per (KV cache, correction) arm, over seeds; what was
+    run, and what a partial study leaves out."""
+    plan, rows = study.get("plan", {}), []
+    for t in study.get("table", []):
+        evals = None if t.get("eval_avg_mean") is None else 100 * t["eval_avg_mean"]
+        eval_sd = None if t.get("eval_avg_sd") is None else 100 * t["eval_avg_sd"]
+        seeds = t.get("seeds", [])
+        rows.append([t["kv"], t["correction"], " ".join(str(x) for x in seeds), num(t.get("mismatch_abs_logp"), ".5f"),
+                     num(t.get("icepop_masked_frac"), ".4f"), mean_sd(evals, eval_sd, ".1f"),
+                     f"{t['collapsed']} of {len(seeds)}", num(t.get("wall_s_mean"), ".0f"),
+                     " ".join(c[:7] for c in t.get("commits", [])) or "-"])
+    ran = (f"Run: KV cache {', '.join(plan.get('kv', [])) or '-'}; corrections "
+           f"{', '.join(plan.get('corrections', [])) or '-'}; seeds {', '.join(map(str, plan.get('seeds', []))) or '-'}; "
+           f"{plan.get('steps', '-')} steps each.")
+    missing = _fp8_missing(study)
+    design = plan.get("design", {})
+    partial = (f" Partial: the design is KV cache {', '.join(design['kv'])} x corrections "
+               f"{', '.join(design['corrections'])} x seeds {', '.join(map(str, design['seeds']))} at "
+               f"{design['steps']} steps; {'; '.join(missing)}. The rows are not the full study's."
+               if missing else "")
+    intro = (
+        "What an FP8 KV cache in the rollout does to the train/inference mismatch and to training, with and "
+        "without its corrections: recipes/tiny_rl.yaml from the tiny SFT model with the KV cache bf16 "
+        "(`rollout.kv_cache_dtype=auto`), fp8_unit (fp8_e4m3 with unit scales, SGLang without calibration) or "
+        "fp8_calibrated (fp8_e4m3, scales calibrated after every push), and the correction none, tis, icepop or "
+        "m2po (`rl.icepop.mode` off, tis, icepop, m2po). " + ran + partial + " Mismatch and IcePop-masked share "
+        "(the tokens outside IcePop's band, whatever the correction): means over every step and seed. Held-out: "
+        "the final avg@8 on tiny-arith eval, percent (± sd across seeds). Wall-clock: the RL loop's seconds per "
+        f"run (step_wall_s summed), mean over seeds. Collapse: {study.get('collapse_rule', '-')}."
+        + (f" Note: {plan['note']}." if plan.get("note") else "")
+        + (f" Figure: [{study['figure']}]({study['figure']})." if study.get("figure") else "")
+        + " `make fp8-study` reruns it.")
+    out = "## FP8 KV cache study\n\n" + wrapped(intro) + "\n" + table(FP8_HEADER, rows)
+    if study.get("figure"):
+        out += f"\n![mismatch and train accuracy per KV cache, against steps and wall-clock]({study['figure']})\n"
+    return out

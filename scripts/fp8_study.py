@@ -12,12 +12,13 @@ Metrics per arm: the mismatch (mismatch_abs_logp = mean |log pi_train - log pi_i
 icepop_masked_frac, the share of tokens outside IcePop's band, computed whatever the correction),
 the held-out avg@8 at the end (tiny_rl's evaluation) and collapses (the mismatch study's rule, fixed
 before any run), at equal steps and against wall-clock (step_wall_s summed). Finished runs are kept,
-so a killed study reruns only what is missing. Writes runs/fp8-study/study.json, its table as
-markdown into RESULTS.md's "FP8 KV cache study" section (runs/fp8-study/section.md too) and
-runs/fp8-study/fp8-study.png.
+so a killed study reruns only what is missing, and --no-new-runs only summarises the runs there are.
+Writes runs/fp8-study/study.json (with every run's curves), the figure results/fp8-study.png, and
+results/fp8-study.json (plan, table and per-run rows without curves), from which `rlrecipe results`
+renders RESULTS.md's "FP8 KV cache study" (a partial study says so there).
 
     python -m scripts.fp8_study [--steps 40] [--seeds 1,2,3] [--kv bf16,fp8_unit,fp8_calibrated]
-        [--corrections none,tis,icepop,m2po]
+        [--corrections none,tis,icepop,m2po] [--no-new-runs] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
+from rlrecipe.eval.results_store import FP8_STUDY, STORE, save_study
+
 from scripts.mismatch_study import COLLAPSE_DROP, WINDOW, _mean, collapsed
-from scripts.study_runs import train
+from scripts.study_runs import finished, train
 
 RECIPE = "recipes/tiny_rl.yaml"
 KV_ARMS = {"bf16": ["rollout.kv_cache_dtype=auto"],
@@ -39,8 +43,9 @@ CORRECTIONS = {"none": "off", "tis": "tis", "icepop": "icepop", "m2po": "m2po"} 
 SEEDS = [1, 2, 3]
 STEPS = 40  # tiny_rl's
 STUDY_DIR = Path("runs") / "fp8-study"
-SECTION = "## FP8 KV cache study"
-END = "<!-- end fp8-study -->"
+FIGURE = Path("results") / "fp8-study.png"  # kept beside results/fp8-study.json, as the async study's
+COLLAPSE_RULE = (f"train accuracy over the last {WINDOW} steps more than {COLLAPSE_DROP:.0%} (absolute) below the "
+                 f"first {WINDOW} steps', or the run did not finish (the NaN/inf guard stopped it, or it was cut short)")
 
 
 def run_name(kv: str, correction: str, steps: int, seed: int) -> str:
@@ -75,6 +80,8 @@ def summarise_run(run_dir: Path, kv: str, correction: str, seed: int, status: st
                     "curve": {"step": [r["step"] for r in rows], "wall_s": clock,
                               "mismatch_abs_logp": [r["mismatch_abs_logp"] for r in rows],
                               "accuracy": [r["accuracy"] for r in rows]}})
+    env = run_dir / "env.json"
+    row["commit"] = json.loads(env.read_text()).get("commit") if env.exists() else None
     summary = run_dir / "eval" / "tiny-arith" / "summary.json"
     row["eval_avg"] = json.loads(summary.read_text())["avg"] if summary.exists() else None
     row["collapsed"] = collapsed(row)
@@ -100,39 +107,33 @@ def aggregate(rows: list[dict]) -> list[dict]:
                         "icepop_masked_frac": _mean([r["icepop_masked_frac"] for r in done]) if done else None,
                         "eval_avg_mean": _mean(evals) if evals else None, "eval_avg_sd": _sd(evals),
                         "wall_s_mean": _mean([r["wall_s"] for r in done]) if done else None,
-                        "collapsed": sum(r["collapsed"] for r in group)})
+                        "collapsed": sum(r["collapsed"] for r in group),
+                        "commits": sorted({r["commit"] for r in group if r.get("commit")})})
     return out
 
 
-def _f(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+def study_of(rows: list[dict], plan: dict) -> dict:
+    """The study as kept: the plan with the full design beside it (so RESULTS.md can say what a partial
+    study leaves out), the collapse rule, the per-run rows and the table."""
+    return {"plan": {**plan, "design": {"kv": list(KV_ARMS), "corrections": list(CORRECTIONS), "seeds": SEEDS,
+                                        "steps": STEPS}},
+            "collapse_rule": COLLAPSE_RULE, "runs": rows, "table": aggregate(rows)}
 
 
-def section(table: list[dict], plan: dict) -> str:
-    lines = [SECTION, "", f"`make fp8-study` (scripts/fp8_study.py): {RECIPE} from the demo's SFT model, "
-             f"{plan['steps']} steps, seeds {', '.join(map(str, plan['seeds']))}; mismatch averaged over every "
-             "step; held-out avg@8 at the end; collapse: train accuracy over the last "
-             f"{WINDOW} steps more than {COLLAPSE_DROP:.0%} below the first {WINDOW} steps', or a stopped run.", "",
-             "| KV cache | correction | seeds | mismatch: mean abs(log π_train − log π_infer) | IcePop-masked share | "
-             "held-out avg@8 | wall s | collapsed |", "|---|---|---|---|---|---|---|---|"]
-    for t in table:
-        ev = "-" if t["eval_avg_mean"] is None else (
-            f"{100 * t['eval_avg_mean']:.1f}" + ("" if t["eval_avg_sd"] is None else f" ± {100 * t['eval_avg_sd']:.1f}"))
-        lines.append(f"| {t['kv']} | {t['correction']} | {' '.join(map(str, t['seeds']))} | "
-                     f"{_f(t['mismatch_abs_logp'], '.5f')} | {_f(t['icepop_masked_frac'], '.5f')} | {ev} | "
-                     f"{_f(t['wall_s_mean'], '.0f')} | {t['collapsed']} of {len(t['seeds'])} |")
-    return "\n".join(lines + ["", END, ""])
+def write_study(rows: list[dict], plan: dict) -> Path:
+    from rlrecipe.core.atomic_io import atomic_write_text
+
+    STUDY_DIR.mkdir(parents=True, exist_ok=True)
+    path = STUDY_DIR / "study.json"
+    atomic_write_text(path, json.dumps(study_of(rows, plan), indent=1))
+    return path
 
 
-def write_section(text: str, results_md: Path = Path("RESULTS.md")) -> None:
-    """Replace the study's section of RESULTS.md (or append it)."""
-    old = results_md.read_text() if results_md.exists() else ""
-    if SECTION in old and END in old:
-        start, end = old.index(SECTION), old.index(END) + len(END) + 1
-        new = old[:start] + text + old[end:]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    results_md.write_text(new)
+def keep(study: dict, figure: Path | None, store: Path = STORE) -> Path:
+    """results/fp8-study.json: the study without the per-step curves (they stay in runs/ and the figure)."""
+    kept = {**study, "runs": [{k: v for k, v in r.items() if k != "curve"} for r in study["runs"]],
+            "figure": figure.as_posix() if figure else None}
+    return save_study(kept, store, FP8_STUDY, also=("runs",))
 
 
 def plot(rows: list[dict], out: Path) -> Path:
@@ -180,25 +181,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     ap.add_argument("--kv", default=",".join(KV_ARMS))
     ap.add_argument("--corrections", default=",".join(CORRECTIONS))
+    ap.add_argument("--no-new-runs", action="store_true",
+                    help="train nothing: summarise the runs of the plan that are there (a run that did not finish "
+                         "counts as a collapse, one never started is left out), keep the study, render RESULTS.md")
+    ap.add_argument("--note", default="", help="recorded in the study and RESULTS.md (e.g. why it is partial)")
     args = ap.parse_args(argv)
-    if not (Path("runs") / "tiny-sft" / "final").is_dir():
+    if not args.no_new_runs and not (Path("runs") / "tiny-sft" / "final").is_dir():
         sys.exit("the study starts from the tiny SFT model: run `make demo` (or rlrecipe sft recipes/tiny_sft.yaml) first")
     kvs, corrections = _list(args.kv, KV_ARMS), _list(args.corrections, CORRECTIONS)
     seeds = [int(x) for x in args.seeds.split(",") if x]
-    plan = {"steps": args.steps, "seeds": seeds, "kv": kvs, "corrections": corrections}
+    plan = {"steps": args.steps, "seeds": seeds, "kv": kvs, "corrections": corrections,
+            **({"note": args.note} if args.note else {})}
     rows: list[dict] = []
-    STUDY_DIR.mkdir(parents=True, exist_ok=True)
     for seed in seeds:  # seeds outermost: a study cut short has every arm at the seeds it reached
         for kv in kvs:
             for corr in corrections:
                 run_dir = Path("runs") / run_name(kv, corr, args.steps, seed)
-                rows.append(summarise_run(run_dir, kv, corr, seed, train(arm_args(kv, corr, args.steps, seed), run_dir)))
-                (STUDY_DIR / "study.json").write_text(json.dumps(
-                    {"plan": plan, "runs": rows, "table": aggregate(rows)}, indent=1))
-    text = section(aggregate(rows), plan)
-    (STUDY_DIR / "section.md").write_text(text)
-    write_section(text)
-    print(f"study: {STUDY_DIR / 'study.json'}; figure: {plot(rows, STUDY_DIR / 'fp8-study.png')}")
+                if args.no_new_runs:
+                    if not run_dir.is_dir():
+                        continue
+                    status = "done" if finished(run_dir) else "unfinished"
+                else:
+                    status = train(arm_args(kv, corr, args.steps, seed), run_dir)
+                rows.append(summarise_run(run_dir, kv, corr, seed, status))
+                write_study(rows, plan)
+    if not rows:
+        sys.exit("no run of the plan is there: nothing to summarise")
+    path = write_study(rows, plan)
+    figure = plot(rows, FIGURE)
+    print(f"study: {path}; figure: {figure}; kept as {keep(json.loads(path.read_text()), figure)}")
+    subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)
 
 
 if __name__ == "__main__":

@@ -213,3 +213,34 @@ def test_the_stand_in_serves_an_fp8_cache_with_unit_scales(tiny_model_dir):
     with pytest.raises(UserError, match="--kv-cache-dtype 'fp8_e3m4'"):
         with serving_in_thread(tiny_model_dir, kv_cache_dtype="fp8_e3m4"):
             pass
+
+
+@pytest.mark.slow
+def test_rl_trains_on_an_fp8_cache_through_the_sglang_path(tmp_path, tiny_model_dir):
+    """rollout.engine sglang with `rlrecipe serve` launched as the server: the field reaches the server
+    through {kv_cache_dtype}, and its FP8 cache shows in the mismatch (the same float32 served from a
+    float32 cache stays under 1e-4: tests/stages/test_rl.py's broadcast run)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import rl_recipe, write_recipe, write_tiny_data
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = write_tiny_data(tmp_path / "data")
+    spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=2, save_every=2, c3po={"enabled": False})
+    spec["eval"] = {}
+    spec["rollout"] = {"engine": "sglang", "dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "max_new_tokens": 40,
+                       "sglang": {"base_port": port, "startup_timeout_s": 120, "launch_cmd": [
+                           "rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}", "--dtype",
+                           "{dtype}", "--kv-cache-dtype", "{kv_cache_dtype}"]}}
+    path = write_recipe(tmp_path / "rl.yaml", spec)
+    subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "rl", str(path)], check=True, timeout=600,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    run = tmp_path / "runs" / "rl"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["mismatch_abs_logp"] > 1e-4 for r in rows), [r["mismatch_abs_logp"] for r in rows]
+    assert "KV cache fp8_e4m3 with scales 1.0" in (run / "sglang_server_0.log").read_text()

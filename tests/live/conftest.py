@@ -109,7 +109,9 @@ def demo_model_perturbed(demo_model_dir, tmp_path_factory):
     return perturbed_copy(demo_model_dir, tmp_path_factory.mktemp("demo-other") / "model", seed=7)
 
 
-@pytest.fixture(scope="session")
+# package scope: the servers stop once tests/live is done (SGLang's scheduler spins a core while it
+# waits for requests, which the rest of the suite would run beside)
+@pytest.fixture(scope="package")
 def sglang_server(demo_model_dir, tmp_path_factory):
     """One real SGLang server on the demo-shaped model in float32, shared by the tests that leave
     its weights as they found them."""
@@ -120,7 +122,7 @@ def sglang_server(demo_model_dir, tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def standin_server(demo_model_dir, tmp_path_factory):
     """`rlrecipe serve` on the same model, as the stand-in the rest of the suite runs against."""
     import sys

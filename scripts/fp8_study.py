@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +32,8 @@ from pathlib import Path
 from rlrecipe.eval.results_store import FP8_STUDY, STORE, save_study
 
 from scripts.mismatch_study import COLLAPSE_DROP, WINDOW, _mean, collapsed
-from scripts.study_runs import finished, train
+from scripts.study_runs import finish_row, finished, train
+from scripts.study_runs import sd as _sd
 
 RECIPE = "recipes/tiny_rl.yaml"
 KV_ARMS = {"bf16": ["rollout.kv_cache_dtype=auto"],
@@ -80,16 +80,7 @@ def summarise_run(run_dir: Path, kv: str, correction: str, seed: int, status: st
                     "curve": {"step": [r["step"] for r in rows], "wall_s": clock,
                               "mismatch_abs_logp": [r["mismatch_abs_logp"] for r in rows],
                               "accuracy": [r["accuracy"] for r in rows]}})
-    env = run_dir / "env.json"
-    row["commit"] = json.loads(env.read_text()).get("commit") if env.exists() else None
-    summary = run_dir / "eval" / "tiny-arith" / "summary.json"
-    row["eval_avg"] = json.loads(summary.read_text())["avg"] if summary.exists() else None
-    row["collapsed"] = collapsed(row)
-    return row
-
-
-def _sd(xs: list[float]) -> float | None:
-    return statistics.stdev(xs) if len(xs) > 1 else None
+    return finish_row(row, run_dir, collapsed)
 
 
 def aggregate(rows: list[dict]) -> list[dict]:

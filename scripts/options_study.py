@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,8 @@ from pathlib import Path
 from rlrecipe.eval.results_store import OPTIONS_STUDY, save_study
 
 from scripts.mismatch_study import COLLAPSE_DROP, WINDOW, _mean, collapsed
-from scripts.study_runs import train
+from scripts.study_runs import finish_row, train
+from scripts.study_runs import sd as _sd
 
 # arm: (recipe, extra --set overrides)
 ARMS = {
@@ -72,16 +72,7 @@ def summarise_run(run_dir: Path, arm: str, seed: int, status: str) -> dict:
         row.update({m: _mean([r[m] for r in rows]) for m in ARM_METRICS if m in rows[0]})
     sha = run_dir / "recipe.sha256"
     row["recipe_sha256"] = sha.read_text().strip() if sha.exists() else None
-    env = run_dir / "env.json"
-    row["commit"] = json.loads(env.read_text()).get("commit") if env.exists() else None
-    summary = run_dir / "eval" / "tiny-arith" / "summary.json"
-    row["eval_avg"] = json.loads(summary.read_text())["avg"] if summary.exists() else None
-    row["collapsed"] = collapsed(row)
-    return row
-
-
-def _sd(xs: list[float]) -> float | None:
-    return statistics.stdev(xs) if len(xs) > 1 else None
+    return finish_row(row, run_dir, collapsed)
 
 
 def aggregate(rows: list[dict]) -> list[dict]:

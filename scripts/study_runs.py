@@ -3,6 +3,8 @@ short, otherwise start it over; a run that stops (the NaN guard, say) is a resul
 
 from __future__ import annotations
 
+import json
+import statistics
 import subprocess
 import sys
 import time
@@ -25,3 +27,19 @@ def train(args: list[str], run_dir: Path, env: dict | None = None) -> str:
     proc = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", *args], env=env)
     print(f"== {run_dir.name}: exit {proc.returncode} after {time.time() - t0:.0f}s", flush=True)
     return "done" if proc.returncode == 0 else "stopped"
+
+
+def finish_row(row: dict, run_dir: Path, collapsed) -> dict:
+    """A study run's row completed with its commit, its held-out avg (tiny-arith) and whether
+    `collapsed` judges it collapsed."""
+    env = run_dir / "env.json"
+    row["commit"] = json.loads(env.read_text()).get("commit") if env.exists() else None
+    summary = run_dir / "eval" / "tiny-arith" / "summary.json"
+    row["eval_avg"] = json.loads(summary.read_text())["avg"] if summary.exists() else None
+    row["collapsed"] = collapsed(row)
+    return row
+
+
+def sd(xs: list[float]) -> float | None:
+    """The sample standard deviation, or None below two values."""
+    return statistics.stdev(xs) if len(xs) > 1 else None

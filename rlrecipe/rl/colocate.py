@@ -10,9 +10,10 @@ calls on rank 0, which alone holds the engine. Every hand-over is timed: `second
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
+
+from rlrecipe.rl.step_timer import StepTimer
 
 PHASES = ("release_s", "reload_s", "update_s", "offload_s", "resume_s", "push_s", "verify_s")
 
@@ -23,24 +24,16 @@ class TakingTurns:
         once the trainer has left the GPU."""
         self.trainer, self.engine, self.enabled = trainer, None, enabled
         self.released = False  # the engine gave the GPU to the trainer and has not had its push (every rank)
-        self._seconds: dict[str, float] = {}
+        self.phase = StepTimer()  # `with self.phase("push_s"): ...`
 
     def attach(self, engine) -> None:
         """The rollout engine (None on ranks other than 0)."""
         self.engine = engine
 
-    @contextmanager
-    def phase(self, name: str):
-        t0 = time.time()
-        try:
-            yield
-        finally:
-            self._seconds[name] = self._seconds.get(name, 0.0) + time.time() - t0
-
     def seconds(self) -> dict[str, float]:
         """The hand-overs' seconds since the last call, as metrics (none when not colocated)."""
-        out = {f"colocate/{k}": self._seconds.get(k, 0.0) for k in PHASES} if self.enabled else {}
-        self._seconds = {}
+        out = {f"colocate/{k}": self.phase.seconds.get(k, 0.0) for k in PHASES} if self.enabled else {}
+        self.phase = StepTimer()
         return out
 
     def before_rollout_starts(self) -> None:

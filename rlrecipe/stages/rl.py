@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -39,6 +38,7 @@ from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.pool import RolloutPool
 from rlrecipe.rl.prompts import PromptStream
 from rlrecipe.rl.schedule import StepRollout, WeightsOut
+from rlrecipe.rl.step_timer import StepTimer
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.rollout.weights.transport import weight_transport
 from rlrecipe.run.checkpoints import check_resume_step
@@ -366,21 +366,6 @@ def make_pool(recipe: Recipe, tokenizer) -> RolloutPool:
 def sampling_params(ro: RolloutSection) -> SamplingParams:
     return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                           max_new_tokens=ro.max_new_tokens, logit_noise=ro.stress_logit_noise)
-
-
-class StepTimer:
-    """Wall seconds of the named parts of one step: `with timer("train_s"): ...`."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        t0 = time.time()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - t0
 
 
 def save_rl_checkpoint(run: Run, step: int, trainer, pool: RolloutPool | None, rollout: StepRollout) -> None:

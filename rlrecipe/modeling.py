@@ -100,6 +100,18 @@ def load_model(path: str | Path, dtype: str = "float32", attn_implementation: st
     return model
 
 
+def distinct_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors without the repeats of tied weights (lm_head tied to the embeddings)."""
+    seen: set[tuple[int, torch.Size]] = set()
+    out = []
+    for name, t in state.items():
+        key = (t.data_ptr(), t.shape)
+        if key not in seen:
+            seen.add(key)
+            out.append((name, t))
+    return out
+
+
 def enable_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer in backward. transformers 5 renamed the call (the old name warns,
     and goes in v6); older releases have only the old one."""

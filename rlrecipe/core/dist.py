@@ -56,6 +56,16 @@ def is_launched_rank() -> bool:
     return under_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def gather_to_rank_zero(obj: T) -> list[T] | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere). Collective."""
+    d = _group()
+    if d is None or d.get_world_size() == 1:
+        return [obj]
+    out: list | None = [None] * d.get_world_size() if d.get_rank() == 0 else None
+    d.gather_object(obj, out, dst=0)
+    return out
+
+
 # -- broadcasts from rank 0 -----------------------------------------------------------------------
 def broadcast_from_rank_zero(fn: Callable[[], T]) -> T:
     """Run `fn` on rank 0 only and hand its result to every rank (e.g. files only rank 0 may write).

@@ -16,6 +16,7 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -129,6 +130,9 @@ def algorithm_fields(hashed: dict) -> dict:
     return out
 
 
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
+
+
 class Recipe(Section):
     run: RunSection
     model: ModelSection = ModelSection()
@@ -156,9 +160,21 @@ class Recipe(Section):
             raise ValueError("rl.async_lag and rollout.weight_update_every > 1 both delay the rollout's weights; "
                              "set one of them")
         sync = self.rollout.sglang.weight_sync
-        if lag > 1 and self.rollout.engine == "sglang" and sync in ("distributed", "tensor"):
+        if lag > 1 and self.rollout.engine == "sglang" and sync in ("distributed", "tensor", "ipc"):
             raise ValueError(f"rl.async_lag > 1 with rollout.sglang.weight_sync: {sync} would push weights into "
                              "servers that are generating; use weight_sync: disk or async_lag: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _handles_stay_on_their_machine(self) -> Recipe:
+        ro, tr = self.rollout, self.trainer
+        if ro.engine != "sglang" or ro.sglang.weight_sync != "ipc" or ro.colocate:
+            return self  # colocated, every server reads the trainer rank on its own GPU
+        far = [u for u in ro.urls if urlsplit(u if "//" in u else f"http://{u}").hostname not in LOCAL_HOSTS]
+        if far or tr.nodes > 1 or ro.sglang.nodes > 1:
+            where = f"rollout.urls {far[0]}" if far else f"{max(tr.nodes, ro.sglang.nodes)} nodes"
+            raise ValueError(f"rollout.sglang.weight_sync: ipc with {where}: a handle opens only on the machine "
+                             "that shares it; use weight_sync: tensor or disk, or rollout.colocate")
         return self
 
     @model_validator(mode="after")
@@ -174,7 +190,7 @@ class Recipe(Section):
                              "engine discards its weights, so every step pushes them; set weight_update_every: 1")
         if ro.engine == "sglang" and ro.sglang.weight_sync == "distributed":
             raise ValueError("rollout.colocate with rollout.sglang.weight_sync: distributed: a broadcast group cannot "
-                             "hold two ranks on one GPU; use weight_sync: tensor (or disk)")
+                             "hold two ranks on one GPU; use weight_sync: ipc, tensor or disk")
         if ro.engine == "sglang" and not ro.urls:
             sg = ro.sglang
             server_gpus, trainer_gpus = sg.num_servers * sg.tp_size * sg.dp_size, tr.nproc * tr.nodes

@@ -57,7 +57,10 @@ class SGLangServer(Section):
     # nothing written to disk. weight_sync_address must be the trainer's address as the servers see it.
     # "tensor" = the tensors pickled into /update_weights_from_tensor requests, in buckets of
     # weight_sync_bucket_mb (rollout/sglang/tensor_push.py): no group to join, over HTTP alone.
-    weight_sync: Literal["disk", "distributed", "tensor"] = "disk"
+    # "ipc" = the same requests carrying handles instead of bytes (CUDA IPC on GPUs, shared-memory
+    # files on a CPU; rollout/weights/handles.py): every trainer rank shares its copy and each server
+    # rank maps the one on its GPU. Servers on the trainer's machine only (launched, or local urls).
+    weight_sync: Literal["disk", "distributed", "tensor", "ipc"] = "disk"
     weight_sync_backend: Literal["nccl", "gloo"] = "nccl"
     weight_sync_address: str = "127.0.0.1"
     weight_sync_port: int = Field(29650, gt=0, lt=65536)

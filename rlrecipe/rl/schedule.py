@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlrecipe.core.dist import is_rank_zero
+from rlrecipe.core.dist import broadcast_from_rank_zero, is_rank_zero, world_size
 from rlrecipe.core.seeds import ROLLOUT_STEP, mix_seed
 from rlrecipe.recipe.schema import Recipe
 from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
 from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.rollout_stats import RolloutStats
+from rlrecipe.rollout.weights.handle_push import push_by_handles
 from rlrecipe.rollout.weights.probe import Scores, probe_sequences
 from rlrecipe.rollout.weights.transport import WeightTransport
 from rlrecipe.train.base import TrainSample
@@ -37,12 +39,13 @@ class WeightsOut:
     """The trainer's weights on their way to the rollout engine, by the run's transport."""
 
     def __init__(self, trainer, run, tokenizer, transport: WeightTransport, version: int,
-                 turns: TakingTurns | None = None):
+                 turns: TakingTurns | None = None, bucket_bytes: int = 512 << 20):
         """`version`: the trainer's now; `turns`: a colocated layout's hand-overs, which each push goes
-        through. The engine is attached after (`attach`): colocated, it starts once the trainer has
+        through; `bucket_bytes`: the most one request carries (pushes by handle: every rank's buffer). The engine is attached after (`attach`): colocated, it starts once the trainer has
         left the GPU, and the probe is scored before that."""
         self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, None, run, tokenizer, transport
         self.turns = turns if turns is not None and turns.enabled else None
+        self.bucket_bytes = bucket_bytes
         # servers are checked against the trainer's log-probs of a fixed probe where no exact check
         # reaches them (rollout/weights/probe.py): scored now for the weights they start with
         self.probe = probe_sequences(tokenizer) if transport is not WeightTransport.IN_MEMORY else None
@@ -80,7 +83,7 @@ class WeightsOut:
 
     def push(self, version: int) -> None:
         """Into the engine now (collective; rank 0 pushes): in memory, by broadcast, by pickled
-        tensors, or by an HF export the servers load; colocated, through the engine's release."""
+        tensors, by every rank's handles, or by an HF export the servers load; colocated, through the engine's release."""
         if self.turns is not None:
             self.turns.push(version, lambda: self._expect(version), lambda verify: self._send(version, verify))
         else:
@@ -95,6 +98,11 @@ class WeightsOut:
             if self.engine is not None:
                 self.engine.update_weights_from_disk(export, version, **({} if verify else {"verify": False}))
             return {"model_dir": export}
+        if self.transport is WeightTransport.IPC:
+            state = self._send_handles(version)
+            if self.engine is not None and verify:
+                self.engine.verify_push(version, state_dict=state)
+            return {"state_dict": state}
         state = self.trainer.rollout_state()
         if self.engine is not None:
             if self.transport is WeightTransport.TENSOR:
@@ -102,6 +110,19 @@ class WeightsOut:
             else:
                 self.engine.update_weights_from_state(state, version)
         return {"state_dict": state}
+
+    def _send_handles(self, version: int) -> dict:
+        """Every rank shares its copy of the weights by handle, bucket by bucket; rank 0 posts them and
+        keeps what it pushed, to verify (collective)."""
+        sends: list = []
+
+        def open_sessions() -> None:
+            if self.engine is not None:
+                sends.append(stack.enter_context(self.engine.handles_pushed(version, world_size())))
+
+        with ExitStack() as stack:
+            broadcast_from_rank_zero(open_sessions)  # a server refusing the session fails every rank at once
+            return push_by_handles(self.trainer.full_weights(), self.bucket_bytes, sends[0] if sends else None)
 
     def freeze(self, version: int):
         """A copy of the weights now, for the worker to install later (collective): cloned tensors

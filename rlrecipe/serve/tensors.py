@@ -8,9 +8,11 @@ deserialize_own_rank), with an unpickler that admits tensor and storage rebuilde
 (utils/common.py, SafeUnpickler; torch.storage._load_from_bytes becomes a weights_only torch.load).
 This server is one rank, so it reads entry 0, with the same kind of unpickler.
 
-Tensors pickled by value (plain pickle: the bytes travel in the request) are read here; those
-pickled by torch's ForkingPickler travel as handles to shared memory (a file descriptor, a shm
-file name, a CUDA IPC handle), which only a process on the same machine can open: refused here.
+Tensors pickled by value (plain pickle: the bytes travel in the request) are read here, and so are
+those pickled by torch's ForkingPickler as shared-memory file names (the push by handle on a CPU,
+rollout/weights/handles.py): this server maps the sender's memory and copies from it, as SGLang
+does. A file descriptor (torch's default strategy) cannot reach an unrelated process, and a CUDA IPC
+handle needs a GPU: both are refused by name.
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ import io
 import pickle
 
 import torch
+from torch.multiprocessing import reductions
 
 # the globals a pickled list of named CPU tensors needs, all in SGLang's SafeUnpickler.ALLOWED_GLOBALS
 _ALLOWED = {("builtins", "list"), ("builtins", "tuple"), ("collections", "OrderedDict"),
             ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-            ("torch", "Size"), ("torch", "dtype")}
+            ("torch", "Size"), ("torch", "dtype"),
+            # shared by file name (SafeUnpickler admits these too)
+            ("torch.multiprocessing.reductions", "rebuild_tensor"),
+            ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+            ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+            ("torch.storage", "UntypedStorage"), ("torch", "Tensor")}
+_REFUSED = {"rebuild_storage_fd": "a file descriptor cannot reach another process: share by file name "
+                                  "(torch.multiprocessing's file_system strategy)",
+            "rebuild_cuda_tensor": "a CUDA IPC handle needs a GPU, and this server runs on the CPU"}
 LOAD_FORMATS = (None, "direct")  # "flattened_bucket" and the quantized formats are not served here
 
 
@@ -37,21 +48,34 @@ def _load_storage(data: bytes):
 
 
 class _Unpickler(pickle.Unpickler):
+    def __init__(self, file):
+        super().__init__(file)
+        self.shared_files: list[str] = []  # the shared-memory files the tensors were mapped from
+
+    def _from_file(self, cls, manager, handle, size, dtype=None):
+        self.shared_files.append(handle.decode() if isinstance(handle, bytes) else str(handle))
+        return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
     def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
+            return self._from_file
         if (module, name) == ("torch.storage", "_load_from_bytes"):
             return _load_storage
-        if (module, name) in _ALLOWED:
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
+        if name in _REFUSED:
+            raise pickle.UnpicklingError(f"{module}.{name}: {_REFUSED[name]}")
         raise pickle.UnpicklingError(f"{module}.{name} is not admitted in serialized_named_tensors (rlrecipe "
-                                     "serve reads tensors pickled by value)")
+                                     "serve reads tensors pickled by value or shared by file name)")
 
 
 class BadTensors(ValueError):
     pass
 
 
-def read_named_tensors(body: dict) -> list[tuple[str, torch.Tensor]]:
-    """Rank 0's (name, tensor) pairs from an /update_weights_from_tensor body."""
+def read_named_tensors(body: dict) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """Rank 0's (name, tensor) pairs from an /update_weights_from_tensor body, and the shared-memory
+    files they were mapped from (none: they came by value)."""
     payloads = body.get("serialized_named_tensors")
     if not isinstance(payloads, list) or not payloads:
         raise BadTensors("serialized_named_tensors must be a non-empty list (one entry per tensor-parallel rank)")
@@ -60,10 +84,11 @@ def read_named_tensors(body: dict) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(payloads[0], str):
         raise BadTensors("serialized_named_tensors[0] must be a base64 string")
     try:
-        named = _Unpickler(io.BytesIO(base64.b64decode(payloads[0], validate=True))).load()
+        unpickler = _Unpickler(io.BytesIO(base64.b64decode(payloads[0], validate=True)))
+        named = unpickler.load()
     except (binascii.Error, pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as err:
         raise BadTensors(f"serialized_named_tensors[0]: {err}") from None
     if not (isinstance(named, list) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
                                             and isinstance(x[1], torch.Tensor) for x in named)):
         raise BadTensors("serialized_named_tensors[0] must hold a list of (name, tensor) pairs")
-    return named
+    return named, unpickler.shared_files

@@ -101,9 +101,11 @@ class ServedWeights:
             return {"success": False, "message": "update_weights_from_tensor must run between "
                                                  "begin_weight_update() and end_weight_update()"}
         try:
-            named = read_named_tensors(body)
+            named, files = read_named_tensors(body)
         except BadTensors as err:
             return {"success": False, "message": f"Failed to update weights: {err}"}
+        log(f"update_weights_from_tensor: {len(named)} tensors " + (f"by handle from {', '.join(sorted(set(files)))}"
+                                                                    if files else "by value"))
         own = self.sched.engine.model.state_dict()
         for name, t in named:
             if name not in own or own[name].shape != t.shape:

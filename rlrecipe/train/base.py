@@ -3,7 +3,7 @@ type and the engine interface (as `rollout/base.py` does for rollout)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -73,6 +73,10 @@ class TrainEngine(Protocol):
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
         """The full state dict for a rollout engine (collective under sharding)."""
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank: the full weights one tensor at a time, on the trainer's device, tied ones once, in
+        the same order on every rank (collective under sharding: consume in step)."""
 
     def export_hf(self, out_dir: str | Path, tokenizer=None) -> Path:
         """An HF model directory of the current weights."""

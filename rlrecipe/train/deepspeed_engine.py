@@ -49,6 +49,7 @@ import copy
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, balanced_bins
 from rlrecipe.core.dist import barrier
 from rlrecipe.core.errors import UserError
-from rlrecipe.modeling import enable_checkpointing, load_model
+from rlrecipe.modeling import distinct_tensors, enable_checkpointing, load_model
 from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import LossFn, StepResult, TrainSample, add_sums
 from rlrecipe.train.launch import init_distributed
@@ -362,6 +363,31 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
     def rollout_state(self) -> dict[str, torch.Tensor]:
         """Full weights for the rollout engine: on rank 0; an empty dict elsewhere. Collective."""
         return self.full_state_dict()
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank: the full weights, tied ones once. ZeRO-3 gathers module by module and yields
+        copies on the device (the gathered tensors are freed when the module's turn ends)."""
+        module = self.engine.module
+        if not self.zero3:
+            yield from distinct_tensors({k: v.detach() for k, v in module.state_dict().items()})
+            return
+        import deepspeed
+
+        seen: set[int] = set()
+
+        def visit(mod: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+            with deepspeed.zero.GatheredParameters(list(mod.parameters(recurse=False)), modifier_rank=None):
+                for name, p in mod.named_parameters(recurse=False):
+                    if p.ds_id not in seen:
+                        seen.add(p.ds_id)
+                        yield prefix + name, p.detach().clone()
+                for name, buf in mod.named_buffers(recurse=False):
+                    if name not in mod._non_persistent_buffers_set:
+                        yield prefix + name, buf.detach().clone()
+            for name, child in mod.named_children():
+                yield from visit(child, prefix + name + ".")
+
+        yield from visit(module, "")
 
     def export_hf(self, out_dir: str | Path, tokenizer=None) -> Path:
         """A full HF safetensors model (and tokenizer) written by rank 0. Collective."""

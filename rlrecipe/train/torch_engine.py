@@ -9,6 +9,7 @@ import pickle
 import random
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from transformers.optimization import (
 from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.algo.packing import allocate_microbatches, pack, response_rows
 from rlrecipe.core.errors import UserError
-from rlrecipe.modeling import enable_checkpointing, load_model, load_weights_into
+from rlrecipe.modeling import distinct_tensors, enable_checkpointing, load_model, load_weights_into
 from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import LossFn, StepResult, TrainSample, add_sums
 from rlrecipe.train.logprobs import response_logprobs
@@ -203,6 +204,9 @@ class TorchTrainEngine:
     # -- state -------------------------------------------------------------------------------
     def rollout_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(distinct_tensors(self.rollout_state()))
 
     def export_hf(self, out_dir: str | Path, tokenizer=None) -> Path:
         out_dir = Path(out_dir)

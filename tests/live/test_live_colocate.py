@@ -1,5 +1,7 @@
 """A colocated step against the released SGLang on this CPU: release, resume the weights, push them
-by /update_weights_from_tensor (pickled by value), flush, resume the KV cache, verify, generate.
+by /update_weights_from_tensor (pickled by value, or shared by handle: a shared-memory file's name,
+which SGLang's SafeUnpickler admits as it admits a CUDA IPC handle), flush, resume the KV cache,
+verify, generate.
 
 On a CPU SGLang runs without --enable-memory-saver (it needs torch_memory_saver and CUDA), so the
 release and resume answer 200 and free nothing: what this checks is the protocol (status codes,
@@ -13,9 +15,10 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from rlrecipe.modeling import load_tokenizer
+from rlrecipe.modeling import distinct_tensors, load_tokenizer
 from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.rollout.sglang.tensor_push import tensor_bodies
+from rlrecipe.rollout.weights.handle_push import push_by_handles
 from tests.live.test_live_engine import PROMPT, _generate, _hf_logprobs
 
 
@@ -60,6 +63,35 @@ def test_a_colocated_step_serves_the_pushed_weights(sglang_server, demo_model_di
             assert _served_logprobs_match(url, demo_model_perturbed) < 1e-4
             assert _served_logprobs_match(url, demo_model_dir) > 1e-3  # the two models are told apart
         finally:  # the shared server goes back to the weights it started with
+            eng.release_memory()
+            eng.resume_after_training(2, state_dict=_weights(demo_model_dir))
+    assert _served_logprobs_match(url, demo_model_dir) < 1e-4
+
+
+def test_a_push_by_handle_serves_the_pushed_weights(sglang_server, demo_model_dir, demo_model_perturbed):
+    """weight_sync: ipc on one trainer rank: each bucket's request carries shared-memory file names,
+    and SGLang maps them, loads, and serves exactly those weights."""
+    url = sglang_server.url
+    tok = load_tokenizer(demo_model_dir)
+    perturbed = _weights(demo_model_perturbed)
+    with SGLangEngine([url], eos_token_id=tok.eos_token_id, served_dtype="float32") as eng:
+        try:
+            eng.release_memory()
+            eng.resume_memory(["weights"])
+            named = distinct_tensors(perturbed)
+            bucket = sum(t.numel() * t.element_size() for _, t in named) // 4  # several requests
+            sent: list[bool] = []
+            with eng.handles_pushed(1, world_size=1) as send:
+                pushed = push_by_handles(iter(named), bucket, lambda p, last: (sent.append(last), send(p, last)))
+            assert len(sent) >= 4 and sent[-1] and not any(sent[:-1])
+            eng.flush_cache()
+            eng.resume_memory(["kv_cache", "cuda_graph"])
+            eng.verify_push(1, state_dict=pushed)  # checksums, bit for bit
+            assert eng.weights.check.no_checksum == set()
+            assert eng.fleet.weight_version[0] == "1"
+            assert _served_logprobs_match(url, demo_model_perturbed) < 1e-4
+            assert _served_logprobs_match(url, demo_model_dir) > 1e-3
+        finally:
             eng.release_memory()
             eng.resume_after_training(2, state_dict=_weights(demo_model_dir))
     assert _served_logprobs_match(url, demo_model_dir) < 1e-4

@@ -144,6 +144,24 @@ def test_the_recipe_refuses_what_cannot_share_a_gpu(extra, message):
         recipe_from_dict(spec)
 
 
+@pytest.mark.parametrize(("rollout", "trainer", "message"), [
+    ({"urls": ["http://10.0.0.7:30000"]}, {}, "rollout.urls http://10.0.0.7:30000"),
+    ({"sglang": {"nodes": 2, "num_servers": 2}}, {}, "2 nodes"),
+    ({}, {"nodes": 2}, "2 nodes"),
+])
+def test_a_push_by_handle_is_refused_where_a_server_is_on_another_machine(rollout, trainer, message):
+    def spec(rollout: dict, trainer: dict) -> dict:
+        sglang = {"weight_sync": "ipc", **rollout.get("sglang", {})}
+        return {"run": {"name": "r"}, "model": {"tiny": {}}, "rl": {}, "trainer": trainer,
+                "rollout": {"engine": "sglang", **rollout, "sglang": sglang}}
+
+    with pytest.raises(RecipeError, match=f"weight_sync: ipc with {message}.*a handle opens only on the machine"):
+        recipe_from_dict(spec(rollout, trainer))
+    # servers on this machine, or colocated on every node (each server reads the rank on its own GPU)
+    recipe_from_dict(spec({"urls": ["http://127.0.0.1:30000", "localhost:30001"]}, {}))
+    recipe_from_dict(spec({"colocate": True, "sglang": {"nodes": 2, "num_servers": 2}}, {"nodes": 2, "nproc": 1}))
+
+
 # -- through `rlrecipe serve`, as tiny_rl_colocated.yaml runs ---------------------------------------
 def _served(root, data, model, port: int) -> dict:
     spec = rl_recipe(root, data, str(model), steps=4, save_every=2, eval_every=2)
@@ -200,3 +218,39 @@ def test_colocated_through_rlrecipe_serve_trains_evaluates_and_resumes_after_a_k
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[:2] == kept
     assert all(r[f"colocate/{p}"] > 0 for r in resumed[2:] for p in PHASES) and "val/tiny/avg" in resumed[3]
     assert (run / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_colocated_zero3_on_two_ranks_pushes_each_ranks_handles_to_the_server_on_its_device(tmp_path,
+                                                                                           tiny_model_dir):
+    """weight_sync: ipc, DeepSpeed ZeRO-3 on 2 ranks, 2 servers of one rank each through `rlrecipe serve`:
+    server i maps the shared memory of trainer rank i (its files carry the sender's pid), never bytes
+    by value, and every push is verified (a wrong or missing weight fails the run)."""
+    import os
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import write_recipe
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    data = write_tiny_data(tmp_path / "data")
+    spec = _served(tmp_path, data, tiny_model_dir, port)
+    spec["rl"].update(steps=2, save_every=2, eval_every=0)
+    spec["rollout"]["sglang"].update(weight_sync="ipc", num_servers=2)
+    spec["trainer"].update(engine="deepspeed", nproc=2, zero_stage=3)
+    path = write_recipe(tmp_path / "ipc.yaml", spec)
+    subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "rl", str(path)], check=True, timeout=600,
+                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
+    senders = []
+    for i in (0, 1):
+        log = (tmp_path / "runs" / "rl" / f"sglang_server_{i}.log").read_text()
+        assert "by value" not in log
+        pids = set(re.findall(r"tensors by handle from /torch_(\d+)_", log))
+        assert len(pids) == 1, log[-2000:]
+        senders.append(pids.pop())
+    assert senders[0] != senders[1]  # each server read its own trainer rank's memory

@@ -473,7 +473,8 @@ def test_only_a_session_left_open_is_closed_and_begun_again_and_only_once():
 
 
 def test_weight_buckets_and_tied_tensors():
-    from rlrecipe.rollout.weights.sync import buckets, distinct_tensors
+    from rlrecipe.modeling import distinct_tensors
+    from rlrecipe.rollout.weights.sync import buckets
 
     emb = torch.zeros(4, 8)
     state = {"embed": emb, "a": torch.zeros(10), "lm_head": emb, "b": torch.zeros(31), "c": torch.zeros(2)}

@@ -89,6 +89,13 @@ def worker(spec: dict) -> None:
             eng.offload_states("optimizer")
             pushed = eng.rollout_state()  # the push reads the weights between the two offloads
             out.setdefault("pushed_sums", []).append(sum(float(v.double().sum()) for v in pushed.values()))
+            # the push by handle reads them on every rank instead, tied ones once (gathered under ZeRO-3)
+            mine = {name: float(t.double().sum()) for name, t in eng.full_weights()}
+            every: list = [None] * eng.world
+            dist.all_gather_object(every, mine)
+            out.setdefault("full_weights", []).append(every)
+            out.setdefault("rollout_state", []).append({k: float(v.double().sum()) for k, v in pushed.items()})
+            out["tied"] = bool(eng.engine.module.config.tie_word_embeddings)
             eng.offload_states("weights")
             eng.reload_states()
         if step + 1 == spec.get("save_at"):
@@ -212,6 +219,9 @@ def test_offload_and_reload_between_steps_change_nothing(stage, tiny_model_dir, 
         assert ds["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
         assert ds["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL)
     assert len(out["pushed_sums"]) == STEPS and len(set(out["pushed_sums"])) == STEPS  # the weights moved
+    for every, state in zip(out["full_weights"], out["rollout_state"], strict=True):
+        assert every[0] == every[1]  # every rank holds the same full weights
+        assert every[0] == {k: v for k, v in state.items() if not (out["tied"] and k == "lm_head.weight")}
     exported = load_weights(tmp_path / "export")
     for name, ref_w in reference["state"].items():
         torch.testing.assert_close(exported[name], ref_w, rtol=0, atol=WEIGHT_ATOL)

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch.distributed as dist
 
 from rlrecipe.core.errors import UserError
+from rlrecipe.modeling import distinct_tensors
 from rlrecipe.rollout.sglang.session import SESSION_LEFT_OPEN, SESSION_S, session  # noqa: F401 - kept importable here
 from rlrecipe.rollout.weights.sync import (
     DEFAULT_GROUP,
     broadcast,
     buckets,
-    distinct_tensors,
     dtype_name,
     init_custom_group,
     run_beside,

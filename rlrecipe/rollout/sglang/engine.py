@@ -154,6 +154,10 @@ class SGLangEngine(RolloutEngine):
     def update_weights_from_tensor(self, state_dict: dict, version: int, verify: bool = True) -> None:
         self.weights.update_from_tensor(state_dict, version, verify)
 
+    def handles_pushed(self, version: int, world_size: int):
+        """A push by handles, bucket by bucket (weights/handle_push.py); verified by `verify_push`."""
+        return self.weights.handles_pushed(version, world_size)
+
     def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
         self.weights.verify_export(model_dir, version, when)
 

@@ -1,4 +1,5 @@
-"""Weights into SGLang servers by `/update_weights_from_tensor` (`weight_sync: tensor`).
+"""Weights into SGLang servers by `/update_weights_from_tensor`: by value (`weight_sync: tensor`) or
+by handle (`weight_sync: ipc`).
 
 The body (sglang/srt/managers/io_struct.py, UpdateWeightsFromTensorReqInput) carries
 `serialized_named_tensors`: one base64 string per tensor-parallel rank, each a pickled list of
@@ -8,7 +9,9 @@ with torch.storage._load_from_bytes, which SafeUnpickler admits as a weights_onl
 torch's ForkingPickler would send handles instead (CUDA IPC on a GPU; on a CPU a file descriptor,
 which an unrelated process cannot receive, or a shm file name under the `file_system` sharing
 strategy), which reach only a server on the same machine and leave the memory's lifetime to the
-sender; by value works on a CPU and across machines, at the cost of the bytes on the wire.
+sender; by value works on a CPU and across machines, at the cost of the bytes on the wire. The push
+by handle (`handle_session`, weights/handles.py) is that other way: every training rank shares its
+own copy, and each server rank reads the handles of the trainer rank on its GPU.
 
 Each push serializes fresh copies (no storage of the trainer's is pickled whole, nor reused after
 the call) in buckets of `weight_sync_bucket_mb` (weights/sync.py `buckets`), inside SGLang's
@@ -21,14 +24,17 @@ from __future__ import annotations
 import base64
 import pickle
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 
+from rlrecipe.modeling import distinct_tensors
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang.session import session
 from rlrecipe.rollout.sglang.versions import Dialect
-from rlrecipe.rollout.weights.sync import buckets, distinct_tensors
+from rlrecipe.rollout.weights.handles import ranks_read_by
+from rlrecipe.rollout.weights.sync import buckets
 
 PATH = "/update_weights_from_tensor"
 PUSH_S = 3600.0
@@ -83,3 +89,32 @@ def push_tensors(srv: TensorServers, state_dict: dict, version: int) -> None:
             raise
         session(srv, "end", opened)
 
+
+
+@contextmanager
+def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterator:
+    """The servers' side of a push by handles (weights/handle_push.py): every live server's session
+    opened; yields `send(payloads, last)`, which posts one bucket's payloads (one per trainer rank,
+    in rank order) to every live server, each server rank reading its GPU's trainer rank; closed
+    after, also when the push fails."""
+    cfg = srv.cfg
+    gpus = cfg.tp_size * cfg.dp_size
+    live = list(srv.live)
+    reads = {i: ranks_read_by(i, int(srv.server_info(i).get("tp_size", cfg.tp_size) or cfg.tp_size), gpus,
+                              world_size) for i in live}
+
+    def send(payloads: list[str], last: bool) -> None:
+        for i in live:
+            body = {"serialized_named_tensors": [payloads[r] for r in reads[i]], "load_format": None,
+                    "flush_cache": last}
+            if last:
+                body["weight_version"] = str(version)
+            srv.control(i, PATH, body, PUSH_S)
+
+    opened = session(srv, "begin", live)
+    try:
+        yield send
+    except BaseException:
+        session(srv, "end", opened, failing=True)
+        raise
+    session(srv, "end", opened)

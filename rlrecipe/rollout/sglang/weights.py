@@ -7,7 +7,8 @@ lies on the shared file system (the run directory), and the servers of a node sh
 the first load of a node reads the files from the shared file system, and its other servers find them
 in memory. A push thus costs the shared file system one read of the export per node, whatever the
 number of servers on it (80 one-GPU servers on 10 nodes: 10 reads of the 15 GB of a 7B model, not 80;
-bench/projection/push.py costs both). `distributed` broadcasts the trainer's tensors (`sglang/broadcast.py`). Either way, servers left out that answer again are
+bench/projection/push.py costs both). `distributed` broadcasts the trainer's tensors (`sglang/broadcast.py`); `tensor` and `ipc` post them
+by value or by handle (`sglang/tensor_push.py`). Either way, servers left out that answer again are
 taken back first, so they get this push's weights, and afterwards every live server's weights are
 checked against the trainer's (`weights/check.py`), since an update that answers 200 has run a load,
 not necessarily loaded the trainer's weights.
@@ -15,7 +16,9 @@ not necessarily loaded the trainer's weights.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -162,6 +165,23 @@ class WeightPusher:
         fleet.version = version
         if verify:
             self.verify(version, state=state_dict)
+
+    @contextmanager
+    def handles_pushed(self, version: int, world_size: int) -> Iterator:
+        """A push by handles (weight_sync: ipc; weights/handle_push.py drives it from every rank):
+        yields the `send` of each bucket; the servers hold `version` once the block ends. Verified by
+        the caller, with the weights it pushed."""
+        # imported here: it needs torch, the HTTP client does not
+        from rlrecipe.rollout.sglang.tensor_push import handle_session
+
+        fleet = self.fleet
+        fleet.check_alive()
+        self._forget(fleet.take_back(version))
+        with handle_session(fleet, version, world_size) as send:
+            yield send
+        for i in fleet.live:
+            fleet.weight_version[i] = str(version)
+        fleet.version = version
 
     def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
         """Each server serves the weights of the HF directory `model_dir` (the trainer's export, or

@@ -66,7 +66,7 @@ class TrainerWeights:
     read from disk."""
 
     def __init__(self, state: dict[str, torch.Tensor] | None = None, model_dir: str | Path | None = None):
-        from rlrecipe.rollout.weights.sync import distinct_tensors
+        from rlrecipe.modeling import distinct_tensors
 
         self._state = dict(distinct_tensors(state)) if state is not None else None
         self._dir = Path(model_dir) if model_dir is not None else None

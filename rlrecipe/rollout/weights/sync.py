@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,19 +55,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def distinct_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """Named tensors without the repeats of tied weights (lm_head tied to the embeddings)."""
-    seen: set[tuple[int, torch.Size]] = set()
-    out = []
-    for name, t in state.items():
-        key = (t.data_ptr(), t.shape)
-        if key not in seen:
-            seen.add(key)
-            out.append((name, t))
-    return out
-
-
-def buckets(named: list[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of at most `max_bytes` (a bigger tensor goes alone): bounds what a server
     must allocate for one request."""
     bucket: list[tuple[str, torch.Tensor]] = []

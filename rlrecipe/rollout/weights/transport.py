@@ -17,11 +17,12 @@ class WeightTransport(Enum):
     BROADCAST = "broadcast"  # SGLang, weight_sync distributed: tensors broadcast into the servers
     DISK = "disk"  # SGLang, weight_sync disk: an HF export that the servers load
     TENSOR = "tensor"  # SGLang, weight_sync tensor: tensors pickled into /update_weights_from_tensor
+    IPC = "ipc"  # SGLang, weight_sync ipc: every rank's tensors shared by handle, same request
 
 
 def weight_transport(engine: str, sglang: SGLangServer) -> WeightTransport:
     """The transport for `rollout.engine` = `engine` under `rollout.sglang` = `sglang`."""
     if engine == "inprocess":
         return WeightTransport.IN_MEMORY
-    return {"distributed": WeightTransport.BROADCAST, "tensor": WeightTransport.TENSOR}.get(sglang.weight_sync,
-                                                                                           WeightTransport.DISK)
+    return {"distributed": WeightTransport.BROADCAST, "tensor": WeightTransport.TENSOR,
+            "ipc": WeightTransport.IPC}.get(sglang.weight_sync, WeightTransport.DISK)

@@ -1,0 +1,98 @@
+"""Tensors shared by handle, for `/update_weights_from_tensor` without their bytes in the request.
+
+torch's ForkingPickler writes a tensor as a handle to its memory: a CUDA IPC handle on a GPU, a
+shared-memory file's name on a CPU (the `file_system` sharing strategy; the default strategy sends a
+file descriptor, which an unrelated process cannot receive). SGLang's SafeUnpickler admits both
+rebuilders, so a server on the same machine maps the trainer's memory and copies from it: the
+in-place push verl, slime and OpenRLHF make colocated, and, on a CPU, the same code path.
+
+A handle names memory the sender must keep and not write until the server has loaded it (SGLang
+answers once its copies are queued, not done): each bucket is a fresh buffer, dropped by the caller
+only after every server's request for it returned. A CUDA handle names its device by index, which
+means another GPU to a server started with another CUDA_VISIBLE_DEVICES: SGLang's receiving side
+maps a device UUID back to its own index (utils/patch_torch.py), so the UUID is what is sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing as mp
+from torch.multiprocessing import reductions
+
+DEVICE_ARG = 6  # rebuild_cuda_tensor's argument that names the device (torch's reductions.reduce_tensor)
+
+
+def _reduce_naming_device_uuid(t: torch.Tensor):
+    rebuild, args = reductions.reduce_tensor(t)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        uuid = str(torch.cuda.get_device_properties(args[DEVICE_ARG]).uuid)
+        args = (*args[:DEVICE_ARG], uuid, *args[DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+class _HandlePickler(ForkingPickler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dispatch_table[torch.Tensor] = _reduce_naming_device_uuid
+
+
+@contextmanager
+def file_system_sharing() -> Iterator[None]:
+    """CPU storages shared by file name (a process on this machine opens it) inside the block."""
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+class SharedBucket:
+    """Named tensors copied into one fresh buffer (shared memory on a CPU, the tensors' own GPU on
+    CUDA), and the handle payload a server rank reads: base64 of the pickled list of (name, view).
+    Keep the object alive until the servers have loaded it."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+        device = named[0][1].device
+        dtypes = {t.dtype for _, t in named}
+        with file_system_sharing():
+            # one storage per dtype: a bucket's tensors share one handle each, not one per tensor
+            flats = {dt: torch.empty(sum(t.numel() for _, t in named if t.dtype == dt), dtype=dt, device=device)
+                     for dt in sorted(dtypes, key=str)}
+            if device.type == "cpu":
+                for flat in flats.values():
+                    flat.share_memory_()
+            offsets = dict.fromkeys(flats, 0)
+            self.views: list[tuple[str, torch.Tensor]] = []
+            for name, t in named:
+                n = t.numel()
+                view = flats[t.dtype][offsets[t.dtype]:offsets[t.dtype] + n].view(t.shape)
+                view.copy_(t.detach())
+                offsets[t.dtype] += n
+                self.views.append((name, view))
+            buf = io.BytesIO()
+            _HandlePickler(buf).dump(self.views)
+        self._flats = flats
+        self.payload = base64.b64encode(buf.getvalue()).decode("ascii")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self._flats.values())
+
+    def cpu_copy(self) -> dict[str, torch.Tensor]:
+        """The bucket's tensors, copied onto the CPU (what the push is verified against)."""
+        return {name: v.to("cpu", copy=True) for name, v in self.views}
+
+
+def ranks_read_by(server: int, tp_size: int, gpus_per_server: int, world_size: int) -> list[int]:
+    """The trainer rank whose handles each tensor-parallel rank of server `server` reads: rank j of
+    server i sits on GPU i x gpus_per_server + j, as the trainer rank of that number does colocated;
+    with fewer trainer ranks than server GPUs (a split layout), ranks are reused in turn (a handle
+    opens on any GPU of the machine, and the server copies across)."""
+    return [(server * gpus_per_server + j) % world_size for j in range(tp_size)]

@@ -86,6 +86,40 @@ def test_each_server_rank_reads_the_trainer_rank_on_its_gpu():
     assert [ranks_read_by(i, 2, 2, 1) for i in range(2)] == [[0, 0], [0, 0]]
 
 
+# as SGLang's receiving side does (utils/patch_torch.py): a CUDA handle's device named by UUID is
+# mapped to this process's index of that GPU
+READ_CUDA_ELSEWHERE = """
+import base64, json, pickle, sys
+import torch
+from safetensors.torch import save_file
+from torch.multiprocessing import reductions
+original, seen = reductions.rebuild_cuda_tensor, []
+def by_uuid(*args):
+    seen.append(type(args[6]).__name__)
+    index = next(i for i in range(torch.cuda.device_count())
+                 if str(torch.cuda.get_device_properties(i).uuid) == args[6])
+    return original(*args[:6], index, *args[7:])
+reductions.rebuild_cuda_tensor = by_uuid
+named = pickle.loads(base64.b64decode(sys.stdin.read()))
+save_file({n: t.to("cpu").contiguous() for n, t in named}, sys.argv[1])
+print(json.dumps(sorted(set(seen))))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA IPC handle needs a GPU")
+def test_a_bucket_on_the_gpu_opens_in_another_process_by_the_devices_uuid(tmp_path):
+    named = [(n, t.cuda()) for n, t in weights()]
+    bucket = SharedBucket(named)  # kept alive (the sender must be) until the other process has read it
+    assert len(bucket.payload) < 4096
+    out = subprocess.run([sys.executable, "-c", READ_CUDA_ELSEWHERE, str(tmp_path / "got.safetensors")],
+                         input=bucket.payload, capture_output=True, text=True, check=True, timeout=300)
+    assert json.loads(out.stdout.splitlines()[-1]) == ["str"]  # the device travelled as its UUID
+    got = load_file(str(tmp_path / "got.safetensors"))
+    for name, t in weights():
+        assert torch.equal(got[name], t), name
+
+
 # -- two real ranks ----------------------------------------------------------------------------------
 def worker(spec: dict) -> None:
     """Under torchrun, 2 ranks over gloo: push each rank's weights by handle; rank 0's `send` opens every

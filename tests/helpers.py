@@ -157,3 +157,25 @@ def serving_in_thread(model_dir, **kwargs):
         sched.stop()
         sched.thread.join(timeout=30)
         server.server_close()
+
+
+def serve_process(model_dir: Path, log: Path, *flags: str, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """`rlrecipe serve MODEL_DIR FLAGS` started on a free port, its output in `log`; returns once
+    /health_generate answers 200 (the process and its URL). The caller stops it."""
+    import requests
+
+    from tests.rollout.test_sglang_client import free_port, rlrecipe_cmd
+
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*rlrecipe_cmd(), "serve", str(model_dir), "--port", str(port), *flags],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        try:
+            if requests.get(url + "/health_generate", timeout=5).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            time.sleep(0.2)

@@ -175,16 +175,11 @@ def _served(root, data, model, port: int) -> dict:
 @pytest.mark.slow
 def test_colocated_through_rlrecipe_serve_trains_evaluates_and_resumes_after_a_kill(tmp_path, tiny_model_dir):
     import os
-    import socket
     import subprocess
     import sys
 
     from tests.helpers import kill_once_checkpointed, write_recipe
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from tests.rollout.test_sglang_client import free_port
 
     data = write_tiny_data(tmp_path / "data")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -228,17 +223,14 @@ def test_colocated_zero3_on_two_ranks_pushes_each_ranks_handles_to_the_server_on
     by value, and every push is verified (a wrong or missing weight fails the run)."""
     import os
     import re
-    import socket
     import subprocess
     import sys
 
     from tests.helpers import write_recipe
+    from tests.rollout.test_sglang_client import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     data = write_tiny_data(tmp_path / "data")
-    spec = _served(tmp_path, data, tiny_model_dir, port)
+    spec = _served(tmp_path, data, tiny_model_dir, free_port())
     spec["rl"].update(steps=2, save_every=2, eval_every=0)
     spec["rollout"]["sglang"].update(weight_sync="ipc", num_servers=2)
     spec["trainer"].update(engine="deepspeed", nproc=2, zero_stage=3)

@@ -3,7 +3,6 @@ resume on every server, the tensor push (weight_sync: tensor) verified, and the 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,28 +19,13 @@ from rlrecipe.rollout.sglang.http_pool import Post
 from rlrecipe.rollout.sglang.server import server_specs, sglang_launch_cmd
 from rlrecipe.rollout.weights.check import WeightMismatch
 from rlrecipe.rollout.weights.transport import WeightTransport, weight_transport
-from tests.rollout.test_sglang_client import free_port, rlrecipe_cmd, stop_process
-
-
-def _serve(model_dir, log: Path, *flags: str):
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*rlrecipe_cmd(), "serve", str(model_dir), "--port", str(port), *flags],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-        try:
-            if requests.get(url + "/health_generate", timeout=5).status_code == 200:
-                return proc, url
-        except requests.RequestException:
-            time.sleep(0.2)
+from tests.helpers import serve_process
+from tests.rollout.test_sglang_client import stop_process
 
 
 @pytest.fixture(scope="module")
 def colocated(tiny_model_dir, tmp_path_factory):
-    proc, url = _serve(tiny_model_dir, tmp_path_factory.mktemp("colocated") / "serve.log", "--enable-memory-saver")
+    proc, url = serve_process(tiny_model_dir, tmp_path_factory.mktemp("colocated") / "serve.log", "--enable-memory-saver")
     yield {"url": url, "proc": proc}
     stop_process(proc)
 
@@ -98,7 +82,7 @@ def test_release_is_refused_by_the_client_while_a_request_is_in_flight(engine, c
 
 
 def test_a_server_without_the_flag_is_named_with_the_hint(tiny_model_dir, tmp_path):
-    proc, url = _serve(tiny_model_dir, tmp_path / "serve.log")
+    proc, url = serve_process(tiny_model_dir, tmp_path / "serve.log")
     try:
         tok = load_tokenizer(tiny_model_dir)
         with SGLangEngine([url], eos_token_id=tok.eos_token_id) as eng:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -160,23 +158,12 @@ def test_a_resume_of_a_tag_not_released_is_fatal(served):
 
 
 def test_a_release_with_a_request_in_flight_ends_the_server(tiny_model_dir, tmp_path):
-    from tests.rollout.test_sglang_client import free_port, rlrecipe_cmd
+    from tests.helpers import serve_process
 
-    port = free_port()
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*rlrecipe_cmd(), "serve", str(tiny_model_dir), "--port", str(port),
-                                 "--enable-memory-saver"], stdout=out, stderr=subprocess.STDOUT)
+    proc, url = serve_process(tiny_model_dir, log, "--enable-memory-saver")
+    port = int(url.rsplit(":", 1)[1])
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            try:
-                if requests.get(url + "/health_generate", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                time.sleep(0.2)
         # a stream whose first event has come is a request the scheduler is running
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         conn.request("POST", "/generate", body=json.dumps(

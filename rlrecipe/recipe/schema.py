@@ -175,6 +175,11 @@ class Recipe(Section):
             where = f"rollout.urls {far[0]}" if far else f"{max(tr.nodes, ro.sglang.nodes)} nodes"
             raise ValueError(f"rollout.sglang.weight_sync: ipc with {where}: a handle opens only on the machine "
                              "that shares it; use weight_sync: tensor or disk, or rollout.colocate")
+        sg = ro.sglang
+        if not ro.urls and sg.num_servers * sg.tp_size > tr.nproc:
+            raise ValueError(f"rollout.sglang.weight_sync: ipc with {sg.num_servers * sg.tp_size} server GPUs "
+                             f"(num_servers x tp_size) and {tr.nproc} trainer ranks: each server rank reads the "
+                             "handles of one trainer rank, once; use weight_sync: tensor or disk")
         return self
 
     @model_validator(mode="after")

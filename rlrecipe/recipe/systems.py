@@ -104,6 +104,12 @@ class SGLangServer(Section):
             raise ValueError(f"weight_sync: distributed with dp_size {self.dp_size}: SGLang joins a server to "
                              "the weight broadcast group only with dp_size 1; set dp_size: 1 and run "
                              "num_servers x dp_size servers instead, or weight_sync: disk")
+        # every data-parallel replica's rank j would read entry j of the handles: twice read, and from
+        # another replica's GPU
+        if self.weight_sync == "ipc" and self.dp_size > 1:
+            raise ValueError(f"weight_sync: ipc with dp_size {self.dp_size}: each server rank must read the "
+                             "handles of the trainer rank on its own GPU; run num_servers x dp_size servers of "
+                             "dp_size 1 instead, or weight_sync: disk")
         return self
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import pickle
 
@@ -47,14 +48,18 @@ def _load_storage(data: bytes):
     return storage
 
 
+def _rebuild_from_file(seen: list[str], cls, manager, handle, size, dtype=None):
+    seen.append(handle.decode() if isinstance(handle, bytes) else str(handle))
+    return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file):
         super().__init__(file)
         self.shared_files: list[str] = []  # the shared-memory files the tensors were mapped from
-
-    def _from_file(self, cls, manager, handle, size, dtype=None):
-        self.shared_files.append(handle.decode() if isinstance(handle, bytes) else str(handle))
-        return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+        # not a bound method: the memo holds what find_class returns, and a cycle back to the unpickler
+        # would keep every mapped file open until a garbage collection
+        self._from_file = functools.partial(_rebuild_from_file, self.shared_files)
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):

@@ -11,6 +11,8 @@ the rules a GPU server enforces."""
 
 from __future__ import annotations
 
+import gc
+
 import requests
 import torch
 from safetensors.torch import load_file
@@ -20,6 +22,7 @@ from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.rollout.sglang.tensor_push import tensor_bodies
 from rlrecipe.rollout.weights.handle_push import push_by_handles
 from tests.live.test_live_engine import PROMPT, _generate, _hf_logprobs
+from tests.rollout.test_weight_handles import shared_files
 
 
 def _weights(model_dir) -> dict:
@@ -84,6 +87,8 @@ def test_a_push_by_handle_serves_the_pushed_weights(sglang_server, demo_model_di
             with eng.handles_pushed(1, world_size=1) as send:
                 pushed = push_by_handles(iter(named), bucket, lambda p, last: (sent.append(last), send(p, last)))
             assert len(sent) >= 4 and sent[-1] and not any(sent[:-1])
+            gc.collect()
+            assert shared_files() == []  # SGLang let each bucket's memory go once it had loaded it
             eng.flush_cache()
             eng.resume_memory(["kv_cache", "cuda_graph"])
             eng.verify_push(1, state_dict=pushed)  # checksums, bit for bit

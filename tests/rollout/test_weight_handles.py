@@ -39,8 +39,16 @@ from safetensors.torch import save_file
 from rlrecipe.serve.tensors import read_named_tensors
 named, files = read_named_tensors({"serialized_named_tensors": [sys.stdin.read()], "load_format": None})
 save_file({n: t.contiguous() for n, t in named}, sys.argv[1])
+del named  # as a server drops what it loaded: the mapping's reference goes
 print(json.dumps(files))
 """
+
+
+def shared_files() -> list[str]:
+    """This process's shared-memory files (torch names them torch_<pid>_...)."""
+    import os
+
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{os.getpid()}_")]
 
 
 def test_a_bucket_shared_by_file_name_opens_in_another_process_with_its_values(tmp_path):
@@ -58,6 +66,9 @@ def test_a_bucket_shared_by_file_name_opens_in_another_process_with_its_values(t
     for name, t in named:
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
     assert {n: torch.equal(t, dict(named)[n]) for n, t in bucket.cpu_copy().items()} == dict.fromkeys(got, True)
+    assert len(shared_files()) == 3
+    del bucket  # read once and dropped by both sides: nothing is left in /dev/shm
+    assert shared_files() == []
 
 
 def test_a_payload_sharing_by_file_descriptor_is_refused_by_name():
@@ -77,13 +88,13 @@ def test_a_payload_sharing_by_file_descriptor_is_refused_by_name():
         read_named_tensors(body)
 
 
-def test_each_server_rank_reads_the_trainer_rank_on_its_gpu():
+def test_each_server_rank_reads_the_trainer_rank_on_its_gpu_once():
     # colocated: 8 ranks, servers of tp 2 on GPUs 0-1, 2-3, ...
-    assert [ranks_read_by(i, 2, 2, 8) for i in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    # dp 2 x tp 2 a server: its tensor-parallel ranks sit on the first GPUs of its four
-    assert [ranks_read_by(i, 2, 4, 8) for i in range(2)] == [[0, 1], [4, 5]]
-    # one trainer rank (a split layout on one machine): every server rank reads it
-    assert [ranks_read_by(i, 2, 2, 1) for i in range(2)] == [[0, 0], [0, 0]]
+    assert [ranks_read_by(i, 2, 8) for i in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert ranks_read_by(1, 4, 8) == [4, 5, 6, 7]
+    # a payload read twice would give back two references for the one its pickling took
+    with pytest.raises(ValueError, match="ranks read trainer ranks 2-3, and the trainer has 2"):
+        ranks_read_by(1, 2, 2)
 
 
 # as SGLang's receiving side does (utils/patch_torch.py): a CUDA handle's device named by UUID is
@@ -145,7 +156,7 @@ def worker(spec: dict) -> None:
 
     try:
         pushed = push_by_handles(iter(weights(rank)), spec["bucket_bytes"], send if rank == 0 else None)
-        result = {"pushed": sorted(pushed), "sent": sent}
+        result = {"pushed": sorted(pushed), "sent": sent, "left_in_shm": shared_files()}
         if rank == 0:
             save_file({n: t.contiguous() for n, t in pushed.items()}, str(out / "pushed.safetensors"))
     except RuntimeError as err:
@@ -168,7 +179,8 @@ def test_every_ranks_handles_reach_rank_zero_bucket_by_bucket(tmp_path):
     # 1 MiB buckets: the 1 MiB weight alone, then the rest together; only the second is the last
     assert [b["last"] for b in r0["sent"]] == [False, True]
     assert [b["ranks"]["0"]["names"] for b in r0["sent"]] == [["a.weight"], ["a.bias", "b.weight", "steps"]]
-    assert r1 == {"pushed": [], "sent": []}
+    assert r1 == {"pushed": [], "sent": [], "left_in_shm": []}
+    assert r0["left_in_shm"] == []  # every bucket's files went once the server side had read them
     for k in (0, 1):
         names = r0["sent"][k]["ranks"]["0"]["names"]
         for r in (0, 1):

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import distinct_tensors
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang.session import session
@@ -98,10 +99,17 @@ def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterato
     in rank order) to every live server, each server rank reading its GPU's trainer rank; closed
     after, also when the push fails."""
     cfg = srv.cfg
-    gpus = cfg.tp_size * cfg.dp_size
     live = list(srv.live)
-    reads = {i: ranks_read_by(i, int(srv.server_info(i).get("tp_size", cfg.tp_size) or cfg.tp_size), gpus,
-                              world_size) for i in live}
+    reads = {}
+    for i in live:
+        info = srv.server_info(i)
+        if int(info.get("dp_size", 1) or 1) > 1:  # every data-parallel replica would read the same entries
+            raise UserError(f"SGLang server {srv.urls[i]} runs dp_size {info['dp_size']}: weight_sync ipc needs "
+                            "servers of one replica each (more servers instead), or weight_sync disk")
+        try:
+            reads[i] = ranks_read_by(i, int(info.get("tp_size", cfg.tp_size) or cfg.tp_size), world_size)
+        except ValueError as err:
+            raise UserError(f"SGLang server {srv.urls[i]}: {err}") from None
 
     def send(payloads: list[str], last: bool) -> None:
         for i in live:

@@ -8,7 +8,8 @@ in-place push verl, slime and OpenRLHF make colocated, and, on a CPU, the same c
 
 A handle names memory the sender must keep and not write until the server has loaded it (SGLang
 answers once its copies are queued, not done): each bucket is a fresh buffer, dropped by the caller
-only after every server's request for it returned. A CUDA handle names its device by index, which
+only after every server's request for it returned. A payload no server reads (a failed push) keeps
+its shared file until the process ends. A CUDA handle names its device by index, which
 means another GPU to a server started with another CUDA_VISIBLE_DEVICES: SGLang's receiving side
 maps a device UUID back to its own index (utils/patch_torch.py), so the UUID is what is sent.
 """
@@ -90,9 +91,14 @@ class SharedBucket:
         return {name: v.to("cpu", copy=True) for name, v in self.views}
 
 
-def ranks_read_by(server: int, tp_size: int, gpus_per_server: int, world_size: int) -> list[int]:
+def ranks_read_by(server: int, tp_size: int, world_size: int) -> list[int]:
     """The trainer rank whose handles each tensor-parallel rank of server `server` reads: rank j of
-    server i sits on GPU i x gpus_per_server + j, as the trainer rank of that number does colocated;
-    with fewer trainer ranks than server GPUs (a split layout), ranks are reused in turn (a handle
-    opens on any GPU of the machine, and the server copies across)."""
-    return [(server * gpus_per_server + j) % world_size for j in range(tp_size)]
+    server i sits on GPU i x tp_size + j, as the trainer rank of that number does colocated (in a
+    split layout on one machine, a handle opens on any of its GPUs, and the server copies across).
+    Each payload is read once: its pickling took one reference to the memory and the reading gives
+    it back, so a trainer rank per server GPU is needed."""
+    ranks = [server * tp_size + j for j in range(tp_size)]
+    if ranks[-1] >= world_size:
+        raise ValueError(f"server {server}'s tensor-parallel ranks read trainer ranks {ranks[0]}-{ranks[-1]}, "
+                         f"and the trainer has {world_size}: weight_sync ipc needs a trainer rank per server GPU")
+    return ranks

@@ -4,10 +4,13 @@ async rows of bench.projection.async_fast.
 
 The phase changes (release, reload, offload, resume, push, verification) come from
 rlrecipe/checks/colocate.py, the same assumptions `rlrecipe fit` ranks colocated layouts by; each is
-an assumption (that module says how to measure it). The push is the cheaper of the two built (by value
-over HTTP, weight_sync: tensor; over disk), as fit chooses. The training itself is the projection's cost
-model (bench.projection.asynchronous). The sensitivity table scales one assumption at a time and costs
-each push kind: by value as built, over disk, and in place over CUDA IPC, which is not built.
+an assumption or a measurement (that module says which, and how to measure it). The push is the
+cheapest of the three built (by value over HTTP, weight_sync: tensor; over disk; by CUDA IPC handle,
+weight_sync: ipc, verified on CPU against the released SGLang but not yet run whole on a GPU), as fit
+chooses. The training itself is the projection's cost model (bench.projection.asynchronous). The
+sensitivity table scales one assumption at a time and costs each push kind as built, and the push by
+handle with two changes that are not built: the verification's copy into pinned memory, and each
+bucket posted to the servers side by side.
 
 The goal it is read against: colocated C3PO++ at >= 2.27x the shipped split per trained token (the
 figure AReaL v0.3 measured for its asynchronous mode at 7B). Reported, never tuned toward.
@@ -18,31 +21,71 @@ figure AReaL v0.3 measured for its asynchronous mode at 7B). Reported, never tun
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from bench.projection.async_fast import AREAL_GOAL, LOGNORMAL, STEPS, SYNC_RECIPE
 from bench.projection.asynchronous import AREAL_LENGTHS, areal_groups, async_projection
 from bench.projection.rollout import lognormal_groups
-from rlrecipe.checks.colocate import ASSUMED, PhaseCosts, cheapest_push, describe, phase_seconds, push_seconds
+from rlrecipe.checks.colocate import (
+    ASSUMED,
+    PhaseCosts,
+    allowed_pushes,
+    cheapest_push,
+    describe,
+    ipc_push_s,
+    phase_seconds,
+    push_seconds,
+)
+from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS
 
 DISK = ("export_bytes_s", "disk_load_bytes_s", "node_read_bytes_s", "fs_read_bytes_s")
-# One assumption scaled at a time: (label, key, PhaseCosts.scaled factors, push kind); a factor > 1 is
-# slower; push None: the cheaper built push, as fit chooses; "ipc" is not built.
-SENSITIVITY = (("push by value, as built", "tensor_", {}, "tensor"),
-               ("push by value 4x faster (1 GB/s)", "tensor0.25x_", {"by_value_bytes_s": 0.25}, "tensor"),
-               ("push over disk", "disk_", {}, "disk"),
-               ("push over disk 4x slower", "disk4x_", dict.fromkeys(DISK, 4), "disk"),
-               ("push in place over CUDA IPC (not built)", "ipc_", {}, "ipc"),
-               ("offload 10 GB/s", "offload10_", {"offload_bytes_s": 2}, None),
-               ("offload 5 GB/s", "offload5_", {"offload_bytes_s": 4}, None),
-               ("release, resume 5x", "release5x_", {"release_s": 5, "resume_s": 5}, None),
-               ("verify 10x", "verify10x_", {"verify_s": 10}, None),
-               ("all 4x", "all4x_", {**dict.fromkeys(DISK, 4), "by_value_bytes_s": 4, "ipc_push_bytes_s": 4,
-                                     "offload_bytes_s": 4, "release_s": 4, "resume_s": 4, "verify_s": 4}, None))
+# MEASURED on one H100 here (bench/gpu/ipc_push_h100.json): a device-to-host copy into pinned memory,
+# 54-55 GB/s, against colocate.py's verify_copy_bytes_s into fresh pageable memory as built
+PINNED_COPY_BYTES_S = 55e9
+PINNED = ASSUMED.verify_copy_bytes_s / PINNED_COPY_BYTES_S
+# the export's gather to rank 0's CPU at verify_copy_bytes_s, then its write at export_bytes_s
+EXPORT_GATHERED = 1 + ASSUMED.export_bytes_s / ASSUMED.verify_copy_bytes_s
 
 
-def recipe_pushes(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED) -> dict[str, float]:
+class Variant(NamedTuple):
+    """One sensitivity row: PhaseCosts.scaled factors (> 1 slower) and the push costed (None: the cheapest
+    built one, as fit chooses); `posted_at_once`: how many servers rank 0 posts a bucket by handle to at
+    once (1 as built)."""
+
+    label: str
+    key: str
+    factors: dict
+    push: str | None
+    posted_at_once: int = 1
+
+
+SENSITIVITY = (Variant("push by value, as built", "tensor_", {}, "tensor"),
+               Variant("push by value 4x faster (1 GB/s)", "tensor0.25x_", {"by_value_bytes_s": 0.25}, "tensor"),
+               Variant("push over disk", "disk_", {}, "disk"),
+               Variant("push over disk 4x slower", "disk4x_", dict.fromkeys(DISK, 4), "disk"),
+               Variant("push over disk, the export's gather at the copy rate measured on an H100 (1.3 GB/s)",
+                       "disk_gather_", {"export_bytes_s": EXPORT_GATHERED}, "disk"),
+               Variant("push by handle, as built (GPU-unverified)", "ipc_", {}, "ipc"),
+               Variant("push by handle, the verification's copy into pinned memory (55 GB/s; not built)",
+                       "ipc_pinned_", {"verify_copy_bytes_s": PINNED}, "ipc"),
+               Variant(f"push by handle, each bucket posted to {MAX_PARALLEL_LOADS} servers at once (not built)",
+                       "ipc_at_once_", {}, "ipc", MAX_PARALLEL_LOADS),
+               Variant("push by handle, both (not built)", "ipc_pinned_at_once_", {"verify_copy_bytes_s": PINNED},
+                       "ipc", MAX_PARALLEL_LOADS),
+               Variant("offload 10 GB/s", "offload10_", {"offload_bytes_s": 2}, None),
+               Variant("offload 5 GB/s", "offload5_", {"offload_bytes_s": 4}, None),
+               Variant("release, resume 5x", "release5x_", {"release_s": 5, "resume_s": 5}, None),
+               Variant("verify 10x", "verify10x_", {"verify_s": 10}, None),
+               Variant("all 4x", "all4x_", {**dict.fromkeys(DISK, 4), "by_value_bytes_s": 4, "ipc_push_bytes_s": 4,
+                                            "ipc_request_s": 4, "verify_copy_bytes_s": 4, "offload_bytes_s": 4,
+                                            "release_s": 4, "resume_s": 4, "verify_s": 4}, None))
+
+
+def recipe_pushes(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED,
+                  posted_at_once: int = 1) -> dict[str, float]:
     """Seconds of one push by each way (push_seconds) into the recipe's servers, colocated on all its GPUs
-    (trainer ranks + servers'): as many servers of its tensor parallelism as cover them."""
+    (trainer ranks + servers'): as many servers of its tensor parallelism as cover them; by handle with
+    each bucket posted to `posted_at_once` servers at once (1 as built)."""
     from rlrecipe.checks.model_dims import model_dims
     from rlrecipe.checks.plan import rollout_engines
     from rlrecipe.recipe.schema import load_recipe
@@ -51,14 +94,19 @@ def recipe_pushes(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED) -
     r = loaded.recipe
     tp = r.rollout.sglang.tp_size
     gpus = r.trainer.nproc * r.trainer.nodes + rollout_engines(r) * tp
-    return push_seconds(model_dims(loaded), r.rollout.dtype, servers=gpus // tp, tp=tp,
-                        nodes=gpus // r.trainer.nproc, costs=costs)
+    d, shape = model_dims(loaded), dict(servers=gpus // tp, nodes=gpus // r.trainer.nproc,
+                                        bucket_bytes=r.rollout.sglang.weight_sync_bucket_mb << 20, costs=costs)
+    out = push_seconds(d, r.rollout.dtype, tp=tp, **shape)
+    if posted_at_once != 1:
+        out["ipc"] = ipc_push_s(d, r.rollout.dtype, posted_at_once=posted_at_once, **shape)
+    return out
 
 
 def recipe_phases(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED,
-                  push: str | None = None) -> dict[str, float]:
+                  push: str | None = None, posted_at_once: int = 1) -> dict[str, float]:
     """The phase changes of the recipe's colocated step, on all its GPUs (trainer ranks + servers'), with
-    the push `push` ("tensor", "disk", "ipc") or, None, the cheaper built one."""
+    the push `push` ("tensor", "disk", "ipc") or, None, the cheapest built one (colocated, all three are
+    allowed)."""
     from rlrecipe.checks.model_dims import model_dims
     from rlrecipe.checks.plan import rollout_engines
     from rlrecipe.recipe.schema import load_recipe
@@ -66,10 +114,11 @@ def recipe_phases(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED,
     loaded = load_recipe(recipe_path)
     r = loaded.recipe
     gpus = r.trainer.nproc * r.trainer.nodes + rollout_engines(r) * r.rollout.sglang.tp_size
-    pushes = recipe_pushes(recipe_path, costs)
+    pushes = recipe_pushes(recipe_path, costs, posted_at_once)
+    kind = push or cheapest_push(pushes, allowed_pushes(colocated=True))
     return phase_seconds(model_dims(loaded), dtype=r.model.dtype, ranks=gpus,
                          offload_optimizer=r.trainer.offload_optimizer, offload_params=r.trainer.offload_params,
-                         push_s=pushes[push or cheapest_push(pushes)], zero_stage=r.trainer.zero_stage, costs=costs)
+                         push_s=pushes[kind], zero_stage=r.trainer.zero_stage, costs=costs)
 
 
 def _ratios(result: dict, prefix: str) -> dict:
@@ -92,13 +141,15 @@ def one_distribution(groups: list[list[int]], label: str, steps: int = STEPS) ->
                 "c3po_colocated_costed_step_s": costed["step_s"], "sync_split_step_s": rows["sync, split as shipped"]["step_s"],
                 "c3po_colocated_costed_rollout_s": costed["rollout_s"],
                 "c3po_colocated_costed_train_s": costed["train_push_s"] - costed["push_trainer_s"],
-                "phase_changes_s": sum(phases.values()), "push_kind": cheapest_push(recipe_pushes()),
+                "phase_changes_s": sum(phases.values()),
+                "push_kind": cheapest_push(recipe_pushes(), allowed_pushes(colocated=True)),
                 **{f"push_{k}_s": v for k, v in recipe_pushes().items()},
                 **{f"phase_{k}_s": v for k, v in phases.items()}})
-    for _, key, factors, push in SENSITIVITY:
-        varied = recipe_phases(costs=ASSUMED.scaled(**factors), push=push)
-        out.update(_ratios(async_projection(SYNC_RECIPE, groups, colocated_phases=varied, **kw), key))
-        out[f"{key}phase_changes_s"] = sum(varied.values())
+    for v in SENSITIVITY:
+        varied = recipe_phases(costs=ASSUMED.scaled(**v.factors), push=v.push, posted_at_once=v.posted_at_once)
+        out.update(_ratios(async_projection(SYNC_RECIPE, groups, colocated_phases=varied, **kw), v.key))
+        out[f"{v.key}phase_changes_s"] = sum(varied.values())
+        out[f"{v.key}push_s"] = varied["push"]
     out["goal_2_27x_vs_sync_split_met"] = out["c3po_colocated_costed_vs_sync_split_per_trained_token"] >= AREAL_GOAL
     out["assumptions"] = {**result["assumptions"], "phase_costs": describe(),
                           "colocated_kv": "the recipe's memory fraction (0.8 x 80 GB) leaves 16 GB outside the pool, "
@@ -138,7 +189,8 @@ def markdown(result: dict) -> str:
               f"| as assumed (push {result['lognormal_push_kind']}) | {result['lognormal_phase_changes_s']:.1f} | "
               f"{result['lognormal_c3po_colocated_costed_vs_sync_split_per_trained_token']:.3f}× | "
               f"{result['areal_c3po_colocated_costed_vs_sync_split_per_trained_token']:.3f}× |"]
-    for label, key, _, _ in SENSITIVITY:
+    for v in SENSITIVITY:
+        label, key = v.label, v.key
         lines.append(f"| {label} | {result[f'lognormal_{key}phase_changes_s']:.1f} | "
                      f"{result[f'lognormal_{key}c3po_colocated_costed_vs_sync_split_per_trained_token']:.3f}× | "
                      f"{result[f'areal_{key}c3po_colocated_costed_vs_sync_split_per_trained_token']:.3f}× |")

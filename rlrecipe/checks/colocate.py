@@ -6,8 +6,8 @@ the trainer reloads its offloaded state (DeepSpeed reload_states), computes the 
 update, and offloads it again (offload_states, to pinned host memory); the servers take their weights
 back, receive the new ones, flush the prefix cache and take the KV cache back; the weights are verified.
 
-The new weights reach the resumed servers by one of two pushes that are built, whichever costs less
-(fit writes it as rollout.sglang.weight_sync):
+The new weights reach the resumed servers by one of three pushes that are built, whichever costs
+least (fit writes it as rollout.sglang.weight_sync):
   tensor    rank 0 gathers the weights, pickles them by value (base64 in a JSON body, one copy per
             tensor-parallel rank of the server) and POSTs them to each server in turn
             (rollout/sglang/tensor_push.py): servers x tp x the weights' bytes, one after another
@@ -15,8 +15,15 @@ The new weights reach the resumed servers by one of two pushes that are built, w
             storage /resume_memory_occupation mapped back), one server per node first and then the
             node's others from the page cache (rollout/sglang/weights.py), as bench/projection/push.py
             costs a split layout's disk push
-A push in place over CUDA IPC (tensor handles, nothing serialized) is not built; ipc_push_s says what it
-would cost, for comparison only.
+  ipc       every trainer rank gathers the full weights (ZeRO-3, module by module, inside its node),
+            copies them bucket by bucket into a fresh buffer on its GPU and shares it by CUDA IPC handle;
+            rank 0 posts each bucket's handles to each server in turn, each server rank copying from the
+            trainer rank on its own GPU, and keeps a CPU copy of every bucket for the verification
+            (rollout/weights/handle_push.py, rollout/sglang/tensor_push.py handle_session). Only where
+            every server shares a machine with the rank it reads (allowed_pushes: recipe/schema.py's
+            rule). Verified on CPU against the released SGLang; on one H100 its handles were shared,
+            opened by a second process and copied bit for bit (bench/gpu/ipc_push.py), but the whole
+            push has not run on a GPU.
 
 So per GPU the peak is the larger of two phases (docs/gpu.md, "The colocated layout"):
   rollout   SGLang's static pool (mem_fraction_static x GPU: weights and KV cache), what SGLang keeps
@@ -24,7 +31,8 @@ So per GPU the peak is the larger of two phases (docs/gpu.md, "The colocated lay
   training  the trainer's budget (plan.train_budget), and what the released SGLang still holds
 and each node's host memory holds its ranks' offloaded state.
 
-Every constant below is an assumption, not a measurement; each comment says how to measure it.
+Every constant below is an assumption unless its comment says MEASURED; each comment says how to
+measure it.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
 from rlrecipe.checks.step_time import GPU, H100, Training
-from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS
+from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
 
 # ASSUMPTION: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its static pool
 # (SGLang's own default leaves 10-20% of a GPU). --enable-memory-saver releases only the pool (weights
@@ -83,10 +91,32 @@ class PhaseCosts:
     # one node and on every node at once.
     node_read_bytes_s: float = 12.5e9
     fs_read_bytes_s: float = 100e9
-    # NOT BUILT: what an in-place push would cost (bucketed CUDA IPC handles, the ZeRO-3 gather inside a
-    # node included), from peers' published figure of about 1.6 s for a 14B model (14.8e9 parameters,
-    # 29.6 GB in bf16) on 8 x H100: 18.5 GB/s. Only the projection's sensitivity uses it.
+    # ASSUMPTION, not verified on a GPU: the part of the push by handle (weight_sync: ipc) that peers
+    # measure (the ZeRO-3 gather inside a node, the bucketed copies into shared buffers and one server's
+    # loads; the further servers' requests and the verification's copy are below), from their published
+    # figure of about 1.6 s for a 14B model (14.8e9 parameters, 29.6 GB in bf16) on 8 x H100 (SkyRL, 1 GB
+    # buckets, its engines loading side by side): 18.5 GB/s.
+    # MEASURED on one H100 here (bench/gpu/ipc_push_h100.json): the sharing, a second process opening
+    # the handles and copying, for 7B's 15.2 GB in 30 buckets of 512 MB, took 0.07 s, so the figure is
+    # the gather and the engine's loading, neither measured. Measure: the push's seconds in a run's log
+    # with one server, less ipc_request_s x buckets and the verification copy.
     ipc_push_bytes_s: float = 29.6e9 / 1.6
+    # ASSUMPTION: one /update_weights_from_tensor by handle (one bucket into one server), which rank 0
+    # waits for before posting the next server: 10 ms. MEASURED parts: 5.5 ms a request (median of 228)
+    # for the request alone, the released SGLang 0.5.23 on this 2-core CPU taking one-tensor buckets of
+    # the demo model by shared-memory file name; on one H100 a 512 MB bucket's handles opened in about
+    # 1 ms and copied in 0.6 ms (bench/gpu/ipc_push_h100.json); SGLang's load_weights on a GPU is not
+    # measured. Measure: the push's seconds in a run's log against servers x buckets.
+    ipc_request_s: float = 0.01
+    # MEASURED on one H100 here (a Firecracker VM, torch 2.11; bench/gpu/ipc_push_h100.json): rank 0's
+    # copy of each pushed bucket into host memory, which the checksum verification reads (SharedBucket.
+    # cpu_copy: `.to("cpu", copy=True)`, fresh pageable memory each push): 1.29 GB/s inside the push,
+    # 1.31-1.33 GB/s alone (1.46 GB/s on an earlier machine), against 12.5-13 GB/s into pageable memory
+    # written before and 54-55 GB/s into pinned memory. Not measured on a bare-metal host. The export's
+    # gather to rank 0's CPU (trainer full_state_dict, weight_sync: disk) makes the same kind of copy,
+    # which export_bytes_s's 2 GB/s does not reflect. Measure: `python3 bench/gpu/ipc_push.py` on the
+    # cluster's node (cpu_copy_bytes_s).
+    verify_copy_bytes_s: float = 1.3e9
     # ASSUMPTION: the weight verification after each push (checksums on both sides: the weights read once
     # at HBM speed, milliseconds, plus the calls). Measure: the verification's seconds in a run's log.
     verify_s: float = 0.5
@@ -104,8 +134,22 @@ PHASES = ("release", "reload", "train", "offload", "resume", "push", "verify")
 # MEASURED here (CPU, `rlrecipe serve` as the server, commit 9fcf686): 271 MB by value in about 4.0 s
 # (pickle, base64, HTTP, unpickle, copy), for comparison with PhaseCosts.by_value_bytes_s.
 CPU_STANDIN_BY_VALUE_BYTES_S = 271e6 / 4.0
-# The pushes a colocated layout can use (rollout.sglang.weight_sync), cheapest chosen; "ipc" is not built.
-BUILT_PUSHES = ("tensor", "disk")
+# rollout.sglang.weight_sync_bucket_mb's default: the most one request carries
+DEFAULT_BUCKET_BYTES = SGLangServer.model_fields["weight_sync_bucket_mb"].default << 20
+# The pushes built into SGLang servers that fit costs (rollout.sglang.weight_sync), cheapest chosen.
+BUILT_PUSHES = ("tensor", "disk", "ipc")
+
+
+def allowed_pushes(*, colocated: bool, trainer_nodes: int = 1, rollout_nodes: int = 1,
+                   server_gpus: int = 0, trainer_ranks: int = 0) -> tuple[str, ...]:
+    """The built pushes a layout may use (recipe/schema.py's rule). A handle opens only on the machine
+    that shares it, and each server rank reads one trainer rank's handles, once, so "ipc" only where
+    every server rank reads a trainer rank of its own: colocated (any number of nodes), or trainer and
+    servers on one node with no more server GPUs than trainer ranks (attached rollout.urls must be local
+    too, which the layout cannot say)."""
+    if colocated or (trainer_nodes == 1 and rollout_nodes == 1 and server_gpus <= trainer_ranks):
+        return BUILT_PUSHES
+    return tuple(k for k in BUILT_PUSHES if k != "ipc")
 
 
 def offloaded_bytes(d: ModelDims, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
@@ -153,26 +197,36 @@ def disk_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 
     return seconds + math.ceil((servers - readers) / MAX_PARALLEL_LOADS) * w / costs.disk_load_bytes_s
 
 
-def ipc_push_s(d: ModelDims, rollout_dtype: str, nodes: int = 1, costs: PhaseCosts = ASSUMED,
-               gpu: GPU = H100) -> float:
-    """NOT BUILT: the push in place, the whole weights to every server at ipc_push_bytes_s (the gather
-    within a node included); across nodes each rank's gather also crosses the network."""
+def ipc_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 1,
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES, costs: PhaseCosts = ASSUMED, gpu: GPU = H100,
+               posted_at_once: int = 1) -> float:
+    """weight_sync: ipc, as built: the gather inside a node, the shared buckets and one server's loads
+    (ipc_push_bytes_s); rank 0 posting each of the (at least) weights / bucket_bytes buckets to the other
+    servers, `posted_at_once` at a time (1 as built: one after another), ipc_request_s each; rank 0's
+    copy of the weights to host memory for the verification (verify_copy_bytes_s); across nodes each
+    rank's gather also crosses the network."""
     w = _weights(d, rollout_dtype)
-    return w / costs.ipc_push_bytes_s + (w / gpu.network_bytes_s if nodes > 1 else 0.0)
+    buckets = math.ceil(w / bucket_bytes)
+    rounds = math.ceil(servers / posted_at_once) - 1  # the first round is in ipc_push_bytes_s's figure
+    return (w / costs.ipc_push_bytes_s + rounds * buckets * costs.ipc_request_s + w / costs.verify_copy_bytes_s
+            + (w / gpu.network_bytes_s if nodes > 1 else 0.0))
 
 
 def push_seconds(d: ModelDims, rollout_dtype: str, *, servers: int, tp: int, nodes: int = 1,
-                 costs: PhaseCosts = ASSUMED, gpu: GPU = H100) -> dict[str, float]:
-    """Seconds of one push to `servers` servers of `tp` GPUs on `nodes` nodes, by each way: the two
-    built ("tensor", "disk") and the in-place one that is not ("ipc")."""
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, costs: PhaseCosts = ASSUMED,
+                 gpu: GPU = H100) -> dict[str, float]:
+    """Seconds of one push to `servers` servers of `tp` GPUs on `nodes` nodes, by each built way
+    (`bucket_bytes`: rollout.sglang.weight_sync_bucket_mb)."""
     return {"tensor": tensor_push_s(d, rollout_dtype, servers=servers, tp=tp, nodes=nodes, costs=costs, gpu=gpu),
             "disk": disk_push_s(d, rollout_dtype, servers=servers, nodes=nodes, costs=costs),
-            "ipc": ipc_push_s(d, rollout_dtype, nodes, costs, gpu)}
+            "ipc": ipc_push_s(d, rollout_dtype, servers=servers, nodes=nodes, bucket_bytes=bucket_bytes,
+                              costs=costs, gpu=gpu)}
 
 
-def cheapest_push(seconds: dict[str, float]) -> str:
-    """The built push that costs least (on a tie, tensor: nothing written to disk)."""
-    return min(BUILT_PUSHES, key=lambda kind: seconds[kind])
+def cheapest_push(seconds: dict[str, float], allowed: tuple[str, ...] = BUILT_PUSHES) -> str:
+    """The allowed push (allowed_pushes) that costs least (on a tie the first of BUILT_PUSHES: tensor,
+    nothing written to disk)."""
+    return min(allowed, key=lambda kind: seconds[kind])
 
 
 def phase_seconds(d: ModelDims, *, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
@@ -206,5 +260,6 @@ def describe(costs: PhaseCosts = ASSUMED) -> dict[str, str]:
     out = {k: (f"{v / 1e9:g} GB/s" if k.endswith("bytes_s") else f"{v:g} s") for k, v in asdict(costs).items()}
     out.update(sglang_outside_pool=f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB", trainer_offloaded=f"{TRAINER_OFFLOADED_GIB:g} GiB",
                cpu_standin_by_value_measured=f"{CPU_STANDIN_BY_VALUE_BYTES_S / 1e9:.3g} GB/s",
-               ipc_push_bytes_s=f"{costs.ipc_push_bytes_s / 1e9:g} GB/s (not built)")
+               ipc_push_bytes_s=f"{costs.ipc_push_bytes_s / 1e9:g} GB/s (GPU-unverified)",
+               verify_copy_bytes_s=f"{costs.verify_copy_bytes_s / 1e9:g} GB/s (measured, one H100)")
     return out

@@ -2,7 +2,7 @@
 
 Searched: the rollout/training split (whole nodes across nodes, GPUs inside one) and, on one node,
 the colocated layout (every GPU shared, rollout and training taking turns: colocate.py, with the
-cheaper of its two built weight pushes, by value or over disk), SGLang's
+cheapest of its three built weight pushes: by value, over disk or by handle), SGLang's
 tensor parallelism and memory fraction, the ZeRO stage and CPU offload, micro-batch tokens (hence the
 gradient accumulation) and the log-prob chunk. Kept: the layouts whose `rlrecipe plan` budgets fit
 with FIT_MARGIN to spare (and the host memory, when given). Ranked: projected seconds per trained
@@ -20,6 +20,7 @@ from rlrecipe.checks.colocate import (
     SGLANG_OUTSIDE_POOL_GIB,
     TRAINER_OFFLOADED_GIB,
     PhaseCosts,
+    allowed_pushes,
     cheapest_push,
     colocated_training,
     phase_seconds,
@@ -147,7 +148,7 @@ class Layout:
     trained_tokens: float
     steps: int
     colocated: bool = False  # every GPU both rolls out and trains (train.time holds the phase changes)
-    push: str | None = None  # colocated: the weight push costed, rollout.sglang.weight_sync ("tensor" or "disk")
+    push: str | None = None  # colocated: the weight push costed, rollout.sglang.weight_sync ("tensor", "disk", "ipc")
 
     @property
     def s_per_mtoken(self) -> float:
@@ -331,11 +332,13 @@ class Search:
     def pushes(self, rollout: RolloutOption) -> dict[str, float]:
         """Seconds of one colocated push into this rollout option's servers, by each way (push_seconds)."""
         return push_seconds(self.dims, self.recipe.rollout.dtype, servers=rollout.servers, tp=rollout.tp,
-                            nodes=rollout.nodes, costs=self.costs)
+                            nodes=rollout.nodes, bucket_bytes=self.recipe.rollout.sglang.weight_sync_bucket_mb << 20,
+                            costs=self.costs)
 
     def colocated_layouts(self) -> list[Layout]:
         """The best colocated layout: every GPU a trainer rank and (part of) an SGLang server, the new
-        weights pushed by the cheaper built way into its servers."""
+        weights pushed by the cheapest built way into its servers (all three allowed: every server reads
+        the trainer rank on its own GPU)."""
         if not self.can_colocate():
             return []
         gpus = self.machine.gpus
@@ -345,7 +348,7 @@ class Search:
 
         def push(o: RolloutOption) -> tuple[str, float]:
             seconds = self.pushes(o)
-            kind = cheapest_push(seconds)
+            kind = cheapest_push(seconds, allowed_pushes(colocated=True))
             return kind, seconds[kind]
 
         # the push depends on the servers and adds to the step, so it ranks the rollout options too

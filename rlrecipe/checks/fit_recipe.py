@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from rlrecipe.checks.colocate import BUILT_PUSHES, PHASES
+from rlrecipe.checks.colocate import PHASES, allowed_pushes
 from rlrecipe.checks.fit import Fit, Layout, Search
 from rlrecipe.checks.model_dims import GIB
 from rlrecipe.checks.plan import plan
@@ -93,31 +93,36 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
         alt = (search.rollout_option(r.gpus, r.nodes, tp, frac)
                if tp in search.tp_candidates(r.gpus) and frac in search.fractions(layout.colocated) else None)
         here = f"KV cache of {r.kv_tokens:,} tokens per server"
-        # colocated, the push also depends on the servers: the cheaper built one into the alternative's
-        dpush = (min(search.pushes(alt)[k] for k in BUILT_PUSHES) - t.time.parts["push"]
+        # colocated, the push also depends on the servers: the cheapest built one into the alternative's
+        dpush = (min(search.pushes(alt)[k] for k in allowed_pushes(colocated=True)) - t.time.parts["push"]
                  if alt is not None and layout.colocated else 0.0)
         out[key] = (f"{here}; the source's value does not fit this machine" if alt is None else
                     f"{here}; the source's value projects {alt.time.seconds + dpush - r.time.seconds:+.0f} s a step")
     return out
 
 
+PUSH_WAY = {"tensor": "by value", "disk": "over disk", "ipc": "by handle"}
+
+
+def _others(seconds: dict[str, float], kind: str) -> str:
+    return " and ".join(f"{seconds[k]:.1f} s {PUSH_WAY[k]}" for k in allowed_pushes(colocated=True) if k != kind)
+
+
 def _push_reason(seconds: dict[str, float], kind: str) -> str:
-    """Why the colocated layout pushes its weights as it does: both built pushes' seconds, and the one not built."""
-    other = "disk" if kind == "tensor" else "tensor"
+    """Why the colocated layout pushes its weights as it does: every built push's seconds."""
     how = {"tensor": "rank 0 posts the weights by value (pickled, base64 in the body, once per tensor-parallel "
                      "rank) to each server in turn (/update_weights_from_tensor)",
            "disk": "rank 0 writes an HF export once and the servers load it into their resumed weights "
-                   "(/update_weights_from_disk)"}
-    return (f"{how[kind]}: the cheaper built push, {seconds[kind]:.1f} s a step against {seconds[other]:.1f} s "
-            f"{'by value' if other == 'tensor' else 'over disk'} (a push in place over CUDA IPC, not built, would "
-            f"take {seconds['ipc']:.1f} s)")
+                   "(/update_weights_from_disk)",
+           "ipc": "every rank shares its copy of the weights by CUDA IPC handle, bucket by bucket, rank 0 posts "
+                  "the handles to each server in turn (/update_weights_from_tensor) and keeps a CPU copy to verify "
+                  "(not yet run whole on a GPU)"}
+    return f"{how[kind]}: the cheapest built push, {seconds[kind]:.1f} s a step against {_others(seconds, kind)}"
 
 
 def _push_short(seconds: dict[str, float], kind: str) -> str:
-    other = "disk" if kind == "tensor" else "tensor"
-    way = {"tensor": "by value", "disk": "over disk"}
-    return (f"rollout.sglang.weight_sync {kind}: the weights pushed {way[kind]} in {seconds[kind]:.1f} s, "
-            f"{way[other]} they would take {seconds[other]:.1f} s")
+    return (f"rollout.sglang.weight_sync {kind}: the weights pushed {PUSH_WAY[kind]} in {seconds[kind]:.1f} s, "
+            f"against {_others(seconds, kind)}")
 
 
 def fitted_recipe(fitted: Fit, layout: Layout, out: Path) -> tuple[str, Recipe]:

@@ -3,7 +3,14 @@
 import pytest
 
 from bench.projection.asynchronous import schedule_row
-from bench.projection.colocated import SENSITIVITY, markdown, recipe_phases, recipe_pushes
+from bench.projection.colocated import (
+    EXPORT_GATHERED,
+    PINNED,
+    SENSITIVITY,
+    markdown,
+    recipe_phases,
+    recipe_pushes,
+)
 from bench.projection.sim import CostModel
 from rlrecipe.checks.colocate import ASSUMED
 from rlrecipe.checks.model_dims import model_dims
@@ -39,18 +46,32 @@ def test_the_7b_recipe_phase_changes_by_hand():
     # over disk: the export (2 GB/s), the 16 nodes' first loads sharing the file system's 100 GB/s, then the
     # other 112 servers from the page cache at 8 GB/s, 32 at a time (4 rounds)
     assert pushes["disk"] == pytest.approx(w / 2e9 + w / (100e9 / 16) + 4 * w / 8e9)
-    # in place over CUDA IPC, not built: 18.5 GB/s and the gather
-    assert pushes["ipc"] == pytest.approx(w / (29.6e9 / 1.6) + w / 25e9)
-    # the step's push: the cheaper built one, over disk here
-    assert phases["push"] == pytest.approx(pushes["disk"])
+    # by handle, as built: the gather and one server's loads at 18.5 GB/s, each of the 29 buckets of 512 MiB
+    # posted to the 127 other servers one after another at 10 ms, rank 0's copy to host memory at 1.3 GB/s
+    # (measured on an H100), and the gather across nodes at 25 GB/s: about 50 s, beyond the disk's 17.7
+    assert w / (512 << 20) == pytest.approx(28.37, abs=0.01)
+    ipc = w / 18.5e9 + 127 * 29 * 0.01 + w / 1.3e9 + w / 25e9
+    assert pushes["ipc"] == pytest.approx(ipc) == pytest.approx(49.98, abs=0.01)
+    # the step's push: the cheapest built one, over disk here
+    assert phases["push"] == pytest.approx(pushes["disk"]) == pytest.approx(17.67, abs=0.01)
     assert recipe_phases(push="ipc")["push"] == pytest.approx(pushes["ipc"])
+    # not built: the buckets posted to 32 servers at once (4 rounds, 3 after the first); the copy into
+    # pinned memory at 55 GB/s
+    assert recipe_pushes(posted_at_once=32)["ipc"] == pytest.approx(ipc - 124 * 29 * 0.01)
+    pinned = recipe_pushes(costs=ASSUMED.scaled(verify_copy_bytes_s=PINNED), posted_at_once=32)["ipc"]
+    assert pinned == pytest.approx(w / 18.5e9 + 3 * 29 * 0.01 + w / 55e9 + w / 25e9)
+    # the export's gather at the copy rate measured, then its write at 2 GB/s
+    gathered = recipe_pushes(costs=ASSUMED.scaled(export_bytes_s=EXPORT_GATHERED))["disk"]
+    assert gathered == pytest.approx(pushes["disk"] + w / 1.3e9)
     assert (phases["release"], phases["resume"], phases["verify"]) == (1.0, 1.0, 0.5)
-    # each sensitivity variant of the same push costs more or less in the direction of its factor
-    for _, _, factors, push in SENSITIVITY:
-        base = sum(recipe_phases(push=push).values())
-        varied = sum(recipe_phases(costs=ASSUMED.scaled(**factors), push=push).values())
-        if factors:
-            assert (varied > base) == all(f > 1 for f in factors.values()), factors
+    # each sensitivity variant of the same push costs more or less in the direction of its change
+    for v in SENSITIVITY:
+        base = sum(recipe_phases(push=v.push).values())
+        varied = sum(recipe_phases(costs=ASSUMED.scaled(**v.factors), push=v.push,
+                                   posted_at_once=v.posted_at_once).values())
+        if v.factors or v.posted_at_once != 1:
+            slower = all(f > 1 for f in v.factors.values()) and v.posted_at_once == 1
+            assert (varied > base) == slower, v
         else:
             assert varied == base
 
@@ -65,10 +86,12 @@ def test_markdown_has_a_row_per_variant():
         for p in ("release", "reload", "offload", "resume", "push", "verify"):
             keys[f"{prefix}phase_{p}_s"] = 0.5
         keys[f"{prefix}push_kind"] = "disk"
-        for _, key, _, _ in SENSITIVITY:
-            keys[f"{prefix}{key}phase_changes_s"] = 2.0
-            keys[f"{prefix}{key}c3po_colocated_costed_vs_sync_split_per_trained_token"] = 1.5
+        for v in SENSITIVITY:
+            keys[f"{prefix}{v.key}phase_changes_s"] = 2.0
+            keys[f"{prefix}{v.key}c3po_colocated_costed_vs_sync_split_per_trained_token"] = 1.5
     text = markdown(keys)
-    assert sum(line.startswith("| push ") for line in text.splitlines()) == 5
+    # by value twice, over disk three times, by handle four times (as built, and three changes not built)
+    assert sum(line.startswith("| push ") for line in text.splitlines()) == 9
+    assert "| push by handle, as built (GPU-unverified) |" in text
     assert "| as assumed (push disk) |" in text
     assert len([ln for ln in text.splitlines() if ln.startswith("| ")]) == 3 + 2 + len(SENSITIVITY)  # each table: its head, then its rows

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rlrecipe.checks.colocate import (
@@ -9,8 +11,10 @@ from rlrecipe.checks.colocate import (
     SGLANG_OUTSIDE_POOL_GIB,
     TRAINER_OFFLOADED_GIB,
     PhaseCosts,
+    allowed_pushes,
     cheapest_push,
     colocated_training,
+    ipc_push_s,
     offloaded_bytes,
     phase_seconds,
     push_seconds,
@@ -57,8 +61,10 @@ def test_push_seconds_by_hand():
     # over disk: the export at 2 GB/s, then the first server from the shared file system (8 GB/s), then the
     # other 3 at once from the page cache (8 GB/s)
     assert one_node["disk"] == pytest.approx(w / 2e9 + w / 8e9 + w / 8e9)
-    # in place (not built): 18.5 GB/s, whatever the servers
-    assert one_node["ipc"] == pytest.approx(w / (29.6e9 / 1.6))
+    # by handle: the gather, the shared buckets and one server's loads at 18.5 GB/s; the other 3 servers
+    # posted one after another, one bucket here (w is under 512 MiB), 10 ms each; rank 0's copy of the
+    # weights to host memory at the 1.3 GB/s measured
+    assert one_node["ipc"] == pytest.approx(w / 18.5e9 + 3 * 1 * 0.01 + w / 1.3e9)
     # one server: a single load
     assert push_seconds(DIMS, "bfloat16", servers=1, tp=1)["disk"] == pytest.approx(w / 2e9 + w / 8e9)
     # 128 servers on 16 nodes: rank 0's gather crosses the network (25 GB/s) for the pushes by tensors; over
@@ -67,7 +73,8 @@ def test_push_seconds_by_hand():
     wide = push_seconds(DIMS, "bfloat16", servers=128, tp=1, nodes=16)
     assert wide["tensor"] == pytest.approx(128 * w / 0.25e9 + w / 25e9)
     assert wide["disk"] == pytest.approx(w / 2e9 + w / 6.25e9 + 4 * w / 8e9)
-    assert wide["ipc"] == pytest.approx(w / (29.6e9 / 1.6) + w / 25e9)
+    # by handle: 127 further servers, and each rank's gather across nodes at 25 GB/s
+    assert wide["ipc"] == pytest.approx(w / 18.5e9 + 127 * 0.01 + w / 1.3e9 + w / 25e9)
     # a scaled bandwidth is divided
     slow = push_seconds(DIMS, "bfloat16", servers=4, tp=2, costs=ASSUMED.scaled(by_value_bytes_s=2))
     assert slow["tensor"] == pytest.approx(2 * one_node["tensor"])
@@ -88,9 +95,48 @@ def test_disk_push_is_bench_projection_pushs_disk_push():
         assert ours == pytest.approx(split["trainer_s"] + split["rollout_s"]), (servers, nodes)
 
 
-def test_the_cheaper_built_push_is_chosen_never_the_one_not_built():
-    assert cheapest_push({"tensor": 2.0, "disk": 3.0, "ipc": 0.1}) == "tensor"
-    assert cheapest_push({"tensor": 4.0, "disk": 3.0, "ipc": 0.1}) == "disk"
+def test_push_by_handle_by_hand():
+    w = 2 * DIMS.params()
+    # buckets of a third of the weights (rounded up): 3 requests a server; 5 servers, 4 after the first
+    third = math.ceil(w / 3)
+    seconds = ipc_push_s(DIMS, "bfloat16", servers=5, bucket_bytes=third)
+    assert seconds == pytest.approx(w / 18.5e9 + 4 * 3 * 0.01 + w / 1.3e9)
+    # posted to 2 servers at once: 3 rounds, 2 after the first
+    assert ipc_push_s(DIMS, "bfloat16", servers=5, bucket_bytes=third, posted_at_once=2) == pytest.approx(
+        w / 18.5e9 + 2 * 3 * 0.01 + w / 1.3e9)
+    # the request is a time (multiplied), the copy a bandwidth (divided)
+    slow = ipc_push_s(DIMS, "bfloat16", servers=5, bucket_bytes=third,
+                      costs=ASSUMED.scaled(ipc_request_s=2, verify_copy_bytes_s=2))
+    assert slow == pytest.approx(w / 18.5e9 + 2 * 4 * 3 * 0.01 + 2 * w / 1.3e9)
+    # 7B (7,615,616,512 parameters, 15.23 GB in bf16) into one server: the gather and loads 0.82 s, rank 0's
+    # copy to host memory for the verification 11.7 s, which is most of it
+    d7b = model_dims(load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml"))
+    w7 = 2 * 7_615_616_512
+    assert 2 * d7b.params() == w7
+    assert ipc_push_s(d7b, "bfloat16", servers=1) == pytest.approx(w7 / 18.5e9 + w7 / 1.3e9)
+    assert w7 / 1.3e9 == pytest.approx(11.716, abs=1e-3)
+    # on its 8 GPUs of one node, 8 servers: 7 more, 29 buckets of 512 MiB each (15.23 GB / 0.537 GB, up)
+    assert math.ceil(w7 / (512 << 20)) == 29
+    assert push_seconds(d7b, "bfloat16", servers=8, tp=1)["ipc"] == pytest.approx(
+        w7 / 18.5e9 + 7 * 29 * 0.01 + w7 / 1.3e9)
+
+
+def test_the_cheapest_allowed_push_is_chosen():
+    seconds = {"tensor": 2.0, "disk": 3.0, "ipc": 0.1}
+    assert cheapest_push(seconds) == "ipc"
+    assert cheapest_push({"tensor": 4.0, "disk": 3.0, "ipc": 5.0}) == "disk"
+    assert cheapest_push({"tensor": 2.0, "disk": 2.0, "ipc": 2.0}) == "tensor"  # a tie: nothing on disk
+    # a handle opens only on its own machine: colocated (any nodes) or one node allow it, a split across
+    # nodes does not
+    assert allowed_pushes(colocated=True, trainer_nodes=16, rollout_nodes=16) == ("tensor", "disk", "ipc")
+    assert allowed_pushes(colocated=False) == ("tensor", "disk", "ipc")
+    for nodes in ((2, 2), (1, 2), (2, 1)):
+        split = allowed_pushes(colocated=False, trainer_nodes=nodes[0], rollout_nodes=nodes[1])
+        assert split == ("tensor", "disk")
+        assert cheapest_push(seconds, split) == "tensor"
+    # one node split: each server rank reads one trainer rank's handles, so no more server GPUs than ranks
+    assert "ipc" in allowed_pushes(colocated=False, server_gpus=4, trainer_ranks=4)
+    assert "ipc" not in allowed_pushes(colocated=False, server_gpus=6, trainer_ranks=2)
 
 
 def test_colocated_training_swaps_the_split_push_for_the_phase_changes():
@@ -195,3 +241,40 @@ def test_fit_pushes_by_value_where_that_is_cheaper_and_over_disk_where_that_is(t
     # at the assumed rates one GPU's single server is cheaper over disk too: the shipped 1.5B recipe
     assert load_recipe(REPO / RECIPE_1_5B).recipe.rollout.sglang.weight_sync == fit(
         source, Machine(1, 1, 80)).layouts[0].push == "disk"
+
+
+# rank 0's copy to host memory for the verification into pinned memory (measured 55 GB/s on an H100; not built)
+PINNED_COPY = PhaseCosts(verify_copy_bytes_s=55e9)
+
+
+def test_fit_pushes_by_handle_where_that_is_cheaper(tmp_path):
+    source = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml",
+                         ["model.path=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "model.revision=null",
+                          *ONE_GPU_BATCH])
+    w = 2 * model_dims(source).params()
+    # one server on one GPU: w / 18.5e9 + w / 55e9 (0.26 s), no further server, against the disk's
+    # w / 2e9 + w / 8e9 (2.2 s) and by value w / 0.25e9
+    one = Search(source, Machine(1, 1, 80), costs=PINNED_COPY).layouts()[0]
+    assert one.colocated and one.push == "ipc"
+    assert one.train.time.parts["push"] == pytest.approx(w / 18.5e9 + w / 55e9)
+    # 8 GPUs: each further server adds its ceil(w / 512 MiB) requests of 10 ms
+    eight = Search(source, Machine(8, 1, 80), costs=PINNED_COPY).colocated_layouts()[0]
+    buckets = math.ceil(w / (512 << 20))
+    assert eight.push == "ipc" and buckets == 7
+    assert eight.train.time.parts["push"] == pytest.approx(
+        w / 18.5e9 + (eight.rollout.servers - 1) * buckets * 0.01 + w / 55e9)
+    # the fitted recipe carries it, says why, and loads (colocated, the schema allows ipc)
+    from rlrecipe.checks.fit import Fit
+    from rlrecipe.checks.fit_recipe import fitted_recipe
+
+    text, recipe = fitted_recipe(Fit(source, Machine(1, 1, 80), [one]), one, tmp_path / "one.yaml")
+    assert recipe.rollout.colocate and recipe.rollout.sglang.weight_sync == "ipc"
+    header = " ".join(ln.lstrip("#").strip() for ln in text.splitlines() if ln.startswith("#"))
+    assert "rollout.sglang.weight_sync disk -> ipc: every rank shares its copy of the weights by CUDA IPC" in header
+    assert "the cheapest built push" in header and " by value and " in header
+    (tmp_path / "one.yaml").write_text(text)
+    assert load_recipe(tmp_path / "one.yaml").recipe.rollout.sglang.weight_sync == "ipc"
+    # at the rates assumed and measured (the copy into fresh pageable memory, 1.3 GB/s) disk stays cheaper
+    # on one GPU: w / 18.5e9 + w / 1.3e9 (2.9 s) against 2.2 s
+    assert fit(source, Machine(1, 1, 80)).layouts[0].push == "disk"
+    assert w / 18.5e9 + w / 1.3e9 > w / 2e9 + w / 8e9

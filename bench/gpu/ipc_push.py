@@ -3,9 +3,10 @@ process shares the 7B model's weights (Qwen2.5-7B's shapes, bf16, random) bucket
 rlrecipe/rollout/weights/handles.py's SharedBucket, and a second process on the same GPU (the
 colocated server's place) maps each bucket's CUDA IPC handles as SGLang does (the device named by
 its UUID, mapped back to an index: SGLang's utils/patch_torch.py) and copies them into its own
-weights; after each bucket the trainer keeps a CPU copy, as rank 0 does for the verification
-(handle_push.py, SharedBucket.cpu_copy). Also timed: a device-to-host copy into fresh pageable memory
-(what cpu_copy does), into pageable memory written before, and into pinned memory.
+weights; after each bucket the trainer copies it to host memory, as rank 0 does for the verification
+(handle_push.py, handles.HostMirror: pinned buffers kept from push to push; the first push allocates
+them). Also timed: a device-to-host copy into fresh pageable memory (what an earlier version did, and
+what the disk push's export still does), into pageable memory written before, and into pinned memory.
 
 What it does not cover: ZeRO-3's gather across ranks (one GPU here), SGLang's own request path
 (HTTP, its scheduler, load_weights), and the servers one after another. Standalone: needs torch
@@ -105,8 +106,10 @@ def receiver(conn, shapes, device: str) -> None:
         conn.send((t1 - t0, t2 - t1))
 
 
-def push(handles, src: list, bucket_bytes: int, conn, keep_cpu_copy: bool) -> dict:
-    """One push as handle_push.push_by_handles does it on rank 0, the server answering each bucket."""
+def push(handles, src: list, bucket_bytes: int, conn, mirror) -> dict:
+    """One push as handle_push.push_by_handles does it on rank 0, the server answering each bucket;
+    `mirror` (handles.HostMirror, kept from push to push as rank 0 keeps it) takes the copy for the
+    verification, None: no copy."""
     sync()
     parts = dict(share_s=0.0, server_open_s=0.0, server_copy_s=0.0, wait_s=0.0, cpu_copy_s=0.0)
     pushed, n = {}, 0
@@ -118,8 +121,8 @@ def push(handles, src: list, bucket_bytes: int, conn, keep_cpu_copy: bool) -> di
         conn.send(shared.payload)
         opened, copied = conn.recv()
         t2 = time.perf_counter()
-        if keep_cpu_copy:
-            pushed.update(shared.cpu_copy())
+        if mirror is not None:
+            mirror.copy(shared.views)  # asynchronous: its wait is timed at the end
         t3 = time.perf_counter()
         del shared
         n += 1
@@ -128,7 +131,11 @@ def push(handles, src: list, bucket_bytes: int, conn, keep_cpu_copy: bool) -> di
         parts["server_copy_s"] += copied
         parts["wait_s"] += t2 - t1
         parts["cpu_copy_s"] += t3 - t2
+    t4 = time.perf_counter()
+    if mirror is not None:
+        pushed = mirror.finish()
     sync()
+    parts["cpu_copy_s"] += time.perf_counter() - t4
     return {"seconds": time.perf_counter() - start, "buckets": n, **parts}, pushed
 
 
@@ -183,8 +190,9 @@ def main() -> None:
     proc.start()
     try:
         runs = []
+        mirror = handles.HostMirror()
         for rep in range(args.reps):
-            row, pushed = push(handles, src, bucket_bytes, here, keep_cpu_copy=True)
+            row, pushed = push(handles, src, bucket_bytes, here, mirror)
             runs.append({**row, "cpu_copy": True})
             if rep == 0:
                 here.send("fingerprints")
@@ -195,7 +203,7 @@ def main() -> None:
                 out["cpu_copy_bit_for_bit"] = kept == mine
             del pushed
         for _ in range(max(1, args.reps - 1)):
-            row, _ = push(handles, src, bucket_bytes, here, keep_cpu_copy=False)
+            row, _ = push(handles, src, bucket_bytes, here, None)
             runs.append({**row, "cpu_copy": False})
     finally:
         here.send(None)

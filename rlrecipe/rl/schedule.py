@@ -22,6 +22,7 @@ from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_
 from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.rollout_stats import RolloutStats
 from rlrecipe.rollout.weights.handle_push import push_by_handles
+from rlrecipe.rollout.weights.handles import HostMirror
 from rlrecipe.rollout.weights.probe import Scores, probe_sequences
 from rlrecipe.rollout.weights.transport import WeightTransport
 from rlrecipe.train.base import TrainSample
@@ -46,6 +47,7 @@ class WeightsOut:
         self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, None, run, tokenizer, transport
         self.turns = turns if turns is not None and turns.enabled else None
         self.bucket_bytes = bucket_bytes
+        self.mirror = HostMirror() if transport is WeightTransport.IPC and is_rank_zero() else None
         # servers are checked against the trainer's log-probs of a fixed probe where no exact check
         # reaches them (rollout/weights/probe.py): scored now for the weights they start with
         self.probe = probe_sequences(tokenizer) if transport is not WeightTransport.IN_MEMORY else None
@@ -122,7 +124,8 @@ class WeightsOut:
 
         with ExitStack() as stack:
             broadcast_from_rank_zero(open_sessions)  # a server refusing the session fails every rank at once
-            return push_by_handles(self.trainer.full_weights(), self.bucket_bytes, sends[0] if sends else None)
+            return push_by_handles(self.trainer.full_weights(), self.bucket_bytes, sends[0] if sends else None,
+                                   self.mirror)
 
     def freeze(self, version: int):
         """A copy of the weights now, for the worker to install later (collective): cloned tensors

@@ -45,9 +45,11 @@ and gradients are sharded).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,6 +133,21 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def plain_cuda_arch_list():
+    """TORCH_CUDA_ARCH_LIST without architecture suffixes while DeepSpeed builds an op: its builder
+    (0.19.8) reads "9.0a", which Hopper images set, as a number and fails; FusedAdam needs no
+    arch-specific instruction, so "9.0" builds the same kernel."""
+    before = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if before:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", before)
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = before
+
+
 class DeepSpeedTrainEngine(TorchTrainEngine):
     """Same interface as TorchTrainEngine; `_forward` and `microbatches` are inherited."""
 
@@ -169,8 +186,9 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         if self.fused_adam:
             from deepspeed.ops.adam import FusedAdam
 
-            optimizer = FusedAdam(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                                  weight_decay=cfg.weight_decay, adam_w_mode=True)
+            with plain_cuda_arch_list():
+                optimizer = FusedAdam(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                      eps=cfg.adam_eps, weight_decay=cfg.weight_decay, adam_w_mode=True)
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)

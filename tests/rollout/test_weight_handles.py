@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlrecipe.rollout.weights.handles import SharedBucket, ranks_read_by
+from rlrecipe.rollout.weights.handles import HostMirror, SharedBucket, ranks_read_by
 from tests.helpers import run_bounded
 
 
@@ -65,10 +65,22 @@ def test_a_bucket_shared_by_file_name_opens_in_another_process_with_its_values(t
     assert set(got) == {n for n, _ in named}
     for name, t in named:
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
-    assert {n: torch.equal(t, dict(named)[n]) for n, t in bucket.cpu_copy().items()} == dict.fromkeys(got, True)
     assert len(shared_files()) == 3
     del bucket  # read once and dropped by both sides: nothing is left in /dev/shm
     assert shared_files() == []
+
+
+def test_the_host_mirror_keeps_its_buffers_from_one_push_to_the_next():
+    mirror = HostMirror()
+    mirror.copy(weights(0)[:2])
+    mirror.copy(weights(0)[2:])  # a push's buckets, one after another
+    first = mirror.finish()
+    assert all(torch.equal(first[n], t) for n, t in weights(0))
+    buffers = {n: t.data_ptr() for n, t in first.items()}
+    mirror.copy(weights(1))
+    second = mirror.finish()
+    assert {n: t.data_ptr() for n, t in second.items()} == buffers  # written again, not allocated again
+    assert all(torch.equal(second[n], t) for n, t in weights(1))
 
 
 def test_a_payload_sharing_by_file_descriptor_is_refused_by_name():
@@ -129,6 +141,12 @@ def test_a_bucket_on_the_gpu_opens_in_another_process_by_the_devices_uuid(tmp_pa
     got = load_file(str(tmp_path / "got.safetensors"))
     for name, t in weights():
         assert torch.equal(got[name], t), name
+    mirror = HostMirror()  # rank 0's copy for the verification: pinned, complete once finished
+    mirror.copy(bucket.views)
+    host = mirror.finish()
+    assert all(host[n].is_pinned() and torch.equal(host[n], t) for n, t in weights())
+    del bucket, named
+    torch.cuda.ipc_collect()  # the blocks the other process held go back to this one now
 
 
 # -- two real ranks ----------------------------------------------------------------------------------

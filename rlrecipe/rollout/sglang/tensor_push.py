@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import pickle
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ import torch
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import distinct_tensors
-from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
 from rlrecipe.rollout.sglang.session import session
 from rlrecipe.rollout.sglang.versions import Dialect
 from rlrecipe.rollout.weights.handles import ranks_read_by
@@ -111,13 +112,19 @@ def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterato
         except ValueError as err:
             raise UserError(f"SGLang server {srv.urls[i]}: {err}") from None
 
+    def post(i: int, payloads: list[str], last: bool) -> None:
+        body = {"serialized_named_tensors": [payloads[r] for r in reads[i]], "load_format": None,
+                "flush_cache": last}
+        if last:
+            body["weight_version"] = str(version)
+        srv.control(i, PATH, body, PUSH_S)
+
     def send(payloads: list[str], last: bool) -> None:
-        for i in live:
-            body = {"serialized_named_tensors": [payloads[r] for r in reads[i]], "load_format": None,
-                    "flush_cache": last}
-            if last:
-                body["weight_version"] = str(version)
-            srv.control(i, PATH, body, PUSH_S)
+        # the servers side by side (a request carries names, not bytes: each server's own copy is the
+        # work), MAX_PARALLEL_LOADS at once as the loads from disk
+        with ThreadPoolExecutor(max_workers=max(1, min(len(live), MAX_PARALLEL_LOADS))) as pool:
+            for fut in [pool.submit(post, i, payloads, last) for i in live]:
+                fut.result()
 
     opened = session(srv, "begin", live)
     try:

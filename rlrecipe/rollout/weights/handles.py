@@ -86,9 +86,28 @@ class SharedBucket:
     def nbytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in self._flats.values())
 
-    def cpu_copy(self) -> dict[str, torch.Tensor]:
-        """The bucket's tensors, copied onto the CPU (what the push is verified against)."""
-        return {name: v.to("cpu", copy=True) for name, v in self.views}
+
+class HostMirror:
+    """Rank 0's copy in host memory of what it pushed, which the verification reads. From a GPU it is
+    copied into pinned buffers kept from one push to the next: into fresh pageable memory the copy ran
+    at 1.3 GB/s on an H100, into pinned memory at 54 GB/s (bench/gpu/ipc_push_h100.json)."""
+
+    def __init__(self):
+        self._host: dict[str, torch.Tensor] = {}
+
+    def copy(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Start copying these tensors (asynchronous from a GPU: `finish` waits)."""
+        for name, t in named:
+            host = self._host.get(name)
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = self._host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=t.is_cuda)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Every tensor copied since the last push, complete (overwritten by the next push)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return dict(self._host)
 
 
 def ranks_read_by(server: int, tp_size: int, world_size: int) -> list[int]:

@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study fp8-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks sglang-contract lint clean
+.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study fp8-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks gpu-carry sglang-contract lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -110,6 +110,11 @@ gpu-smoke: $(STAMP)
 # CUDA visible); logs and JSON in runs/gpu-checks. bench/gpu/ holds what an H100 gave.
 gpu-checks: $(STAMP)
 	PY=$(BIN)/python bash scripts/gpu_checks.sh
+
+# For a GPU machine without a package index: the dependencies its image lacks, in .gpu-carry/
+# (scripts/gpu_carry.sh says how to use them there).
+gpu-carry: $(STAMP)
+	PY=$(BIN)/python bash scripts/gpu_carry.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check rlrecipe cli eval tests bench scripts

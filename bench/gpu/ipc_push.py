@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-HANDLES = Path(__file__).resolve().parents[2] / "rlrecipe" / "rollout" / "weights" / "handles.py"
+WEIGHTS = Path(__file__).resolve().parents[2] / "rlrecipe" / "rollout" / "weights"
 DEVICE_ARG = 6  # rebuild_cuda_tensor's argument naming the device (handles.DEVICE_ARG)
 # Qwen2.5-7B (DeepSeek-R1-Distill-Qwen-7B): hidden, intermediate, layers, kv dim, vocab; untied head
 HIDDEN, INTER, LAYERS, KV, VOCAB = 3584, 18944, 28, 512, 152064
@@ -54,20 +54,6 @@ def shapes_7b(layers: int = LAYERS, vocab: int = VOCAB) -> list[tuple[str, tuple
                 (p + "mlp.gate_proj.weight", (INTER, HIDDEN)), (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
                 (p + "mlp.down_proj.weight", (HIDDEN, INTER))]
     return out + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (vocab, HIDDEN))]
-
-
-def buckets(named, max_bytes: int):
-    """rlrecipe/rollout/weights/sync.py's buckets: consecutive groups of at most max_bytes."""
-    bucket, size = [], 0
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
 
 
 def fingerprint(t: torch.Tensor) -> int:
@@ -106,7 +92,15 @@ def receiver(conn, shapes, device: str) -> None:
         conn.send((t1 - t0, t2 - t1))
 
 
-def push(handles, src: list, bucket_bytes: int, conn, mirror) -> dict:
+def load(name: str):
+    """rlrecipe/rollout/weights/NAME.py alone (torch only), without the package's imports."""
+    spec = importlib.util.spec_from_file_location(f"rlrecipe_{name}", WEIGHTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def push(handles, sync_module, src: list, bucket_bytes: int, conn, mirror) -> dict:
     """One push as handle_push.push_by_handles does it on rank 0, the server answering each bucket;
     `mirror` (handles.HostMirror, kept from push to push as rank 0 keeps it) takes the copy for the
     verification, None: no copy."""
@@ -114,7 +108,7 @@ def push(handles, src: list, bucket_bytes: int, conn, mirror) -> dict:
     parts = dict(share_s=0.0, server_open_s=0.0, server_copy_s=0.0, wait_s=0.0, cpu_copy_s=0.0)
     pushed, n = {}, 0
     start = time.perf_counter()
-    for chunk in buckets(src, bucket_bytes):
+    for chunk in sync_module.buckets(src, bucket_bytes):
         t0 = time.perf_counter()
         shared = handles.SharedBucket(chunk)
         t1 = time.perf_counter()
@@ -168,9 +162,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="2 layers, a 1024-token vocabulary")
     args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("rlrecipe_handles", HANDLES)
-    handles = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(handles)
+    handles, sync_module = load("handles"), load("sync")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = shapes_7b(**SMALL) if args.small else shapes_7b()
@@ -192,7 +184,7 @@ def main() -> None:
         runs = []
         mirror = handles.HostMirror()
         for rep in range(args.reps):
-            row, pushed = push(handles, src, bucket_bytes, here, mirror)
+            row, pushed = push(handles, sync_module, src, bucket_bytes, here, mirror)
             runs.append({**row, "cpu_copy": True})
             if rep == 0:
                 here.send("fingerprints")
@@ -203,7 +195,7 @@ def main() -> None:
                 out["cpu_copy_bit_for_bit"] = kept == mine
             del pushed
         for _ in range(max(1, args.reps - 1)):
-            row, _ = push(handles, src, bucket_bytes, here, None)
+            row, _ = push(handles, sync_module, src, bucket_bytes, here, None)
             runs.append({**row, "cpu_copy": False})
     finally:
         here.send(None)

@@ -6,11 +6,14 @@ The phase changes (release, reload, offload, resume, push, verification) come fr
 rlrecipe/checks/colocate.py, the same assumptions `rlrecipe fit` ranks colocated layouts by; each is
 an assumption or a measurement (that module says which, and how to measure it). The push is the
 cheapest of the three built (by value over HTTP, weight_sync: tensor; over disk; by CUDA IPC handle,
-weight_sync: ipc, verified on CPU against the released SGLang but not yet run whole on a GPU), as fit
-chooses. The training itself is the projection's cost model (bench.projection.asynchronous). The
-sensitivity table scales one assumption at a time and costs each push kind as built, and the push by
-handle with two changes that are not built: the verification's copy into pinned memory, and each
-bucket posted to the servers side by side.
+weight_sync: ipc, verified on CPU against the released SGLang and its handles, copies and host mirror
+on one H100 in bench/gpu/ipc_push.py, but not run end to end with SGLang on a GPU), as fit chooses,
+the first push's allocation of the pinned host buffers spread over the recipe's rl.steps. The
+training itself is the projection's cost model (bench.projection.asynchronous). The sensitivity table
+scales one assumption at a time and costs each push kind, the push by handle as it was before
+(servers posted one after another; the verification's copy into fresh pageable memory), and the
+export's gather at the fresh-pageable rate measured, for the shipped split and the colocated layout
+alike.
 
 The goal it is read against: colocated C3PO++ at >= 2.27x the shipped split per trained token (the
 figure AReaL v0.3 measured for its asynchronous mode at 7B). Reported, never tuned toward.
@@ -25,6 +28,7 @@ from typing import NamedTuple
 
 from bench.projection.async_fast import AREAL_GOAL, LOGNORMAL, STEPS, SYNC_RECIPE
 from bench.projection.asynchronous import AREAL_LENGTHS, areal_groups, async_projection
+from bench.projection.push import FRESH_PAGEABLE_BYTES_S, PushModel
 from bench.projection.rollout import lognormal_groups
 from rlrecipe.checks.colocate import (
     ASSUMED,
@@ -39,53 +43,60 @@ from rlrecipe.checks.colocate import (
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS
 
 DISK = ("export_bytes_s", "disk_load_bytes_s", "node_read_bytes_s", "fs_read_bytes_s")
-# MEASURED on one H100 here (bench/gpu/ipc_push_h100.json): a device-to-host copy into pinned memory,
-# 54-55 GB/s, against colocate.py's verify_copy_bytes_s into fresh pageable memory as built
-PINNED_COPY_BYTES_S = 55e9
-PINNED = ASSUMED.verify_copy_bytes_s / PINNED_COPY_BYTES_S
-# the export's gather to rank 0's CPU at verify_copy_bytes_s, then its write at export_bytes_s
-EXPORT_GATHERED = 1 + ASSUMED.export_bytes_s / ASSUMED.verify_copy_bytes_s
+# the verification's copy into fresh pageable memory, as before HostMirror (colocate.py's
+# verify_copy_bytes_s is the pinned copy as built)
+PAGEABLE = ASSUMED.verify_copy_bytes_s / FRESH_PAGEABLE_BYTES_S
+# the export's gather to rank 0's CPU at the fresh-pageable rate, then its write at export_bytes_s
+EXPORT_GATHERED = 1 + ASSUMED.export_bytes_s / FRESH_PAGEABLE_BYTES_S
 
 
 class Variant(NamedTuple):
     """One sensitivity row: PhaseCosts.scaled factors (> 1 slower) and the push costed (None: the cheapest
     built one, as fit chooses); `posted_at_once`: how many servers rank 0 posts a bucket by handle to at
-    once (1 as built)."""
+    once (MAX_PARALLEL_LOADS as built); `split_export`: the shipped split's export made this much slower
+    too (1: the split as assumed)."""
 
     label: str
     key: str
     factors: dict
     push: str | None
-    posted_at_once: int = 1
+    posted_at_once: int = MAX_PARALLEL_LOADS
+    split_export: float = 1.0
 
 
 SENSITIVITY = (Variant("push by value, as built", "tensor_", {}, "tensor"),
                Variant("push by value 4x faster (1 GB/s)", "tensor0.25x_", {"by_value_bytes_s": 0.25}, "tensor"),
                Variant("push over disk", "disk_", {}, "disk"),
                Variant("push over disk 4x slower", "disk4x_", dict.fromkeys(DISK, 4), "disk"),
-               Variant("push over disk, the export's gather at the copy rate measured on an H100 (1.3 GB/s)",
-                       "disk_gather_", {"export_bytes_s": EXPORT_GATHERED}, "disk"),
-               Variant("push by handle, as built (GPU-unverified)", "ipc_", {}, "ipc"),
-               Variant("push by handle, the verification's copy into pinned memory (55 GB/s; not built)",
-                       "ipc_pinned_", {"verify_copy_bytes_s": PINNED}, "ipc"),
-               Variant(f"push by handle, each bucket posted to {MAX_PARALLEL_LOADS} servers at once (not built)",
-                       "ipc_at_once_", {}, "ipc", MAX_PARALLEL_LOADS),
-               Variant("push by handle, both (not built)", "ipc_pinned_at_once_", {"verify_copy_bytes_s": PINNED},
-                       "ipc", MAX_PARALLEL_LOADS),
+               Variant("push by handle, as built (not run end to end on a GPU)", "ipc_", {}, "ipc"),
+               Variant("push by handle, the gather and loads 4x slower (4.6 GB/s)", "ipc_gather4x_",
+                       {"ipc_push_bytes_s": 4}, "ipc"),
+               Variant("push by handle, requests 4x slower (40 ms a round)", "ipc_requests4x_",
+                       {"ipc_request_s": 4}, "ipc"),
+               Variant("push by handle, each bucket posted to one server after another (as before)",
+                       "ipc_one_by_one_", {}, "ipc", 1),
+               Variant("push by handle, the verification's copy into fresh pageable memory (1.3 GB/s, as before)",
+                       "ipc_pageable_", {"verify_copy_bytes_s": PAGEABLE}, "ipc"),
+               Variant("the export's gather at the fresh-pageable rate (1.3 GB/s), split and colocated alike",
+                       "export_gather_", {"export_bytes_s": EXPORT_GATHERED}, None, split_export=EXPORT_GATHERED),
+               Variant("the same, the colocated push over disk", "export_gather_disk_",
+                       {"export_bytes_s": EXPORT_GATHERED}, "disk", split_export=EXPORT_GATHERED),
                Variant("offload 10 GB/s", "offload10_", {"offload_bytes_s": 2}, None),
                Variant("offload 5 GB/s", "offload5_", {"offload_bytes_s": 4}, None),
                Variant("release, resume 5x", "release5x_", {"release_s": 5, "resume_s": 5}, None),
                Variant("verify 10x", "verify10x_", {"verify_s": 10}, None),
                Variant("all 4x", "all4x_", {**dict.fromkeys(DISK, 4), "by_value_bytes_s": 4, "ipc_push_bytes_s": 4,
-                                            "ipc_request_s": 4, "verify_copy_bytes_s": 4, "offload_bytes_s": 4,
-                                            "release_s": 4, "resume_s": 4, "verify_s": 4}, None))
+                                            "ipc_request_s": 4, "verify_copy_bytes_s": 4, "mirror_alloc_bytes_s": 4,
+                                            "offload_bytes_s": 4, "release_s": 4, "resume_s": 4, "verify_s": 4},
+                       None))
 
 
 def recipe_pushes(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED,
-                  posted_at_once: int = 1) -> dict[str, float]:
+                  posted_at_once: int = MAX_PARALLEL_LOADS) -> dict[str, float]:
     """Seconds of one push by each way (push_seconds) into the recipe's servers, colocated on all its GPUs
     (trainer ranks + servers'): as many servers of its tensor parallelism as cover them; by handle with
-    each bucket posted to `posted_at_once` servers at once (1 as built)."""
+    each bucket posted to `posted_at_once` servers at once (MAX_PARALLEL_LOADS as built), the first
+    push's pinned allocation spread over the recipe's rl.steps."""
     from rlrecipe.checks.model_dims import model_dims
     from rlrecipe.checks.plan import rollout_engines
     from rlrecipe.recipe.schema import load_recipe
@@ -95,15 +106,16 @@ def recipe_pushes(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED,
     tp = r.rollout.sglang.tp_size
     gpus = r.trainer.nproc * r.trainer.nodes + rollout_engines(r) * tp
     d, shape = model_dims(loaded), dict(servers=gpus // tp, nodes=gpus // r.trainer.nproc,
-                                        bucket_bytes=r.rollout.sglang.weight_sync_bucket_mb << 20, costs=costs)
+                                        bucket_bytes=r.rollout.sglang.weight_sync_bucket_mb << 20, costs=costs,
+                                        pushes_per_run=r.rl.steps)
     out = push_seconds(d, r.rollout.dtype, tp=tp, **shape)
-    if posted_at_once != 1:
+    if posted_at_once != MAX_PARALLEL_LOADS:
         out["ipc"] = ipc_push_s(d, r.rollout.dtype, posted_at_once=posted_at_once, **shape)
     return out
 
 
 def recipe_phases(recipe_path: str = SYNC_RECIPE, costs: PhaseCosts = ASSUMED,
-                  push: str | None = None, posted_at_once: int = 1) -> dict[str, float]:
+                  push: str | None = None, posted_at_once: int = MAX_PARALLEL_LOADS) -> dict[str, float]:
     """The phase changes of the recipe's colocated step, on all its GPUs (trainer ranks + servers'), with
     the push `push` ("tensor", "disk", "ipc") or, None, the cheapest built one (colocated, all three are
     allowed)."""
@@ -147,7 +159,9 @@ def one_distribution(groups: list[list[int]], label: str, steps: int = STEPS) ->
                 **{f"phase_{k}_s": v for k, v in phases.items()}})
     for v in SENSITIVITY:
         varied = recipe_phases(costs=ASSUMED.scaled(**v.factors), push=v.push, posted_at_once=v.posted_at_once)
-        out.update(_ratios(async_projection(SYNC_RECIPE, groups, colocated_phases=varied, **kw), v.key))
+        split = PushModel(export_write_bps=PushModel().export_write_bps / v.split_export)
+        out.update(_ratios(async_projection(SYNC_RECIPE, groups, colocated_phases=varied, push_model=split, **kw),
+                           v.key))
         out[f"{v.key}phase_changes_s"] = sum(varied.values())
         out[f"{v.key}push_s"] = varied["push"]
     out["goal_2_27x_vs_sync_split_met"] = out["c3po_colocated_costed_vs_sync_split_per_trained_token"] >= AREAL_GOAL

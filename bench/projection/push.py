@@ -27,6 +27,11 @@ from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS
 # architecture: 28 layers, hidden 3584, intermediate 18944, vocabulary 152,064, untied embeddings) x 2 bytes
 WEIGHT_BYTES_7B = 15.2e9
 GPUS_PER_NODE = 8  # the recipes' nodes: 8 H100 each (recipes/7b_boba*.yaml headers)
+# MEASURED on one H100 VM (Firecracker, torch 2.11): a device-to-host copy into fresh pageable memory, as the
+# export's gather makes: 1.29 GB/s inside an earlier push by handle (commit f263fee), 1.54-1.61 GB/s alone
+# (bench/gpu/ipc_push_h100.json, d2h_fresh_pageable_bytes_s); the slowest, 1.3 GB/s. Not used by PushModel
+# (export_write_bps says why); the colocated projection's sensitivity row uses it.
+FRESH_PAGEABLE_BYTES_S = 1.3e9
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,12 @@ class PushModel:
     # rollout node at once, total bytes over the slowest node's time.
     fs_read_bps: float = 100e9
     # ASSUMPTION: trainer rank 0 writing the export (ZeRO-3 parameters gathered, then safetensors written by
-    # one process): 2 GB/s. Measure: the trainer's `export_hf` seconds in a run's log at this size.
+    # one process): 2 GB/s. Kept although its gather copies every tensor into fresh pageable host memory
+    # (trainer full_state_dict: `.to("cpu", copy=True)`), which ran at FRESH_PAGEABLE_BYTES_S on the H100
+    # VMs here: that rate is first-touch page faulting (memory written before took 12.5-16 GB/s), which a
+    # Firecracker VM makes dearer than a bare-metal host, and no bare-metal node has been measured. The
+    # colocated projection's sensitivity costs the gather at that rate for the split and the colocated
+    # layouts alike. Measure: the trainer's `export_hf` seconds in a run's log at this size.
     export_write_bps: float = 2e9
     # From the 3-7 s other RL systems report for a weight broadcast of 27-30B models over NCCL (as quoted in
     # issue 43, not measured here; 54-60 GB in

@@ -17,13 +17,14 @@ least (fit writes it as rollout.sglang.weight_sync):
             costs a split layout's disk push
   ipc       every trainer rank gathers the full weights (ZeRO-3, module by module, inside its node),
             copies them bucket by bucket into a fresh buffer on its GPU and shares it by CUDA IPC handle;
-            rank 0 posts each bucket's handles to each server in turn, each server rank copying from the
-            trainer rank on its own GPU, and keeps a CPU copy of every bucket for the verification
-            (rollout/weights/handle_push.py, rollout/sglang/tensor_push.py handle_session). Only where
+            rank 0 posts each bucket's handles to the servers side by side (MAX_PARALLEL_LOADS at once),
+            each server rank copying from the trainer rank on its own GPU, and copies every bucket into
+            pinned host buffers kept from push to push for the verification (rollout/weights/
+            handle_push.py, handles.HostMirror, rollout/sglang/tensor_push.py handle_session). Only where
             every server shares a machine with the rank it reads (allowed_pushes: recipe/schema.py's
-            rule). Verified on CPU against the released SGLang; on one H100 its handles were shared,
-            opened by a second process and copied bit for bit (bench/gpu/ipc_push.py), but the whole
-            push has not run on a GPU.
+            rule). Verified on CPU against the released SGLang; on one H100 the push's handles were
+            shared, opened by a second process, copied and mirrored to host memory bit for bit
+            (bench/gpu/ipc_push.py), but not end to end with SGLang on a GPU.
 
 So per GPU the peak is the larger of two phases (docs/gpu.md, "The colocated layout"):
   rollout   SGLang's static pool (mem_fraction_static x GPU: weights and KV cache), what SGLang keeps
@@ -79,8 +80,9 @@ class PhaseCosts:
     # wall time for one push in a run's log (rollout/weights/sync.py logs it), weights x tp_size / seconds.
     by_value_bytes_s: float = 0.25e9
     # ASSUMPTION: trainer rank 0 writing the HF export (ZeRO-3 parameters gathered, safetensors written by
-    # one process), bench/projection/push.py's PushModel.export_write_bps. Measure: the trainer's export_hf
-    # seconds in a run's log at this size.
+    # one process), bench/projection/push.py's PushModel.export_write_bps, which says why the gather's copy
+    # into fresh pageable memory (1.3-1.6 GB/s on the H100 VMs here) is not costed apart. Measure: the
+    # trainer's export_hf seconds in a run's log at this size.
     export_bytes_s: float = 2e9
     # ASSUMPTION: one server's /update_weights_from_disk of an export in the page cache into its GPU:
     # step_time.GPU.weight_push_bytes_s, PushModel.load_bps. Measure: one load's wall time, export cached.
@@ -92,31 +94,43 @@ class PhaseCosts:
     node_read_bytes_s: float = 12.5e9
     fs_read_bytes_s: float = 100e9
     # ASSUMPTION, not verified on a GPU: the part of the push by handle (weight_sync: ipc) that peers
-    # measure (the ZeRO-3 gather inside a node, the bucketed copies into shared buffers and one server's
-    # loads; the further servers' requests and the verification's copy are below), from their published
+    # measure (the ZeRO-3 gather inside a node, the bucketed copies into shared buffers and one round of
+    # loads; the further rounds' requests and the verification's copy are below), from their published
     # figure of about 1.6 s for a 14B model (14.8e9 parameters, 29.6 GB in bf16) on 8 x H100 (SkyRL, 1 GB
     # buckets, its engines loading side by side): 18.5 GB/s.
     # MEASURED on one H100 here (bench/gpu/ipc_push_h100.json): the sharing, a second process opening
     # the handles and copying, for 7B's 15.2 GB in 30 buckets of 512 MB, took 0.07 s, so the figure is
     # the gather and the engine's loading, neither measured. Measure: the push's seconds in a run's log
-    # with one server, less ipc_request_s x buckets and the verification copy.
+    # with one server, less the verification copy.
     ipc_push_bytes_s: float = 29.6e9 / 1.6
-    # ASSUMPTION: one /update_weights_from_tensor by handle (one bucket into one server), which rank 0
-    # waits for before posting the next server: 10 ms. MEASURED parts: 5.5 ms a request (median of 228)
-    # for the request alone, the released SGLang 0.5.23 on this 2-core CPU taking one-tensor buckets of
-    # the demo model by shared-memory file name; on one H100 a 512 MB bucket's handles opened in about
-    # 1 ms and copied in 0.6 ms (bench/gpu/ipc_push_h100.json); SGLang's load_weights on a GPU is not
-    # measured. Measure: the push's seconds in a run's log against servers x buckets.
+    # ASSUMPTION: one round of /update_weights_from_tensor by handle (one bucket into up to
+    # MAX_PARALLEL_LOADS servers, which rank 0 posts side by side: tensor_push.handle_session; a request
+    # carries names and handles, not bytes, and each server copies on its own GPU), so a round is
+    # assumed to cost one request: 10 ms. MEASURED parts: 5.5 ms a request (median of 228) for the
+    # request alone, the released SGLang 0.5.23 on this 2-core CPU taking one-tensor buckets of the demo
+    # model by shared-memory file name, one server; on one H100 a 512 MB bucket's handles opened in
+    # about 1 ms and copied in 0.6 ms (bench/gpu/ipc_push_h100.json); SGLang's load_weights on a GPU and
+    # 32 requests at once are not measured. Measure: the push's seconds in a run's log against rounds x
+    # buckets.
     ipc_request_s: float = 0.01
     # MEASURED on one H100 here (a Firecracker VM, torch 2.11; bench/gpu/ipc_push_h100.json): rank 0's
-    # copy of each pushed bucket into host memory, which the checksum verification reads (SharedBucket.
-    # cpu_copy: `.to("cpu", copy=True)`, fresh pageable memory each push): 1.29 GB/s inside the push,
-    # 1.31-1.33 GB/s alone (1.46 GB/s on an earlier machine), against 12.5-13 GB/s into pageable memory
-    # written before and 54-55 GB/s into pinned memory. Not measured on a bare-metal host. The export's
-    # gather to rank 0's CPU (trainer full_state_dict, weight_sync: disk) makes the same kind of copy,
-    # which export_bytes_s's 2 GB/s does not reflect. Measure: `python3 bench/gpu/ipc_push.py` on the
-    # cluster's node (cpu_copy_bytes_s).
-    verify_copy_bytes_s: float = 1.3e9
+    # copy of each pushed bucket into host memory, which the checksum verification reads, as built
+    # (handles.HostMirror: pinned buffers kept from push to push, non_blocking copies, one synchronize
+    # at the end): the push took 0.351 s with the copy and 0.073 s without (medians after the first push,
+    # 15.23 GB), so the copy added 0.278 s, 54.8 GB/s; a device-to-host copy into pinned memory alone ran
+    # at 55.0 GB/s (a bucket) and 55.1 GB/s (4 GiB). (The file's cpu_copy_bytes_s, 545 GB/s, times the
+    # issuing of the asynchronous copies and the last wait; the copies run beside the next buckets, and
+    # show in the receiver's copy time.) Pinned copies are DMA at the bus's rate; the VM is not
+    # expected to slow them, which a bare-metal node has not confirmed. Measure: `python3
+    # bench/gpu/ipc_push.py` on the cluster's node (push_s_median less push_without_cpu_copy_s_median).
+    verify_copy_bytes_s: float = 55e9
+    # MEASURED with it: the first push also allocates those pinned buffers (cudaHostAlloc of the whole
+    # weights), once per run (per process: a resumed run allocates them again): 16.34 s for the first
+    # push against the 0.351 s median, 15.99 s more for 15.23 GB, 0.95 GB/s. Spread over the run's
+    # pushes (rl.steps) where the caller passes them (ipc_push_s's pushes_per_run; fit and the
+    # projection do), else left out of a push's seconds. Measure: the first push's seconds in a run's log
+    # against the second's.
+    mirror_alloc_bytes_s: float = 0.95e9
     # ASSUMPTION: the weight verification after each push (checksums on both sides: the weights read once
     # at HBM speed, milliseconds, plus the calls). Measure: the verification's seconds in a run's log.
     verify_s: float = 0.5
@@ -199,28 +213,31 @@ def disk_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 
 
 def ipc_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 1,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES, costs: PhaseCosts = ASSUMED, gpu: GPU = H100,
-               posted_at_once: int = 1) -> float:
-    """weight_sync: ipc, as built: the gather inside a node, the shared buckets and one server's loads
-    (ipc_push_bytes_s); rank 0 posting each of the (at least) weights / bucket_bytes buckets to the other
-    servers, `posted_at_once` at a time (1 as built: one after another), ipc_request_s each; rank 0's
-    copy of the weights to host memory for the verification (verify_copy_bytes_s); across nodes each
-    rank's gather also crosses the network."""
+               posted_at_once: int = MAX_PARALLEL_LOADS, pushes_per_run: int | None = None) -> float:
+    """weight_sync: ipc, as built: the gather inside a node, the shared buckets and one round of loads
+    (ipc_push_bytes_s); rank 0 posting each of the (at least) weights / bucket_bytes buckets to the
+    servers `posted_at_once` at a time (MAX_PARALLEL_LOADS as built), ipc_request_s a further round;
+    rank 0's copy of the weights into pinned host memory for the verification (verify_copy_bytes_s);
+    across nodes each rank's gather also crosses the network; and, given `pushes_per_run` (the run's
+    steps), the first push's allocation of the pinned buffers (mirror_alloc_bytes_s) spread over them."""
     w = _weights(d, rollout_dtype)
     buckets = math.ceil(w / bucket_bytes)
     rounds = math.ceil(servers / posted_at_once) - 1  # the first round is in ipc_push_bytes_s's figure
+    once = w / costs.mirror_alloc_bytes_s / pushes_per_run if pushes_per_run else 0.0
     return (w / costs.ipc_push_bytes_s + rounds * buckets * costs.ipc_request_s + w / costs.verify_copy_bytes_s
-            + (w / gpu.network_bytes_s if nodes > 1 else 0.0))
+            + (w / gpu.network_bytes_s if nodes > 1 else 0.0) + once)
 
 
 def push_seconds(d: ModelDims, rollout_dtype: str, *, servers: int, tp: int, nodes: int = 1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, costs: PhaseCosts = ASSUMED,
-                 gpu: GPU = H100) -> dict[str, float]:
+                 gpu: GPU = H100, pushes_per_run: int | None = None) -> dict[str, float]:
     """Seconds of one push to `servers` servers of `tp` GPUs on `nodes` nodes, by each built way
-    (`bucket_bytes`: rollout.sglang.weight_sync_bucket_mb)."""
+    (`bucket_bytes`: rollout.sglang.weight_sync_bucket_mb; `pushes_per_run`: rl.steps, over which a
+    push's one-time cost is spread, None to leave it out)."""
     return {"tensor": tensor_push_s(d, rollout_dtype, servers=servers, tp=tp, nodes=nodes, costs=costs, gpu=gpu),
             "disk": disk_push_s(d, rollout_dtype, servers=servers, nodes=nodes, costs=costs),
             "ipc": ipc_push_s(d, rollout_dtype, servers=servers, nodes=nodes, bucket_bytes=bucket_bytes,
-                              costs=costs, gpu=gpu)}
+                              costs=costs, gpu=gpu, pushes_per_run=pushes_per_run)}
 
 
 def cheapest_push(seconds: dict[str, float], allowed: tuple[str, ...] = BUILT_PUSHES) -> str:
@@ -261,5 +278,6 @@ def describe(costs: PhaseCosts = ASSUMED) -> dict[str, str]:
     out.update(sglang_outside_pool=f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB", trainer_offloaded=f"{TRAINER_OFFLOADED_GIB:g} GiB",
                cpu_standin_by_value_measured=f"{CPU_STANDIN_BY_VALUE_BYTES_S / 1e9:.3g} GB/s",
                ipc_push_bytes_s=f"{costs.ipc_push_bytes_s / 1e9:g} GB/s (GPU-unverified)",
-               verify_copy_bytes_s=f"{costs.verify_copy_bytes_s / 1e9:g} GB/s (measured, one H100)")
+               verify_copy_bytes_s=f"{costs.verify_copy_bytes_s / 1e9:g} GB/s (measured into pinned memory, one H100)",
+               mirror_alloc_bytes_s=f"{costs.mirror_alloc_bytes_s / 1e9:g} GB/s (measured, one H100; once a run)")
     return out

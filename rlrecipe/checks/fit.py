@@ -219,18 +219,22 @@ class Search:
         return sorted({max(128, c // k) for k in CHUNK_DIVISORS}, reverse=True)
 
     def train_variant(self, ranks: int, nodes: int, stage: int, opt: bool, par: bool, micro: int,
-                      chunk: int, colocated: bool = False) -> Recipe:
+                      chunk: int, colocated: bool = False, push: str | None = None) -> Recipe:
         trainer = {"nproc": ranks // nodes, "nodes": nodes, "zero_stage": stage, "offload_optimizer": opt,
                    "offload_params": par, "max_tokens_per_microbatch": micro, "logprob_chunk_tokens": chunk,
                    "gpu_memory_gib": self.machine.gpu_memory_gib}
         if colocated:  # the plan then counts the released servers beside it, and the offloaded state
-            return _with(self.recipe, trainer=trainer, rollout={"colocate": True})
+            rollout: dict = {"colocate": True}
+            if push is not None:  # and, pushed by handle, rank 0's copy of the weights kept on the host
+                rollout["sglang"] = self.recipe.rollout.sglang.model_copy(update={"weight_sync": push})
+            return _with(self.recipe, trainer=trainer, rollout=rollout)
         return _with(self.recipe, trainer=trainer)
 
     def train_option(self, ranks: int, nodes: int, stage: int, opt: bool, par: bool, micro: int,
-                     chunk: int, colocated: bool = False, push_s: float = 0.0) -> TrainOption:
-        """`push_s`: colocated, the push's seconds (they depend on the servers: push_seconds)."""
-        variant = self.train_variant(ranks, nodes, stage, opt, par, micro, chunk, colocated)
+                     chunk: int, colocated: bool = False, push_s: float = 0.0, push: str | None = None) -> TrainOption:
+        """`push_s`: colocated, the push's seconds (they depend on the servers: push_seconds); `push`:
+        its kind (rollout.sglang.weight_sync), None for the source's."""
+        variant = self.train_variant(ranks, nodes, stage, opt, par, micro, chunk, colocated, push)
         peak = train_budget(variant, self.dims).total
         host = sum(rank0_host_parts(variant, self.dims).values())
         if par:  # ZeRO-3's offloaded parameters: a node's share of the 16-bit weights in host memory
@@ -245,8 +249,9 @@ class Search:
                 push_s=push_s, zero_stage=stage, costs=self.costs))
         return TrainOption(ranks, nodes, stage, opt, par, micro, chunk, peak, host, time)
 
-    def train_options(self, ranks: int, nodes: int, colocated: bool = False, push_s: float = 0.0) -> list[TrainOption]:
-        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk, colocated, push_s)
+    def train_options(self, ranks: int, nodes: int, colocated: bool = False, push_s: float = 0.0,
+                      push: str | None = None) -> list[TrainOption]:
+        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk, colocated, push_s, push)
                 for stage, opt, par in (COLOCATED_ZERO if colocated else ZERO)
                 for micro in self.microbatch_candidates() for chunk in self.chunk_candidates()]
 
@@ -330,10 +335,11 @@ class Search:
         return self.machine.nodes == 1 and not self.recipe.rl.async_lag
 
     def pushes(self, rollout: RolloutOption) -> dict[str, float]:
-        """Seconds of one colocated push into this rollout option's servers, by each way (push_seconds)."""
+        """Seconds of one colocated push into this rollout option's servers, by each way (push_seconds),
+        a push's one-time cost spread over the run's rl.steps."""
         return push_seconds(self.dims, self.recipe.rollout.dtype, servers=rollout.servers, tp=rollout.tp,
                             nodes=rollout.nodes, bucket_bytes=self.recipe.rollout.sglang.weight_sync_bucket_mb << 20,
-                            costs=self.costs)
+                            costs=self.costs, pushes_per_run=self.recipe.rl.steps)
 
     def colocated_layouts(self) -> list[Layout]:
         """The best colocated layout: every GPU a trainer rank and (part of) an SGLang server, the new
@@ -354,7 +360,8 @@ class Search:
         # the push depends on the servers and adds to the step, so it ranks the rollout options too
         rollout = min(rollouts, key=lambda o: (o.time.seconds + push(o)[1], o.tp, -o.mem_fraction))
         kind, push_s = push(rollout)
-        trains = [o for o in self.train_options(gpus, 1, colocated=True, push_s=push_s) if self.train_fits(o)]
+        trains = [o for o in self.train_options(gpus, 1, colocated=True, push_s=push_s, push=kind)
+                  if self.train_fits(o)]
         if not trains:
             return []
         train = min(trains, key=lambda o: (o.time.seconds, o.peak))

@@ -115,8 +115,9 @@ def _push_reason(seconds: dict[str, float], kind: str) -> str:
            "disk": "rank 0 writes an HF export once and the servers load it into their resumed weights "
                    "(/update_weights_from_disk)",
            "ipc": "every rank shares its copy of the weights by CUDA IPC handle, bucket by bucket, rank 0 posts "
-                  "the handles to each server in turn (/update_weights_from_tensor) and keeps a CPU copy to verify "
-                  "(not yet run whole on a GPU)"}
+                  "the handles to the servers side by side (/update_weights_from_tensor) and copies them into pinned "
+                  "host memory to verify (run on an H100 in bench/gpu/ipc_push.py, not end to end with SGLang on "
+                  "a GPU)"}
     return f"{how[kind]}: the cheapest built push, {seconds[kind]:.1f} s a step against {_others(seconds, kind)}"
 
 

@@ -370,7 +370,8 @@ def rollout_record_bytes(n: int, max_prompt_tokens: int, max_new_tokens: int) ->
 def rank0_host_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
     """Bytes of host memory rank 0 needs beyond the Python process itself, at worst (every rollout at
     full length): the rollouts it holds, the arrays a step's batch and a checkpoint's pool are
-    packed into, and the full weights gathered to its CPU for each push or export."""
+    packed into, the full weights gathered to its CPU for each push or export, and the push by
+    handle's copy of them, kept from push to push."""
     ro, rl = recipe.rollout, recipe.rl
     b = BYTES[recipe.model.dtype]
     parts: dict[str, float] = {}
@@ -386,6 +387,10 @@ def rank0_host_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
             parts["step batch (arrays)"] = arrays
     if recipe.trainer.engine == "deepspeed" and recipe.trainer.zero_stage >= 3:
         parts["weights gathered for push and export"] = b * d.params()
+    if stage_of(recipe) == "rl" and ro.engine == "sglang" and ro.sglang.weight_sync == "ipc":
+        # the push by handle's copy of what it pushed, which the verification reads, kept from push to
+        # push (pinned on a GPU: rollout/weights/handles.py's HostMirror), beside a checkpoint's export
+        parts["push by handle's copy (kept, pinned)"] = b * d.params()
     if recipe.trainer.offload_optimizer:
         parts["optimizer offloaded"] = 12 * d.params() / max(1, recipe.trainer.nodes)
     if colocated(recipe):

@@ -1,8 +1,8 @@
 """What a colocated step's hand-overs cost on this CPU, measured through `rlrecipe serve`.
 
 Two arms train the tiny recipe from the demo's SFT model for the same steps, both synchronous, both
-with the rollout on a `rlrecipe serve` server over HTTP (float32, weights pushed by
-/update_weights_from_tensor), both on both cores (the same OpenMP wait as bench/async_overlap.py);
+with the rollout on a `rlrecipe serve` server over HTTP (float32, weights pushed by handle through
+/update_weights_from_tensor, as the shipped colocated recipes push them), both on both cores (the same OpenMP wait as bench/async_overlap.py);
 they differ in one thing, `rollout.colocate`:
 - shared: the server keeps its weights while the trainer trains (the split layout's calls);
 - colocated: each step the server releases its KV cache and weights, the trainer reloads, updates
@@ -34,7 +34,7 @@ def arm_overrides(out: Path, arm: str, run: int, steps: int) -> dict:
     return {"run.name": f"colocated-{arm}-{run}", "run.output_dir": str(out), "run.init_from": str(MODEL.resolve()),
             "rl.steps": steps, "rl.save_every": steps, "eval.benchmarks": [], "rollout.engine": "sglang",
             "rollout.dtype": "float32", "rollout.colocate": arm == "colocated",
-            "rollout.sglang.base_port": _free_port(), "rollout.sglang.weight_sync": "tensor",
+            "rollout.sglang.base_port": _free_port(), "rollout.sglang.weight_sync": "ipc",
             "rollout.sglang.launch_cmd": serve}
 
 

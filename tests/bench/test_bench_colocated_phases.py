@@ -12,7 +12,7 @@ def test_the_arms_differ_in_colocate_alone(tmp_path: Path):
     shared, colocated = (arm_overrides(tmp_path, arm, 0, 5) for arm in ARMS)
     differ = {k for k in shared if k not in ("run.name", "rollout.sglang.base_port") and shared[k] != colocated[k]}
     assert differ == {"rollout.colocate"} and colocated["rollout.colocate"] is True
-    assert shared["rollout.sglang.weight_sync"] == "tensor" and "--enable-memory-saver" in shared[
+    assert shared["rollout.sglang.weight_sync"] == "ipc" and "--enable-memory-saver" in shared[
         "rollout.sglang.launch_cmd"]
 
 

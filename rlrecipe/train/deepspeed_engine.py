@@ -345,6 +345,27 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         self.engine.reload_states()
 
     # -- state ---------------------------------------------------------------------------------
+    def _gathered(self) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+        """ZeRO-3, every rank: each parameter and persistent buffer as (name, tensor, the name of the
+        parameter it is tied to or None), gathered module by module. Collective: consume in step; a
+        tensor is valid until the next item (the module's gathered copies are freed after it)."""
+        import deepspeed
+
+        first: dict[int, str] = {}
+
+        def visit(mod: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+            with deepspeed.zero.GatheredParameters(list(mod.parameters(recurse=False)), modifier_rank=None):
+                for name, p in mod.named_parameters(recurse=False):
+                    yield prefix + name, p.detach(), first.get(p.ds_id)
+                    first.setdefault(p.ds_id, prefix + name)
+                for name, buf in mod.named_buffers(recurse=False):
+                    if name not in mod._non_persistent_buffers_set:
+                        yield prefix + name, buf.detach(), None
+            for name, child in mod.named_children():
+                yield from visit(child, prefix + name + ".")
+
+        yield from visit(self.engine.module, "")
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on rank 0, {} on other ranks. Collective.
 
@@ -353,29 +374,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         module = self.engine.module
         if not self.zero3:  # every rank holds the whole model: views, no copy (as the torch engine)
             return {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
-        import deepspeed
-
         out: dict[str, torch.Tensor] = {}
-        seen: dict[int, str] = {}
-
-        def visit(mod: torch.nn.Module, prefix: str) -> None:
-            params = list(mod.parameters(recurse=False))
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                if self.rank == 0:
-                    for name, p in mod.named_parameters(recurse=False):
-                        key = prefix + name
-                        if p.ds_id in seen:  # tied weights stay tied
-                            out[key] = out[seen[p.ds_id]]
-                        else:
-                            out[key] = p.detach().to("cpu", copy=True)
-                            seen[p.ds_id] = key
-                    for name, buf in mod.named_buffers(recurse=False):
-                        if name not in mod._non_persistent_buffers_set:
-                            out[prefix + name] = buf.detach().to("cpu", copy=True)
-            for name, child in mod.named_children():
-                visit(child, prefix + name + ".")
-
-        visit(module, "")
+        for key, t, tied_to in self._gathered():
+            if self.rank == 0:  # tied weights stay tied
+                out[key] = out[tied_to] if tied_to is not None else t.to("cpu", copy=True)
         return out
 
     def rollout_state(self) -> dict[str, torch.Tensor]:
@@ -385,27 +387,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every rank: the full weights, tied ones once. ZeRO-3 gathers module by module and yields
         copies on the device (the gathered tensors are freed when the module's turn ends)."""
-        module = self.engine.module
         if not self.zero3:
-            yield from distinct_tensors({k: v.detach() for k, v in module.state_dict().items()})
+            yield from distinct_tensors({k: v.detach() for k, v in self.engine.module.state_dict().items()})
             return
-        import deepspeed
-
-        seen: set[int] = set()
-
-        def visit(mod: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-            with deepspeed.zero.GatheredParameters(list(mod.parameters(recurse=False)), modifier_rank=None):
-                for name, p in mod.named_parameters(recurse=False):
-                    if p.ds_id not in seen:
-                        seen.add(p.ds_id)
-                        yield prefix + name, p.detach().clone()
-                for name, buf in mod.named_buffers(recurse=False):
-                    if name not in mod._non_persistent_buffers_set:
-                        yield prefix + name, buf.detach().clone()
-            for name, child in mod.named_children():
-                yield from visit(child, prefix + name + ".")
-
-        yield from visit(module, "")
+        yield from ((key, t.clone()) for key, t, tied_to in self._gathered() if tied_to is None)
 
     def export_hf(self, out_dir: str | Path, tokenizer=None) -> Path:
         """A full HF safetensors model (and tokenizer) written by rank 0. Collective."""

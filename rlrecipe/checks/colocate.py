@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
 from rlrecipe.checks.step_time import GPU, H100, Training
+from rlrecipe.recipe.schema import ipc_refusal
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
 
 # ASSUMPTION: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its static pool
@@ -156,12 +157,10 @@ BUILT_PUSHES = ("tensor", "disk", "ipc")
 
 def allowed_pushes(*, colocated: bool, trainer_nodes: int = 1, rollout_nodes: int = 1,
                    server_gpus: int = 0, trainer_ranks: int = 0) -> tuple[str, ...]:
-    """The built pushes a layout may use (recipe/schema.py's rule). A handle opens only on the machine
-    that shares it, and each server rank reads one trainer rank's handles, once, so "ipc" only where
-    every server rank reads a trainer rank of its own: colocated (any number of nodes), or trainer and
-    servers on one node with no more server GPUs than trainer ranks (attached rollout.urls must be local
-    too, which the layout cannot say)."""
-    if colocated or (trainer_nodes == 1 and rollout_nodes == 1 and server_gpus <= trainer_ranks):
+    """The built pushes a layout may use: "ipc" only where the recipe accepts it (schema.ipc_refusal;
+    attached rollout.urls must be local too, which the layout cannot say)."""
+    if ipc_refusal(colocated=colocated, trainer_nodes=trainer_nodes, rollout_nodes=rollout_nodes,
+                   server_gpus=server_gpus, trainer_ranks=trainer_ranks) is None:
         return BUILT_PUSHES
     return tuple(k for k in BUILT_PUSHES if k != "ipc")
 

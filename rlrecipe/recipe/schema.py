@@ -131,6 +131,24 @@ def algorithm_fields(hashed: dict) -> dict:
 
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
+ELSEWHERE = ("a handle opens only on the machine that shares it; use weight_sync: tensor or disk, or "
+             "rollout.colocate")
+
+
+def ipc_refusal(*, colocated: bool, trainer_nodes: int = 1, rollout_nodes: int = 1, server_gpus: int = 0,
+                trainer_ranks: int = 0) -> str | None:
+    """Why `rollout.sglang.weight_sync: ipc` cannot serve a layout ("N nodes: why"), None where it can:
+    each server rank reads the handles of one trainer rank of its own, once, on its machine. Colocated
+    that is the rank on its GPU, on any number of nodes; split, only on one node with no more server
+    GPUs (launched: num_servers x tp_size) than trainer ranks."""
+    if colocated:
+        return None
+    if trainer_nodes > 1 or rollout_nodes > 1:
+        return f"{max(trainer_nodes, rollout_nodes)} nodes: {ELSEWHERE}"
+    if server_gpus > trainer_ranks:
+        return (f"{server_gpus} server GPUs (num_servers x tp_size) and {trainer_ranks} trainer ranks: each server "
+                "rank reads the handles of one trainer rank, once; use weight_sync: tensor or disk")
+    return None
 
 
 class Recipe(Section):
@@ -171,15 +189,12 @@ class Recipe(Section):
         if ro.engine != "sglang" or ro.sglang.weight_sync != "ipc" or ro.colocate:
             return self  # colocated, every server reads the trainer rank on its own GPU
         far = [u for u in ro.urls if urlsplit(u if "//" in u else f"http://{u}").hostname not in LOCAL_HOSTS]
-        if far or tr.nodes > 1 or ro.sglang.nodes > 1:
-            where = f"rollout.urls {far[0]}" if far else f"{max(tr.nodes, ro.sglang.nodes)} nodes"
-            raise ValueError(f"rollout.sglang.weight_sync: ipc with {where}: a handle opens only on the machine "
-                             "that shares it; use weight_sync: tensor or disk, or rollout.colocate")
         sg = ro.sglang
-        if not ro.urls and sg.num_servers * sg.tp_size > tr.nproc:
-            raise ValueError(f"rollout.sglang.weight_sync: ipc with {sg.num_servers * sg.tp_size} server GPUs "
-                             f"(num_servers x tp_size) and {tr.nproc} trainer ranks: each server rank reads the "
-                             "handles of one trainer rank, once; use weight_sync: tensor or disk")
+        why = f"rollout.urls {far[0]}: {ELSEWHERE}" if far else ipc_refusal(
+            colocated=False, trainer_nodes=tr.nodes, rollout_nodes=sg.nodes,
+            server_gpus=0 if ro.urls else sg.num_servers * sg.tp_size, trainer_ranks=tr.nproc)
+        if why is not None:  # attached servers' GPUs are checked at the first push (their /server_info)
+            raise ValueError(f"rollout.sglang.weight_sync: ipc with {why}")
         return self
 
     @model_validator(mode="after")

@@ -24,7 +24,12 @@ import torch.distributed as dist
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import distinct_tensors
-from rlrecipe.rollout.sglang.session import SESSION_LEFT_OPEN, SESSION_S, session  # noqa: F401 - kept importable here
+from rlrecipe.rollout.sglang.session import (  # noqa: F401 - SESSION_LEFT_OPEN, SESSION_S kept importable here
+    SESSION_LEFT_OPEN,
+    SESSION_S,
+    in_session,
+    session,
+)
 from rlrecipe.rollout.weights.sync import (
     DEFAULT_GROUP,
     broadcast,
@@ -129,13 +134,8 @@ class WeightBroadcast:
         return session(self.servers, action, servers, failing)
 
     def _broadcast_chunks(self, chunks: list, version: int, device: str) -> None:
-        opened = self._session("begin", list(self.servers.live))
-        try:
+        with in_session(self.servers, list(self.servers.live)):
             self._send_chunks(chunks, version, device)
-        except BaseException:
-            self._session("end", opened, failing=True)  # the next push can open one again
-            raise
-        self._session("end", opened)
 
     def _send_chunks(self, chunks: list, version: int, device: str) -> None:
         srv = self.servers

@@ -9,6 +9,8 @@ session a killed client left open is closed and opened again, once.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from rlrecipe.core.console import console
@@ -56,6 +58,19 @@ def session(srv: SessionServers, action: str, servers: list[int], failing: bool 
                             f"{body.get('message', f'HTTP {r.status_code}')}")
         opened.append(i)
     return opened
+
+
+@contextmanager
+def in_session(srv: SessionServers, servers: list[int]) -> Iterator[None]:
+    """A push's updates inside the weight-update session of `servers`, closed after, also when the
+    push fails (so the next push can open it again)."""
+    opened = session(srv, "begin", servers)
+    try:
+        yield
+    except BaseException:
+        session(srv, "end", opened, failing=True)
+        raise
+    session(srv, "end", opened)
 
 
 def begin(srv: SessionServers, i: int) -> Any:

@@ -33,7 +33,7 @@ import torch
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import distinct_tensors
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
-from rlrecipe.rollout.sglang.session import session
+from rlrecipe.rollout.sglang.session import in_session
 from rlrecipe.rollout.sglang.versions import Dialect
 from rlrecipe.rollout.weights.handles import ranks_read_by
 from rlrecipe.rollout.weights.sync import buckets
@@ -68,12 +68,20 @@ def tensor_bodies(state_dict: dict, version: int, bucket_bytes: int, ranks: int)
     tensor-parallel ranks (each reads its own copy of the payload)."""
     chunks = list(buckets(distinct_tensors(state_dict), bucket_bytes))
     for k, chunk in enumerate(chunks):
-        last = k == len(chunks) - 1
-        body = {"serialized_named_tensors": [serialize_named_tensors(chunk)] * ranks, "load_format": None,
-                "flush_cache": last}
-        if last:
-            body["weight_version"] = str(version)
-        yield body
+        yield _body([serialize_named_tensors(chunk)] * ranks, k == len(chunks) - 1, version)
+
+
+def _body(payloads: list[str], last: bool, version: int) -> dict:
+    """One bucket's request: a payload per tensor-parallel rank; the last bucket flushes the cache and
+    names the version."""
+    body = {"serialized_named_tensors": payloads, "load_format": None, "flush_cache": last}
+    if last:
+        body["weight_version"] = str(version)
+    return body
+
+
+def _tp_size(srv: TensorServers, i: int) -> int:
+    return int(srv.server_info(i).get("tp_size", srv.cfg.tp_size) or srv.cfg.tp_size)
 
 
 def push_tensors(srv: TensorServers, state_dict: dict, version: int) -> None:
@@ -81,16 +89,9 @@ def push_tensors(srv: TensorServers, state_dict: dict, version: int) -> None:
     inside its weight-update session."""
     bucket_bytes = srv.cfg.weight_sync_bucket_mb << 20
     for i in list(srv.live):
-        ranks = int(srv.server_info(i).get("tp_size", srv.cfg.tp_size) or srv.cfg.tp_size)
-        opened = session(srv, "begin", [i])
-        try:
-            for body in tensor_bodies(state_dict, version, bucket_bytes, ranks):
+        with in_session(srv, [i]):
+            for body in tensor_bodies(state_dict, version, bucket_bytes, _tp_size(srv, i)):
                 srv.control(i, PATH, body, PUSH_S)
-        except BaseException:
-            session(srv, "end", opened, failing=True)  # the next push can open one again
-            raise
-        session(srv, "end", opened)
-
 
 
 @contextmanager
@@ -99,25 +100,20 @@ def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterato
     opened; yields `send(payloads, last)`, which posts one bucket's payloads (one per trainer rank,
     in rank order) to every live server, each server rank reading its GPU's trainer rank; closed
     after, also when the push fails."""
-    cfg = srv.cfg
     live = list(srv.live)
     reads = {}
     for i in live:
-        info = srv.server_info(i)
-        if int(info.get("dp_size", 1) or 1) > 1:  # every data-parallel replica would read the same entries
-            raise UserError(f"SGLang server {srv.urls[i]} runs dp_size {info['dp_size']}: weight_sync ipc needs "
+        dp = int(srv.server_info(i).get("dp_size", 1) or 1)
+        if dp > 1:  # every data-parallel replica would read the same entries
+            raise UserError(f"SGLang server {srv.urls[i]} runs dp_size {dp}: weight_sync ipc needs "
                             "servers of one replica each (more servers instead), or weight_sync disk")
         try:
-            reads[i] = ranks_read_by(i, int(info.get("tp_size", cfg.tp_size) or cfg.tp_size), world_size)
+            reads[i] = ranks_read_by(i, _tp_size(srv, i), world_size)
         except ValueError as err:
             raise UserError(f"SGLang server {srv.urls[i]}: {err}") from None
 
     def post(i: int, payloads: list[str], last: bool) -> None:
-        body = {"serialized_named_tensors": [payloads[r] for r in reads[i]], "load_format": None,
-                "flush_cache": last}
-        if last:
-            body["weight_version"] = str(version)
-        srv.control(i, PATH, body, PUSH_S)
+        srv.control(i, PATH, _body([payloads[r] for r in reads[i]], last, version), PUSH_S)
 
     def send(payloads: list[str], last: bool) -> None:
         # the servers side by side (a request carries names, not bytes: each server's own copy is the
@@ -126,10 +122,5 @@ def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterato
             for fut in [pool.submit(post, i, payloads, last) for i in live]:
                 fut.result()
 
-    opened = session(srv, "begin", live)
-    try:
+    with in_session(srv, live):
         yield send
-    except BaseException:
-        session(srv, "end", opened, failing=True)
-        raise
-    session(srv, "end", opened)

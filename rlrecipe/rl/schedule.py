@@ -39,11 +39,12 @@ def step_seed(run_seed: int, step: int) -> int:
 class WeightsOut:
     """The trainer's weights on their way to the rollout engine, by the run's transport."""
 
-    def __init__(self, trainer, run, tokenizer, transport: WeightTransport, version: int,
-                 turns: TakingTurns | None = None, bucket_bytes: int = 512 << 20):
-        """`version`: the trainer's now; `turns`: a colocated layout's hand-overs, which each push goes
-        through; `bucket_bytes`: the most one request carries (pushes by handle: every rank's buffer). The engine is attached after (`attach`): colocated, it starts once the trainer has
-        left the GPU, and the probe is scored before that."""
+    def __init__(self, trainer, run, tokenizer, transport: WeightTransport, version: int, *,
+                 bucket_bytes: int, turns: TakingTurns | None = None):
+        """`version`: the trainer's now; `bucket_bytes`: the most one push request carries (by handle:
+        every rank's buffer); `turns`: a colocated layout's hand-overs, which each push goes through.
+        The engine is attached after (`attach`): colocated, it starts once the trainer has left the
+        GPU, and the probe is scored before that."""
         self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, None, run, tokenizer, transport
         self.turns = turns if turns is not None and turns.enabled else None
         self.bucket_bytes = bucket_bytes
@@ -85,7 +86,8 @@ class WeightsOut:
 
     def push(self, version: int) -> None:
         """Into the engine now (collective; rank 0 pushes): in memory, by broadcast, by pickled
-        tensors, by every rank's handles, or by an HF export the servers load; colocated, through the engine's release."""
+        tensors, by every rank's handles, or by an HF export the servers load; colocated, through the
+        engine's release."""
         if self.turns is not None:
             self.turns.push(version, lambda: self._expect(version), lambda verify: self._send(version, verify))
         else:

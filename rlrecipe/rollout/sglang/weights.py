@@ -1,14 +1,14 @@
-"""Weights into an SGLang fleet: loads from an HF export or a broadcast, each verified after it lands.
+"""Weights into an SGLang fleet: loads from an HF export, a broadcast or tensors, each verified after it lands.
 
 `weight_sync: disk` asks every live server to `/update_weights_from_disk`, node by node: first one
 server of each node (the servers' URL hosts), side by side, then all the others, MAX_PARALLEL_LOADS at a
-time. The export
-lies on the shared file system (the run directory), and the servers of a node share its page cache:
-the first load of a node reads the files from the shared file system, and its other servers find them
-in memory. A push thus costs the shared file system one read of the export per node, whatever the
-number of servers on it (80 one-GPU servers on 10 nodes: 10 reads of the 15 GB of a 7B model, not 80;
-bench/projection/push.py costs both). `distributed` broadcasts the trainer's tensors (`sglang/broadcast.py`); `tensor` and `ipc` post them
-by value or by handle (`sglang/tensor_push.py`). Either way, servers left out that answer again are
+time. The export lies on the shared file system (the run directory), and the servers of a node share
+its page cache: the first load of a node reads the files from the shared file system, and its other
+servers find them in memory. A push thus costs the shared file system one read of the export per
+node, whatever the number of servers on it (80 one-GPU servers on 10 nodes: 10 reads of the 15 GB of
+a 7B model, not 80; bench/projection/push.py costs both). `distributed` broadcasts the trainer's
+tensors (`sglang/broadcast.py`); `tensor` and `ipc` post them by value or by handle
+(`sglang/tensor_push.py`). Either way, servers left out that answer again are
 taken back first, so they get this push's weights, and afterwards every live server's weights are
 checked against the trainer's (`weights/check.py`), since an update that answers 200 has run a load,
 not necessarily loaded the trainer's weights.

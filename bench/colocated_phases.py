@@ -2,7 +2,8 @@
 
 Two arms train the tiny recipe from the demo's SFT model for the same steps, both synchronous, both
 with the rollout on a `rlrecipe serve` server over HTTP (float32, weights pushed by handle through
-/update_weights_from_tensor, as the shipped colocated recipes push them), both on both cores (the same OpenMP wait as bench/async_overlap.py);
+/update_weights_from_tensor, as the shipped colocated recipes push them), both on both cores (the
+same OpenMP wait as bench/async_overlap.py);
 they differ in one thing, `rollout.colocate`:
 - shared: the server keeps its weights while the trainer trains (the split layout's calls);
 - colocated: each step the server releases its KV cache and weights, the trainer reloads, updates

@@ -142,7 +142,7 @@ def _ratios(result: dict, prefix: str) -> dict:
 def one_distribution(groups: list[list[int]], label: str, steps: int = STEPS) -> dict:
     cache: dict = {}  # the simulated rollouts, shared by every variant below
     kw = dict(etas=(), steps=steps, splits=(), cache=cache)
-    phases = recipe_phases()
+    phases, pushes = recipe_phases(), recipe_pushes()
     result = async_projection(SYNC_RECIPE, groups, lengths_label=label, colocated_phases=phases, **kw)
     rows = {r["schedule"]: r for r in result["rows"]}
     costed, ideal = rows["C3PO++, colocated, costed"], rows["C3PO++, colocated"]
@@ -154,8 +154,8 @@ def one_distribution(groups: list[list[int]], label: str, steps: int = STEPS) ->
                 "c3po_colocated_costed_rollout_s": costed["rollout_s"],
                 "c3po_colocated_costed_train_s": costed["train_push_s"] - costed["push_trainer_s"],
                 "phase_changes_s": sum(phases.values()),
-                "push_kind": cheapest_push(recipe_pushes(), allowed_pushes(colocated=True)),
-                **{f"push_{k}_s": v for k, v in recipe_pushes().items()},
+                "push_kind": cheapest_push(pushes, allowed_pushes(colocated=True)),
+                **{f"push_{k}_s": v for k, v in pushes.items()},
                 **{f"phase_{k}_s": v for k, v in phases.items()}})
     for v in SENSITIVITY:
         varied = recipe_phases(costs=ASSUMED.scaled(**v.factors), push=v.push, posted_at_once=v.posted_at_once)

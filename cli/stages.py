@@ -132,7 +132,10 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
                                             "(a colocated layout); refused without it")] = False,
           kv_cache_dtype: Annotated[str, typer.Option(
               help="auto (the served dtype), fp8_e4m3 or fp8_e5m2: an FP8 KV cache with scales 1.0, as "
-                   "SGLang's --kv-cache-dtype without calibrated scales")] = "auto") -> None:
+                   "SGLang's --kv-cache-dtype without calibrated scales")] = "auto",
+          access_log: Annotated[bool, typer.Option(
+              "--access-log", help="one line per request (client, method, path, status, User-Agent), as "
+                                   "SGLang's access log")] = False) -> None:
     """Serve a model over the SGLang HTTP API subset, on the in-process engine (CPU)."""
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: a TCP port is 0..65535")
@@ -143,7 +146,7 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
     except ImportError as err:
         raise UserError(f"serve is not available: {err}") from None
     serve_forever(model, host=host, port=port, dtype=dtype, api_key=api_key, context_length=context_length,
-                  enable_memory_saver=enable_memory_saver, kv_cache_dtype=kv_cache_dtype)
+                  enable_memory_saver=enable_memory_saver, kv_cache_dtype=kv_cache_dtype, access_log=access_log)
 
 
 def plot(runs: list[Path], out: Annotated[Path, typer.Option()] = Path("plots")) -> None:

@@ -48,9 +48,15 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "rlrecipe-serve"
     sched: Scheduler
     api_key: str | None = None
+    access_log: bool = False  # --access-log: one line per request, as SGLang's (uvicorn's) access log
 
     def log_message(self, format, *args):  # noqa: A002 - stdlib signature
-        pass  # one line per request would drown the log; the scheduler reports instead
+        pass  # by default one line per request would drown the log; the scheduler reports instead
+
+    def log_request(self, code="-", size="-"):
+        if self.access_log:  # with who sent it: a run's client names its process in User-Agent
+            log(f'{self.client_address[0]}:{self.client_address[1]} - "{self.command} {self.path.split("?")[0]} '
+                f'HTTP/1.1" {int(code)} "{self.headers.get("User-Agent", "")}"')
 
     def _send(self, code: int, body: dict | list | str | bytes | None = None) -> None:
         if body is None:
@@ -288,9 +294,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 
-def make_handler(sched: Scheduler, api_key: str | None = None) -> type[Handler]:
+def make_handler(sched: Scheduler, api_key: str | None = None, access_log: bool = False) -> type[Handler]:
     """The handler class the server instantiates per connection, bound to this scheduler and key."""
-    return type("Handler", (Handler,), {"sched": sched, "api_key": api_key})
+    return type("Handler", (Handler,), {"sched": sched, "api_key": api_key, "access_log": access_log})
 
 
 class Server(ThreadingHTTPServer):
@@ -303,7 +309,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
                 chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0,
                 join_timeout_s: float = JOIN_TIMEOUT_S, api_key: str | None = None,
                 context_length: int | None = None, enable_memory_saver: bool = False,
-                kv_cache_dtype: str = "auto") -> tuple[Server, Scheduler]:
+                kv_cache_dtype: str = "auto", access_log: bool = False) -> tuple[Server, Scheduler]:
     from rlrecipe.modeling import DTYPES, load_tokenizer
     from rlrecipe.rollout.fp8_kv import KV_CACHE_DTYPES
     from rlrecipe.rollout.inprocess import InProcessEngine
@@ -335,7 +341,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
                             f"{'.'.join(map(str, LOWEST))} to {'.'.join(map(str, NEWEST))}")
         sched.rules = rules
     try:
-        server = Server((host, port), make_handler(sched, api_key))
+        server = Server((host, port), make_handler(sched, api_key, access_log))
     except OSError as err:
         raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     kv = "" if kv_cache_dtype == "auto" else f", KV cache {kv_cache_dtype} with scales 1.0"
@@ -347,10 +353,11 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
 def serve_forever(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
                   chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0, api_key: str | None = None,
                   context_length: int | None = None, enable_memory_saver: bool = False,
-                  kv_cache_dtype: str = "auto") -> None:
+                  kv_cache_dtype: str = "auto", access_log: bool = False) -> None:
     server, sched = make_server(model, host, port, dtype, chunk_tokens=chunk_tokens, max_batch=max_batch, seed=seed,
                                 api_key=api_key, context_length=context_length,
-                                enable_memory_saver=enable_memory_saver, kv_cache_dtype=kv_cache_dtype)
+                                enable_memory_saver=enable_memory_saver, kv_cache_dtype=kv_cache_dtype,
+                                access_log=access_log)
 
     def _terminate(signum, frame):
         raise SystemExit(0)

@@ -16,7 +16,10 @@ model=$1 host=$2 port=$3 dtype=$4 seed=$5
 shift 5
 export SGLANG_USE_CPU_ENGINE=1
 export PYTHONPATH="$here/shims"
+# the key a run launching this server draws for it (or the user's): the server then refuses other clients
+key=()
+[ -n "${SGLANG_API_KEY:-}" ] && key=(--api-key "$SGLANG_API_KEY")
 # float32 is passed as such: SGLang's "auto" would serve a float32 checkpoint in float16
 exec "$venv/bin/python" -m sglang.launch_server --model-path "$model" --host "$host" --port "$port" \
   --dtype "$dtype" --random-seed "$seed" --device cpu --disable-overlap-schedule \
-  --attention-backend torch_native "$@"
+  --attention-backend torch_native "${key[@]}" "$@"

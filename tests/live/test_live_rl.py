@@ -47,6 +47,9 @@ def test_rl_launches_sglang_trains_with_disk_sync_and_c3po_and_evaluates(tmp_pat
     log = (run / "sglang_server_0.log").read_text()
     assert log.count("POST /update_weights_from_disk HTTP/1.1\" 200") == 3  # steps 1..3 pushed
     assert "POST /weights_checker HTTP/1.1\" 200" in log and "POST /abort_request" in log
+    # the run's server proved itself: refused without the key the run drew for it, let in with it
+    assert "GET /rlrecipe_ownership_proof HTTP/1.1\" 401" in log
+    assert "GET /rlrecipe_ownership_proof HTTP/1.1\" 404" in log
     summary = json.loads((run / "eval" / "tiny" / "summary.json").read_text())
     assert summary["n"] == 2 and summary["num_problems"] == 8
 

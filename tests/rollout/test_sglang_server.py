@@ -25,6 +25,7 @@ from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe.base import RecipeError
 from rlrecipe.recipe.schema import load_recipe, recipe_from_dict
 from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.rollout.sglang.api_key import auth_headers
 from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.rollout.sglang.router import router_launch_cmd, start_router
 from rlrecipe.rollout.sglang.server import (
@@ -64,7 +65,7 @@ while True:
 
 # A stand-in for sglang-router: /generate round robin over the workers; /health and
 # /health_generate 200 once every worker's /health is; GET /stats: requests forwarded per worker.
-# Like sglang-router, it forwards no aborts and no weight updates (404).
+# Like sglang-router, it forwards the client's bearer key, and no aborts or weight updates (404).
 STAND_IN_ROUTER = r"""
 import itertools, json, sys, threading, urllib.error, urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -95,7 +96,8 @@ class H(BaseHTTPRequestHandler):
         with lock:
             w = workers[next(turn) % len(workers)]
             sent[w] += 1
-        req = urllib.request.Request(w + "/generate", data=body, headers={"Content-Type": "application/json"})
+        auth = {"Authorization": self.headers["Authorization"]} if self.headers.get("Authorization") else {}
+        req = urllib.request.Request(w + "/generate", data=body, headers={"Content-Type": "application/json", **auth})
         try:
             with urllib.request.urlopen(req) as r:
                 self._send(r.status, r.read())
@@ -291,7 +293,7 @@ def test_generation_through_the_router_and_weights_to_every_server(router, tiny_
         # weight updates reach every server directly (the router forwards none)
         eng.update_weights_from_disk(other_model_dir, 1)
         for url in eng.urls:
-            assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == "1"
+            assert requests.get(url + "/model_info", headers=auth_headers(), timeout=10).json()["weight_version"] == "1"
         # C3PO++ through the router: the servers abort what is in flight, a later call resumes it
         params = SamplingParams(max_new_tokens=BUDGETED_NEW_TOKENS)
         trajs, near = _budgeted_call(eng, tok, params)

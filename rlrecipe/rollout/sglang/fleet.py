@@ -23,7 +23,7 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import RolloutSection, SGLangServer
 from rlrecipe.rollout.sglang.api import context_length
-from rlrecipe.rollout.sglang.api_key import auth_headers
+from rlrecipe.rollout.sglang.api_key import client_headers, give_back_key, launch_key
 from rlrecipe.rollout.sglang.http_pool import HttpPool
 from rlrecipe.rollout.sglang.recovery import ServerRecovery
 from rlrecipe.rollout.sglang.router import start_router
@@ -60,6 +60,7 @@ class ServerFleet:
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
         self._sessions_lock = threading.Lock()
+        self.holds_key = False  # launched with a key drawn for its servers (api_key.launch_key)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -82,22 +83,28 @@ class ServerFleet:
                env: dict[str, str] | None, trainer_gpus: int, memory_saver: bool = False,
                kv_cache_dtype: str = "auto") -> ServerFleet:
         """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
-        front of them; wait until they generate."""
-        servers = launch_servers(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
-                                 env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver,
-                                 kv_cache_dtype=kv_cache_dtype)
+        front of them; wait until they generate and prove they are the ones launched. Without
+        SGLANG_API_KEY the servers get a key drawn for this run (api_key.launch_key)."""
+        launch_key()
+        servers: list[ServerProcess] = []
         router = None
         try:
+            servers = launch_servers(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
+                                     env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver,
+                                     kv_cache_dtype=kv_cache_dtype)
             wait_until_healthy([(s.url, s) for s in servers], cfg.startup_timeout_s)
             if cfg.router:
                 router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env)
-            return cls([s.url for s in servers], cfg=cfg, max_concurrency=cfg.max_concurrency, servers=servers,
-                       router=router)
+            fleet = cls([s.url for s in servers], cfg=cfg, max_concurrency=cfg.max_concurrency, servers=servers,
+                        router=router)
         except BaseException:
             for s in [router, *servers]:
                 if s is not None:
                     s.stop()
+            give_back_key()
             raise
+        fleet.holds_key = True
+        return fleet
 
     # -- health ----------------------------------------------------------------------------------
     def server(self, i: int) -> ServerProcess | None:
@@ -170,7 +177,7 @@ class ServerFleet:
         s = getattr(self._local, "session", None)
         if s is None:
             s = self._local.session = requests.Session()
-            s.headers.update(auth_headers())
+            s.headers.update(client_headers())
             with self._sessions_lock:
                 self._sessions.append(s)
         return s
@@ -269,3 +276,6 @@ class ServerFleet:
             for s in self._sessions:
                 s.close()
             self._sessions.clear()
+        if self.holds_key:
+            self.holds_key = False
+            give_back_key()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from rlrecipe.rollout.sglang.api_key import auth_headers
+from rlrecipe.rollout.sglang.api_key import client_headers
 
 CONNECT_TIMEOUT_S = 30.0
 
@@ -57,7 +57,7 @@ class HttpPool:
         async def make():
             # the session and semaphores belong to the loop they are made on
             connector = aiohttp.TCPConnector(limit=num_servers * max_concurrency, limit_per_host=max_concurrency)
-            return (aiohttp.ClientSession(connector=connector, headers=auth_headers()),
+            return (aiohttp.ClientSession(connector=connector, headers=client_headers()),
                     [asyncio.Semaphore(max_concurrency) for _ in range(num_servers)])
 
         self._client, self._sems = asyncio.run_coroutine_threadsafe(make(), self._loop).result()

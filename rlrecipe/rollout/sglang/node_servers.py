@@ -41,6 +41,7 @@ from rlrecipe.rollout.sglang.server import (
     ServerSpec,
     gpus_per_server,
     model_arg,
+    probe_health,
     require_sglang,
     server_specs,
     shown_cmd,
@@ -52,6 +53,7 @@ from rlrecipe.rollout.sglang.server import (
 
 URLS_LOCK_TIMEOUT_S = 120.0  # other nodes hold the lock for one read and one rename
 ALIVE_POLL_S = 1.0
+PROBE_S = 2.0  # a restarted server's health probe, once a poll
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
@@ -201,10 +203,17 @@ def stop_all(servers: list[ServerProcess]) -> None:
 
 def _keep_alive(servers: list[ServerProcess], max_restarts: int) -> None:
     """Until interrupted: a server that exits is started again, `max_restarts` times each; one more
-    exit raises its crash error."""
+    exit raises its crash error. A restarted server proves it is ours once it answers, and its port
+    taken by another process meanwhile raises (the URL listed would reach that process)."""
     restarts_left = {s.index: max_restarts for s in servers}
+    unproven: set[int] = set()  # restarted, not yet shown to be ours
     while True:
         for s in servers:
+            if s.index in unproven:
+                s.check_port()
+                if s.alive() and probe_health(s.url, PROBE_S) is None:
+                    s.prove_ours()
+                    unproven.discard(s.index)
             if not s.alive():
                 if not restarts_left[s.index]:
                     raise s.crash_error()
@@ -213,6 +222,7 @@ def _keep_alive(servers: list[ServerProcess], max_restarts: int) -> None:
                       "with retry_on_other_servers takes it back once it answers")
                 s.stop()  # what its process group left behind
                 s.start()
+                unproven.add(s.index)
         time.sleep(ALIVE_POLL_S)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from rlrecipe.core.console import console
+from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.sglang.server import ServerProcess, probe_health
 
 STOP_S = 5.0  # a server given up on needs no long goodbye: SIGKILL follows SIGTERM after this
@@ -58,9 +59,20 @@ class ServerRecovery:
 
         def answers(i: int) -> bool:
             server = self.servers[i] if i < len(self.servers) else None
-            if server is not None and not server.alive():
+            if server is None:
+                return probe_health(urls[i], PROBE_S) is None
+            if not server.alive():
                 return False  # dead, or its restart has not begun
-            return probe_health(urls[i], PROBE_S) is None
+            try:  # a restarted server proves it is ours before it is taken back (sglang/ownership.py)
+                server.check_port()
+                if probe_health(urls[i], PROBE_S) is not None:
+                    return False
+                server.prove_ours()
+            except UserError as err:
+                console.print(f"[yellow]warning[/]: {err}; it stays left out", highlight=False, soft_wrap=True)
+                server.stop(timeout=STOP_S)
+                return False
+            return True
 
         with ThreadPoolExecutor(max_workers=min(32, len(candidates))) as pool:
             up = list(pool.map(answers, candidates))

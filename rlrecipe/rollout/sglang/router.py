@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang.api_key import api_key
+from rlrecipe.rollout.sglang.api_key import api_key, key_env
 from rlrecipe.rollout.sglang.server import (
     ROUTER_LOG_NAME,
     ServerProcess,
@@ -60,7 +60,7 @@ def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | P
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     router = ServerProcess(-1, f"http://{host}:{cfg.router_port}", cmd, run_dir / ROUTER_LOG_NAME,
-                           env={**os.environ, **(env or {})}, name="sglang-router")
+                           env={**os.environ, **key_env(), **(env or {})}, name="sglang-router")
     router.start()
     try:
         wait_until_healthy([(router.url, router)], cfg.startup_timeout_s)

@@ -45,7 +45,8 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.sglang.api_key import ENV as API_KEY_ENV
-from rlrecipe.rollout.sglang.api_key import api_key
+from rlrecipe.rollout.sglang.api_key import api_key, client_headers, key_env
+from rlrecipe.rollout.sglang.ownership import foreign_holder, prove_ours, taken_error
 
 LOG_NAME = "sglang_server_{i}.log"
 ROUTER_LOG_NAME = "sglang_router.log"
@@ -241,6 +242,17 @@ class ServerProcess:
         kept = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("=== ")]
         return " | ".join(kept[-lines:])
 
+    def check_port(self) -> None:
+        """Raise when another process holds this server's port (see sglang/ownership.py)."""
+        holder = foreign_holder(self.url, self.proc.pid) if self.proc is not None else None
+        if holder is not None:
+            raise taken_error(self.label, self.url, self.proc.pid, holder)
+
+    def prove_ours(self) -> None:
+        """Raise unless the server answering at this URL is this process (before anything but its
+        health probe is sent to it)."""
+        prove_ours(self.label, self.url, self.proc.pid)
+
     def crash_error(self, what: str = "exited") -> UserError:
         last = self.log_tail()
         hint = f"; last log line: {last[:300]!r}" if last else ""
@@ -324,7 +336,7 @@ def start_servers(specs: Sequence[ServerSpec], cfg: SGLangServer, run_dir: str |
                                 "(another server still running? pick another base_port, or attach to it "
                                 "with rollout.urls)")
             server = ServerProcess(spec.index, spec.url, spec.cmd, run_dir / LOG_NAME.format(i=spec.index),
-                                   env={**os.environ, **(env or {})})
+                                   env={**os.environ, **key_env(), **(env or {})})
             servers.append(server)
             server.start()
     except BaseException:
@@ -380,7 +392,8 @@ def check_gpus(cfg: SGLangServer, visible: int, trainer_gpus: int = 0) -> None:
 def probe_health(url: str, time_left: float) -> str | None:
     """None when `url` answers GET /health_generate with 200 within the time left, else what it did."""
     try:
-        r = requests.get(url + HEALTH_PATH, timeout=(min(5.0, time_left), min(PROBE_TIMEOUT_S, time_left)))
+        r = requests.get(url + HEALTH_PATH, headers=client_headers(),
+                         timeout=(min(5.0, time_left), min(PROBE_TIMEOUT_S, time_left)))
     except requests.RequestException as err:
         return type(err).__name__
     return None if r.status_code == 200 else f"HTTP {r.status_code}"
@@ -392,7 +405,9 @@ def wait_until_healthy(servers: Sequence[tuple[str, ServerProcess | None]], time
     Probes run side by side, each bounded by the time left, so a server that accepts connections
     and never answers costs `timeout`, not one probe timeout per server. A launched server that
     exits fails at once with its exit code and log; one not healthy by the deadline fails with an
-    error naming it (and its log)."""
+    error naming it (and its log). A launched server's port held by another process fails at once,
+    before that process is probed, and a launched server that answers proves it is ours
+    (sglang/ownership.py)."""
     deadline = time.monotonic() + timeout
     pending = list(servers)
     last: dict[str, str] = {}
@@ -400,8 +415,10 @@ def wait_until_healthy(servers: Sequence[tuple[str, ServerProcess | None]], time
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(pending)))) as pool:
         while pending:
             for _, proc in pending:
-                if proc is not None and proc.proc is not None and not proc.alive():
-                    raise proc.crash_error("exited during start-up")
+                if proc is not None and proc.proc is not None:
+                    proc.check_port()  # first: a server that lost its port exits for that reason
+                    if not proc.alive():
+                        raise proc.crash_error("exited during start-up")
             left = deadline - time.monotonic()
             if left <= 0:
                 url, proc = pending[0]
@@ -410,9 +427,11 @@ def wait_until_healthy(servers: Sequence[tuple[str, ServerProcess | None]], time
                 raise UserError(f"{name} not healthy after {timeout:.0f}s (last: {last.get(url, '?')}; raise "
                                 f"rollout.sglang.startup_timeout_s?){where}")
             answers = list(pool.map(lambda entry, left=left: probe_health(entry[0], left), pending))
-            for (url, _), answer in zip(pending, answers, strict=True):
+            for (url, proc), answer in zip(pending, answers, strict=True):
                 if answer is not None:
                     last[url] = answer
+                elif proc is not None and proc.proc is not None:
+                    proc.prove_ours()
             pending = [entry for entry, answer in zip(pending, answers, strict=True) if answer is not None]
             if pending and not noticed and time.monotonic() > deadline - timeout + WAIT_NOTICE_S:
                 noticed = True

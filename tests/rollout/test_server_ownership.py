@@ -1,0 +1,118 @@
+"""A launched server proves it is the run's own (rlrecipe/rollout/sglang/ownership.py): its port's
+listening socket belongs to its process group, and it holds the run's API key."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlrecipe.core.errors import UserError
+from rlrecipe.rollout.sglang import api_key as api_key_module
+from rlrecipe.rollout.sglang.ownership import _ip, key_proof, listening_inodes, port_owner
+from rlrecipe.rollout.sglang.server import ServerProcess, wait_until_healthy
+from tests.helpers import serving_in_thread
+
+LISTENER = """
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(8)
+print("listening", flush=True); time.sleep(120)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listener_process(port: int) -> subprocess.Popen:
+    """A process in its own group listening on `port` (as a launched server is)."""
+    proc = subprocess.Popen([sys.executable, "-c", LISTENER, str(port)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdout.readline().strip() == "listening"
+    return proc
+
+
+def test_proc_net_addresses_are_read_in_host_order():
+    assert str(_ip("0100007F")) == "127.0.0.1"
+    assert str(_ip("00000000000000000000000001000000")) == "::1"
+    assert _ip("00000000").is_unspecified
+
+
+def test_the_port_owner_is_the_group_holding_its_listening_socket():
+    port = _free_port()
+    assert port_owner("127.0.0.1", port, group=1).state == "none"
+    proc = _listener_process(port)
+    try:
+        assert listening_inodes("127.0.0.1", port)
+        assert port_owner("127.0.0.1", port, group=proc.pid).state == "ours"
+        other = port_owner("127.0.0.1", port, group=proc.pid + 100000)
+        assert other.state == "foreign" and other.holder.startswith(f"PID {proc.pid}: ")
+        assert "-c" in other.holder  # its command line, as far as it fits
+        # another address of the same port: a connection to 127.0.0.2 reaches no one
+        assert port_owner("127.0.0.2", port, group=proc.pid).state == "none"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_taken_port_stops_the_start_before_its_holder_hears_from_us(tmp_path):
+    """The launched server (a sleeping process: it would bind later) loses its port to a listener of
+    another group: the wait ends at once, naming the holder, and the holder got no connection."""
+    port = _free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen(8)
+    holder.settimeout(0.1)
+    launched = ServerProcess(0, f"http://127.0.0.1:{port}", [sys.executable, "-c", "import time; time.sleep(60)"],
+                             tmp_path / "server.log")
+    launched.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UserError) as err:
+            wait_until_healthy([(launched.url, launched)], timeout=60)
+        assert time.monotonic() - t0 < 30  # not the start-up timeout
+        message = str(err.value)
+        assert f"port {port} on 127.0.0.1 is held by another process (PID " in message
+        assert f"not by the server this run launched (PID {launched.proc.pid})" in message
+        assert "nothing was sent to it" in message and "\n" not in message
+        with pytest.raises(TimeoutError):
+            holder.accept()  # the health probe never went there
+    finally:
+        launched.stop()
+        holder.close()
+
+
+def test_the_key_proves_a_server_and_a_stranger_is_refused(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_API_KEY", "the-runs-key")
+    with serving_in_thread(tiny_model_dir, api_key="the-runs-key") as (port, _):
+        url = f"http://127.0.0.1:{port}"
+        assert key_proof(url, owned=False) is None
+        monkeypatch.setenv("SGLANG_API_KEY", "another-runs-key")
+        assert "refuses this run's API key" in key_proof(url, owned=False)
+    with serving_in_thread(tiny_model_dir) as (port, _):  # takes any client
+        url = f"http://127.0.0.1:{port}"
+        assert "answers without the API key" in key_proof(url, owned=False)
+        assert key_proof(url, owned=True) is None  # its socket is ours: a launch_cmd that ignores keys
+
+
+def test_a_run_without_a_key_draws_one_for_its_servers(monkeypatch):
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    monkeypatch.setattr(api_key_module, "_drawn", None)
+    monkeypatch.setattr(api_key_module, "_holders", 0)
+    key = api_key_module.launch_key()
+    assert len(key) >= 32 and set(key) <= set("0123456789abcdef")  # never read as a flag: no leading "-"
+    assert api_key_module.launch_key() == key  # two fleets at once share it
+    assert api_key_module.key_env() == {"SGLANG_API_KEY": key}
+    assert api_key_module.client_headers()["Authorization"] == f"Bearer {key}"
+    api_key_module.give_back_key()
+    assert api_key_module.api_key() == key  # the other fleet still uses it
+    api_key_module.give_back_key()
+    assert api_key_module.api_key() is None and api_key_module.key_env() == {}
+    assert api_key_module.launch_key() != key  # the next launch draws a new one
+    monkeypatch.setenv("SGLANG_API_KEY", "users")  # the user's key wins over a drawn one
+    assert api_key_module.launch_key() == "users"

@@ -45,7 +45,7 @@ def _drop_unset_additions(section: BaseModel, dumped: dict) -> dict:
     """`dumped` without the fields marked HASHED_WHEN_SET that hold their default, in every section."""
     for name, field in type(section).model_fields.items():
         value = getattr(section, name)
-        if field.json_schema_extra == HASHED_WHEN_SET and value == field.default:
+        if field.json_schema_extra == HASHED_WHEN_SET and value == field.get_default(call_default_factory=True):
             dumped.pop(name, None)
         elif isinstance(value, BaseModel) and isinstance(dumped.get(name), dict):
             _drop_unset_additions(value, dumped[name])
@@ -74,7 +74,7 @@ ALGORITHM_FIELDS: dict[str, set[str]] = {
     "rollout": {"dtype", "temperature", "top_p", "top_k", "max_new_tokens", "weight_update_every",
                 "stress_logit_noise", "kv_cache_dtype", "kv_scales"},
     "trainer": {"engine", "lr", "lr_schedule", "warmup_ratio", "warmup_steps", "min_lr_ratio", "weight_decay",
-                "adam_betas", "adam_eps", "grad_clip", "bf16_autocast", "fp16_autocast"},
+                "adam_betas", "adam_eps", "grad_clip", "bf16_autocast", "fp16_autocast", "lora"},
     "eval": set(),
 }
 LAYOUT_FIELDS: dict[str, set[str]] = {

@@ -178,6 +178,30 @@ class RolloutSection(Section):
         return self
 
 
+class LoraSection(Section):
+    """LoRA in place of full fine-tuning (rank 0, the default: every weight trains). The base stays
+    frozen; only the adapter trains and is pushed to the rollout engine."""
+
+    rank: int = Field(0, ge=0, le=1024)
+    # LoRA's update is scaled by alpha / rank; "LoRA Without Regret" (Thinking Machines, 2025) keeps 32
+    alpha: float = Field(32.0, gt=0)
+    # "all-linear": every linear layer of the transformer blocks (attention and MLP) but the LM head,
+    # which that study found needed for RL to match full fine-tuning; or module names (q_proj, ...)
+    target_modules: Literal["all-linear"] | list[Annotated[str, Field(min_length=1)]] = "all-linear"
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one module, or \"all-linear\"")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class TrainerSection(Section):
     engine: Literal["torch", "deepspeed"] = "torch"
     lr: float = Field(1e-5, gt=0)
@@ -206,6 +230,7 @@ class TrainerSection(Section):
     nodes: int = Field(1, ge=1)
     master_addr: str = "127.0.0.1"
     master_port: int = Field(29500, gt=0, lt=65536)
+    lora: LoraSection = Field(default_factory=LoraSection, json_schema_extra=HASHED_WHEN_SET)
 
 
     @model_validator(mode="after")

@@ -287,7 +287,7 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
     colocated = recipe.rollout.colocate
     trainer = make_train_engine(recipe.trainer, recipe.model, stage.model_dir, cfg.steps * cfg.ppo_minibatches,
                                 temperature=recipe.rollout.temperature, colocated=colocated)
-    reference = make_reference(recipe, stage.model_dir)  # None unless rl.kl_coef > 0
+    reference = make_reference(recipe, stage.model_dir, trainer)  # None unless rl.kl_coef > 0
     watch = EntropyWatch.from_config(cfg.entropy_watch, quiet=not lead)
     guard = BadStepGuard(cfg.max_bad_steps, "rl", rl_step_skipped)
     start, resumed_from = resume_rl(run, trainer, pool, watch, guard)

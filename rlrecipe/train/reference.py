@@ -1,4 +1,5 @@
-"""The reference policy for the KL penalty: a frozen copy of the initial policy.
+"""The reference policy for the KL penalty: a frozen copy of the initial policy (under trainer.lora,
+the trainer's base with its adapter off).
 
 Built only when `rl.kl_coef > 0` (AReaL-boba uses none). It packs samples into micro-batches and
 computes log-probs with the same chunked code as the train engines (`train/logprobs.py`), so
@@ -53,11 +54,25 @@ class ReferencePolicy:
         return out  # type: ignore[return-value]
 
 
-def make_reference(recipe, model_dir: str | Path) -> ReferencePolicy | None:
-    """The recipe's reference policy from the initial weights in `model_dir`, or None when
-    `rl.kl_coef` is 0 (then nothing is loaded)."""
+class AdapterOffReference:
+    """Under trainer.lora the initial policy is the trainer's own base: its log-probs with the adapter
+    switched off, so no second model is held."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def logprobs(self, samples: list[TrainSample]) -> list[torch.Tensor]:
+        with self.trainer.adapter_off():
+            return [logp for logp, _ in self.trainer.compute_logprobs(samples)]
+
+
+def make_reference(recipe, model_dir: str | Path, trainer=None) -> ReferencePolicy | AdapterOffReference | None:
+    """The recipe's reference policy from the initial weights in `model_dir` (under trainer.lora,
+    `trainer` with its adapter off), or None when `rl.kl_coef` is 0 (then nothing is loaded)."""
     if recipe.rl.kl_coef == 0:
         return None
+    if recipe.trainer.lora.enabled:
+        return AdapterOffReference(trainer)
     tr = recipe.trainer
     autocast = torch.bfloat16 if tr.bf16_autocast else torch.float16 if tr.fp16_autocast else None
     return ReferencePolicy(model_dir, recipe.model.dtype, recipe.rollout.temperature, tr.max_tokens_per_microbatch,

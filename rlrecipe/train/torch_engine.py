@@ -24,6 +24,7 @@ from rlrecipe.algo.packing import allocate_microbatches, pack, response_rows
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import distinct_tensors, enable_checkpointing, load_model, load_weights_into
 from rlrecipe.recipe.systems import TrainerSection
+from rlrecipe.train import lora
 from rlrecipe.train.base import LossFn, StepResult, TrainSample, add_sums
 from rlrecipe.train.logprobs import response_logprobs
 from rlrecipe.train.loss_scale import DynamicLossScaler
@@ -91,13 +92,19 @@ class TorchTrainEngine:
         self.model = load_model(model_dir, dtype, training_attention(attn_implementation)).to(self.device)
         if gradient_checkpointing:
             enable_checkpointing(self.model)
+        if cfg.lora.enabled:  # the base frozen: only the adapter reaches the optimizer
+            self.model = lora.wrap(self.model, cfg.lora)
         self.temperature = temperature
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+        self.optimizer = torch.optim.AdamW(self.trainable(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
                                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, cfg, total_steps)
         self.steps_done = 0
         # float16 activation gradients underflow without loss scaling (train/loss_scale.py)
         self.loss_scaler = DynamicLossScaler() if cfg.fp16_autocast else None
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: every weight, or under trainer.lora the adapter's only."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     # -- forward -----------------------------------------------------------------------------
     def _autocast(self):
@@ -160,10 +167,10 @@ class TorchTrainEngine:
             total_loss += float(loss.detach())
             add_sums(stats, mb_stats)
         if self.loss_scaler:
-            for p in self.model.parameters():
+            for p in self.trainable():
                 if p.grad is not None:
                     p.grad.mul_(1.0 / scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable(), self.cfg.grad_clip))
         finite = math.isfinite(total_loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -202,23 +209,54 @@ class TorchTrainEngine:
                     state[k] = v.to(self.device)
 
     # -- state -------------------------------------------------------------------------------
+    @property
+    def is_lora(self) -> bool:
+        return self.cfg.lora.enabled
+
     def rollout_state(self) -> dict[str, torch.Tensor]:
+        """The weights a rollout engine serves: under trainer.lora, the base with the adapter merged."""
+        if self.is_lora:
+            return lora.merged_state(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(distinct_tensors(self.rollout_state()))
 
+    def adapter_off(self):
+        """A context computing with the base alone (trainer.lora): the KL reference."""
+        return lora.base_without_adapter(self.model)
+
+    def adapter_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Under trainer.lora: the adapter's PEFT config and tensors (what a LoRA push sends)."""
+        return lora.adapter_config(self.model), lora.adapter_tensors(self.model)
+
+    def export_adapter(self, out_dir: str | Path) -> Path:
+        """Under trainer.lora: the adapter as a PEFT directory."""
+        return lora.save_adapter(self.model, out_dir)
+
     def export_hf(self, out_dir: str | Path, tokenizer=None) -> Path:
+        """An HF model directory; under trainer.lora the merged weights, and the adapter in
+        `adapter/` inside it."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out_dir, safe_serialization=True)
+        if self.is_lora:
+            self.model.get_base_model().save_pretrained(out_dir, state_dict=lora.merged_state(self.model),
+                                                        safe_serialization=True)
+            self.export_adapter(out_dir / lora.ADAPTER_DIR)
+        else:
+            self.model.save_pretrained(out_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
         return out_dir
 
     def save(self, ckpt_dir: str | Path) -> None:
+        """The weights (under trainer.lora the adapter alone: the base never changes), the optimizer,
+        the schedule, the step count and the RNGs."""
         ckpt_dir = Path(ckpt_dir)
-        self.export_hf(ckpt_dir / "model")
+        if self.is_lora:
+            self.export_adapter(ckpt_dir / lora.ADAPTER_DIR)
+        else:
+            self.export_hf(ckpt_dir / "model")
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "steps_done": self.steps_done, "rng": capture_rng()}
         if self.loss_scaler:
@@ -227,7 +265,10 @@ class TorchTrainEngine:
 
     def load(self, ckpt_dir: str | Path) -> None:
         ckpt_dir = Path(ckpt_dir)
-        load_weights_into(self.model, ckpt_dir / "model")
+        if self.is_lora:
+            lora.load_adapter_into(self.model, ckpt_dir / lora.ADAPTER_DIR)
+        else:
+            load_weights_into(self.model, ckpt_dir / "model")
         state = load_state(ckpt_dir / "trainer_state.pt")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

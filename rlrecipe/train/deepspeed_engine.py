@@ -64,6 +64,7 @@ from rlrecipe.core.dist import barrier
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import distinct_tensors, enable_checkpointing, load_model
 from rlrecipe.recipe.systems import TrainerSection
+from rlrecipe.train import lora
 from rlrecipe.train.base import LossFn, StepResult, TrainSample, add_sums
 from rlrecipe.train.launch import init_distributed
 from rlrecipe.train.torch_engine import (
@@ -180,6 +181,9 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         model = self._load_model(model_dir, dtype, training_attention(attn_implementation))
         if gradient_checkpointing:
             enable_checkpointing(model)
+        if cfg.lora.enabled:  # the base frozen: only the adapter has gradients and optimizer state
+            model = lora.wrap(model, cfg.lora)
+        trainable = [p for p in model.parameters() if p.requires_grad]
         # ZeRO-3 moves its optimizer's state off the GPU (offload_states, for a colocated rollout) only
         # with DeepSpeed's FusedAdam, a CUDA kernel of the same AdamW update
         self.fused_adam = colocated and self.zero3 and torch.cuda.is_available()
@@ -187,10 +191,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             from deepspeed.ops.adam import FusedAdam
 
             with plain_cuda_arch_list():
-                optimizer = FusedAdam(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                optimizer = FusedAdam(trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas),
                                       eps=cfg.adam_eps, weight_decay=cfg.weight_decay, adam_w_mode=True)
         else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+            optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas),
                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config,
@@ -348,12 +352,17 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
     def _gathered(self) -> Iterator[tuple[str, torch.Tensor, str | None]]:
         """ZeRO-3, every rank: each parameter and persistent buffer as (name, tensor, the name of the
         parameter it is tied to or None), gathered module by module. Collective: consume in step; a
-        tensor is valid until the next item (the module's gathered copies are freed after it)."""
+        tensor is valid until the next item (the module's gathered copies are freed after it). Under
+        trainer.lora: the base model's names, each wrapped layer's weight with the adapter merged."""
         import deepspeed
 
         first: dict[int, str] = {}
 
         def visit(mod: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+            if lora.is_lora_layer(mod):  # base and adapter gathered together: the merge needs both
+                with deepspeed.zero.GatheredParameters(list(mod.parameters()), modifier_rank=None):
+                    yield from ((prefix + name, t, None) for name, t in lora.merged_layer(mod))
+                return
             with deepspeed.zero.GatheredParameters(list(mod.parameters(recurse=False)), modifier_rank=None):
                 for name, p in mod.named_parameters(recurse=False):
                     yield prefix + name, p.detach(), first.get(p.ds_id)
@@ -364,7 +373,14 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             for name, child in mod.named_children():
                 yield from visit(child, prefix + name + ".")
 
-        yield from visit(self.engine.module, "")
+        yield from visit(self._hf_module(), "")
+
+    def _hf_module(self) -> torch.nn.Module:
+        """The model under its HF names (under trainer.lora, inside PEFT's wrapper)."""
+        return self.engine.module.get_base_model() if self.is_lora else self.engine.module
+
+    def _lora_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.engine.module.parameters() if p.requires_grad]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on rank 0, {} on other ranks. Collective.
@@ -373,7 +389,9 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         tensors (views, as TorchTrainEngine.rollout_state returns)."""
         module = self.engine.module
         if not self.zero3:  # every rank holds the whole model: views, no copy (as the torch engine)
-            return {k: v.detach() for k, v in module.state_dict().items()} if self.rank == 0 else {}
+            if self.rank != 0:
+                return {}
+            return lora.merged_state(module) if self.is_lora else {k: v.detach() for k, v in module.state_dict().items()}
         out: dict[str, torch.Tensor] = {}
         for key, t, tied_to in self._gathered():
             if self.rank == 0:  # tied weights stay tied
@@ -388,30 +406,62 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         """Every rank: the full weights, tied ones once. ZeRO-3 gathers module by module and yields
         copies on the device (the gathered tensors are freed when the module's turn ends)."""
         if not self.zero3:
-            yield from distinct_tensors({k: v.detach() for k, v in self.engine.module.state_dict().items()})
+            module = self.engine.module
+            yield from distinct_tensors(lora.merged_state(module) if self.is_lora else
+                                        {k: v.detach() for k, v in module.state_dict().items()})
             return
         yield from ((key, t.clone()) for key, t, tied_to in self._gathered() if tied_to is None)
 
+    def adapter_off(self):
+        return lora.base_without_adapter(self.engine.module)
+
+    def adapter_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Under trainer.lora, every rank: the adapter's config and tensors (on the CPU). Collective
+        under ZeRO-3 (the adapter is gathered: megabytes)."""
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(self._lora_params(), modifier_rank=None) if self.zero3 \
+            else contextlib.nullcontext()
+        with gather:
+            tensors = {k: v.to("cpu", copy=True) for k, v in lora.adapter_tensors(self.engine.module).items()}
+        return lora.adapter_config(self.engine.module), tensors
+
+    def export_adapter(self, out_dir: str | Path) -> Path:
+        """Under trainer.lora: the adapter as a PEFT directory, written by rank 0. Collective."""
+        config, tensors = self.adapter_state()
+        if self.rank == 0:
+            lora.write_adapter(out_dir, config, tensors)
+        barrier()
+        return Path(out_dir)
+
     def export_hf(self, out_dir: str | Path, tokenizer=None) -> Path:
-        """A full HF safetensors model (and tokenizer) written by rank 0. Collective."""
+        """A full HF safetensors model (and tokenizer) written by rank 0; under trainer.lora the merged
+        weights, and the adapter in `adapter/` inside it. Collective."""
         out_dir = Path(out_dir)
         state = self.full_state_dict()
         if self.rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            self.engine.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            self._hf_module().save_pretrained(out_dir, state_dict=state, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
+        if self.is_lora:
+            self.export_adapter(out_dir / lora.ADAPTER_DIR)
         barrier()
         return out_dir
 
     def save(self, ckpt_dir: str | Path) -> None:
-        """DeepSpeed checkpoint (all ranks write their shards) + RNG per rank + HF export. Collective."""
+        """DeepSpeed checkpoint (all ranks write their shards) + RNG per rank + HF export (under
+        trainer.lora: the frozen base left out, and the adapter instead of the export). Collective."""
         ckpt_dir = Path(ckpt_dir)
         ds_dir = ckpt_dir / CKPT_SUBDIR
         ds_dir.mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(str(ds_dir), tag=CKPT_TAG, client_state={"steps_done": self.steps_done})
+        self.engine.save_checkpoint(str(ds_dir), tag=CKPT_TAG, client_state={"steps_done": self.steps_done},
+                                    exclude_frozen_parameters=self.is_lora)
         torch.save(capture_rng(), ds_dir / f"rng_rank{self.rank:05d}.pt")
-        self.export_hf(ckpt_dir / "model")
+        if self.is_lora:
+            self.export_adapter(ckpt_dir / lora.ADAPTER_DIR)
+        else:
+            self.export_hf(ckpt_dir / "model")
         barrier()
 
     def load(self, ckpt_dir: str | Path) -> None:
@@ -424,7 +474,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
 
         use_weights_only_loading(self.engine)  # a tampered file cannot run code while loading
         path, client = self.engine.load_checkpoint(str(ds_dir), tag=CKPT_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True,
+                                                   load_module_strict=not self.is_lora)  # frozen base left out
         if path is None:
             raise UserError(f"{ds_dir}: DeepSpeed could not load the checkpoint")
         self.steps_done = int(client["steps_done"])

@@ -46,13 +46,18 @@ def check_targets(section: LoraSection, model: torch.nn.Module, where: str = "tr
                         f"({', '.join(sorted(have))}); or \"all-linear\"")
 
 
+INIT_SEED = 0  # the adapter's A matrices are drawn from this seed: every engine and rank starts alike
+
+
 def wrap(model: torch.nn.Module, section: LoraSection) -> torch.nn.Module:
-    """The model with a fresh adapter on its target modules (B = 0: the policy is unchanged at start);
-    every base weight frozen."""
+    """The model with a fresh adapter on its target modules (B = 0: the policy is unchanged at start),
+    drawn from its own seed whatever the process's RNG holds; every base weight frozen."""
     from peft import get_peft_model
 
     check_targets(section, model)
-    return get_peft_model(model, lora_config(section))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        return get_peft_model(model, lora_config(section))
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -68,6 +73,21 @@ def _lora_layers(peft_model) -> Iterator[tuple[str, torch.nn.Module]]:
     for name, module in peft_model.get_base_model().named_modules():
         if isinstance(module, LoraLayer):
             yield name, module
+
+
+def is_lora_layer(module: torch.nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def merged_layer(layer) -> Iterator[tuple[str, torch.Tensor]]:
+    """A wrapped layer's own tensors under the base layer's names: its weight with the adapter merged
+    (computed beside it), its bias as it is."""
+    base = layer.get_base_layer()
+    yield "weight", base.weight.detach() + layer.get_delta_weight(ADAPTER_NAME).to(base.weight.dtype)
+    if getattr(base, "bias", None) is not None:
+        yield "bias", base.bias.detach()
 
 
 def merged_state(peft_model) -> dict[str, torch.Tensor]:
@@ -103,27 +123,43 @@ def adapter_bytes(peft_model) -> int:
     return sum(t.numel() * t.element_size() for t in adapter_tensors(peft_model).values())
 
 
-def save_adapter(peft_model, out_dir: str | Path) -> Path:
-    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors)."""
+def write_adapter(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors), as PEFT writes it."""
+    from safetensors.torch import save_file
+
     out_dir = Path(out_dir)
-    peft_model.save_pretrained(out_dir, safe_serialization=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+              str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out_dir
 
 
-def load_adapter_into(peft_model, adapter_dir: str | Path) -> None:
-    """Adapter weights from a PEFT directory into the model's adapter, every tensor accounted for."""
-    from peft import set_peft_model_state_dict
+def save_adapter(peft_model, out_dir: str | Path) -> Path:
+    return write_adapter(out_dir, adapter_config(peft_model), adapter_tensors(peft_model))
+
+
+def read_adapter(adapter_dir: str | Path, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """A PEFT directory's adapter tensors, refused unless they are exactly the `expected` names and shapes."""
     from safetensors.torch import load_file
 
     path = Path(adapter_dir) / "adapter_model.safetensors"
     if not path.exists():
         raise UserError(f"{adapter_dir}: no adapter_model.safetensors (a LoRA checkpoint's adapter)")
     state = load_file(str(path))
-    expected = set(adapter_tensors(peft_model))
-    if set(state) != expected:
+    differ = set(state) ^ set(expected) or {k for k, v in state.items() if v.shape != expected[k]}
+    if differ:
         raise UserError(f"{path}: its tensors are not this recipe's adapter (trainer.lora changed since the "
-                        f"checkpoint? {len(set(state) ^ expected)} names differ)")
-    set_peft_model_state_dict(peft_model, state)
+                        f"checkpoint? {len(differ)} names or shapes differ, e.g. {sorted(differ)[0]})")
+    return state
+
+
+def load_adapter_into(peft_model, adapter_dir: str | Path) -> None:
+    """Adapter weights from a PEFT directory into the model's adapter, every tensor accounted for."""
+    from peft import set_peft_model_state_dict
+
+    expected = {k: v.shape for k, v in adapter_tensors(peft_model).items()}
+    set_peft_model_state_dict(peft_model, read_adapter(adapter_dir, expected))
 
 
 def base_without_adapter(peft_model):

@@ -67,7 +67,7 @@ def worker(spec: dict) -> None:
     from rlrecipe.recipe.systems import TrainerSection
     from rlrecipe.train.deepspeed_engine import DeepSpeedTrainEngine
 
-    cfg = TrainerSection(engine="deepspeed", zero_stage=spec["stage"], **TRAINER)
+    cfg = TrainerSection(engine="deepspeed", zero_stage=spec["stage"], **TRAINER, **spec.get("trainer", {}))
     eng = DeepSpeedTrainEngine(spec["model"], cfg, TOTAL_STEPS, ds_config_overrides=PARTITION_ALL)
     from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -123,15 +123,15 @@ def torchrun(spec: dict, nproc: int = 2) -> dict:
     return json.loads(Path(spec["out"]).read_text())
 
 
-def torch_reference(model_dir: Path) -> dict:
+def torch_reference(model_dir: Path, **trainer) -> dict:
     from rlrecipe.recipe.systems import TrainerSection
     from rlrecipe.train.torch_engine import TorchTrainEngine
 
-    eng = TorchTrainEngine(model_dir, TrainerSection(engine="torch", **TRAINER), TOTAL_STEPS)
+    eng = TorchTrainEngine(model_dir, TrainerSection(engine="torch", **TRAINER, **trainer), TOTAL_STEPS)
     ref = {"logp0": [lp for lp, _ in eng.compute_logprobs(batch(0))], "steps": []}
     for step in range(STEPS):
         ref["steps"].append(eng.train_step(batch(step), loss_fn).additive())
-    ref["state"] = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+    ref["state"] = {k: v.detach().clone() for k, v in eng.rollout_state().items()}
     ref["nan_step"] = eng.train_step(batch(0), nan_loss).additive()
     return ref
 
@@ -325,3 +325,52 @@ if __name__ == "__main__":
 
     worker(json.loads(sys.argv[1]))
     end_process(0)  # a rank can abort in the interpreter's teardown after its result is written
+
+
+LORA = {"lora": {"rank": 4, "alpha": 8}}
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tiny_model_dir):
+    return torch_reference(tiny_model_dir, **LORA)
+
+
+@two_ranks
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_on_two_ranks_matches_the_torch_engine_and_resumes_from_the_adapter(stage, tiny_model_dir,
+                                                                                  lora_reference, tmp_path):
+    """trainer.lora under ZeRO-2/3: the adapter alone trains (the same steps as the torch engine's
+    LoRA), the export is the base with the adapter merged and the adapter beside it, and a
+    checkpoint holds the adapter and its optimizer but no base, and resumes exactly."""
+    from safetensors.torch import load_file
+
+    spec = {"model": str(tiny_model_dir), "stage": stage, "save_at": 2, "ckpt": str(tmp_path / "ckpt"),
+            "export": str(tmp_path / "export"), "out": str(tmp_path / "full.json"), "trainer": LORA}
+    full = torchrun(spec)
+    for i, (ds, ref) in enumerate(zip(full["steps"], lora_reference["steps"], strict=True)):
+        assert ds["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL), f"step {i + 1} loss"
+        assert ds["grad_norm"] == pytest.approx(ref["grad_norm"], rel=LOSS_RTOL), f"step {i + 1} grad norm"
+    exported = load_weights(tmp_path / "export")
+    base = load_weights(tiny_model_dir)
+    assert set(exported) == set(base)
+    moved = [n for n in base if not torch.equal(exported[n], base[n])]
+    assert moved and all(n.endswith("proj.weight") for n in moved)  # the adapted linears only
+    for name, ref_w in lora_reference["state"].items():
+        torch.testing.assert_close(exported[name], ref_w, rtol=0, atol=WEIGHT_ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    adapter = load_file(str(tmp_path / "export" / "adapter" / "adapter_model.safetensors"))
+    assert len(adapter) == 2 * 7 * 2 and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in adapter)
+    # the checkpoint: the adapter, and DeepSpeed's state without the frozen base
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "adapter" / "adapter_model.safetensors").exists() and not (ckpt / "model").exists()
+    ds_bytes = sum(f.stat().st_size for f in (ckpt / "deepspeed").rglob("*model_states.pt"))
+    base_bytes = (tiny_model_dir / "model.safetensors").stat().st_size
+    assert ds_bytes < base_bytes / 2, (ds_bytes, base_bytes)
+
+    resumed = torchrun({**spec, "resume": str(ckpt), "save_at": None, "export": str(tmp_path / "export_resumed"),
+                        "out": str(tmp_path / "resumed.json")})
+    assert resumed["start"] == 2 and len(resumed["steps"]) == 1
+    assert resumed["steps"][0]["loss"] == pytest.approx(full["steps"][2]["loss"], rel=1e-6)
+    assert resumed["steps"][0]["grad_norm"] == pytest.approx(full["steps"][2]["grad_norm"], rel=1e-6)
+    resumed_w = load_weights(tmp_path / "export_resumed")
+    for name, w in exported.items():
+        torch.testing.assert_close(resumed_w[name], w, rtol=0, atol=1e-6)

@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study fp8-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks gpu-carry sglang-contract lint clean
+.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study fp8-study lora-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks gpu-carry sglang-contract lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -79,6 +79,12 @@ options-study: $(STAMP)
 STEPS ?= 40
 fp8-study: $(STAMP)
 	$(BIN)/python -m scripts.fp8_study --steps $(STEPS)
+
+# Full fine-tuning against LoRA rank 1, 8 and 32 (all linear layers), each at tiny_rl's learning rate and
+# at 10x, 3 seeds, from the demo's SFT model (run `make demo` first); 24 runs of STEPS steps. Writes
+# runs/lora-study/, keeps results/lora-study.json and .png, and regenerates RESULTS.md.
+lora-study: $(STAMP)
+	$(BIN)/python -m scripts.lora_study --steps $(STEPS)
 
 # The fast set a developer runs before a change (the thread-wait check included); bench-full adds the
 # slowest benchmarks that start processes of their own (async overlap, DeepSpeed plan check). Both

@@ -19,6 +19,7 @@ from rlrecipe.eval.results_store import (
     ASYNC_STUDY,
     ASYNC_STUDY_EQUAL_STEPS,
     FP8_STUDY,
+    LORA_STUDY,
     OPTIONS_STUDY,
     STORE,
     load_records,
@@ -26,7 +27,7 @@ from rlrecipe.eval.results_store import (
     merge,
     read_study,
 )
-from rlrecipe.eval.study_sections import async_section, fp8_section, options_section, study_section
+from rlrecipe.eval.study_sections import async_section, fp8_section, lora_section, options_section, study_section
 
 from rlrecipe.core.errors import UserError
 
@@ -257,7 +258,7 @@ def published_table(published: list[dict[str, Any]]) -> str:
 
 STUDY_FILE = Path("mismatch-study") / "study.json"  # under the runs folder, written by scripts/mismatch_study.py
 STUDY_RECIPES = "recipes/mismatch_"  # their evaluations are reported in the studies' own tables
-STUDY_RUNS = ("opt-", "fp8-")  # the options and FP8 studies' runs (scripts/options_study.py, fp8_study.py), in their tables
+STUDY_RUNS = ("opt-", "fp8-", "lora-")  # the options, FP8 and LoRA studies' runs (scripts/*_study.py), in their tables
 
 
 ASYNC_STUDY_FILE = Path("async-study") / "study.json"  # written by scripts/async_study.py
@@ -265,6 +266,7 @@ ASYNC_STUDY_FILE = Path("async-study") / "study.json"  # written by scripts/asyn
 
 OPTIONS_STUDY_FILE = Path("options-study") / "study.json"  # written by scripts/options_study.py
 FP8_STUDY_FILE = Path("fp8-study") / "study.json"  # written by scripts/fp8_study.py
+LORA_STUDY_FILE = Path("lora-study") / "study.json"  # written by scripts/lora_study.py
 
 
 def load_study(runs_dir: str | Path = "runs", name: Path = STUDY_FILE) -> dict[str, Any] | None:
@@ -276,7 +278,7 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
                       study: dict[str, Any] | None = None, async_study: dict[str, Any] | None = None,
                       options_study: dict[str, Any] | None = None,
                       async_earlier: dict[str, Any] | None = None,
-                      fp8_study: dict[str, Any] | None = None) -> str:
+                      fp8_study: dict[str, Any] | None = None, lora_study: dict[str, Any] | None = None) -> str:
     results = [r for r in results if not str(r.get("recipe", "")).startswith(STUDY_RECIPES)
                and not str(r.get("run", "")).startswith(STUDY_RUNS)]
     parts = [HEADER, "## Recorded results\n"]
@@ -320,6 +322,8 @@ def render_results_md(results: list[dict[str, Any]], published: list[dict[str, A
         parts.append(options_section(options_study))
     if fp8_study:
         parts.append(fp8_section(fp8_study))
+    if lora_study:
+        parts.append(lora_section(lora_study))
     return "\n".join(parts)
 
 
@@ -335,8 +339,10 @@ def write_results_md(path: str | Path = "RESULTS.md", results: list[dict[str, An
     options_study = load_stored_study(store, OPTIONS_STUDY) or load_study(runs_dir, OPTIONS_STUDY_FILE)
     async_earlier = load_stored_study(store, ASYNC_STUDY_EQUAL_STEPS)
     fp8_study = load_stored_study(store, FP8_STUDY) or load_study(runs_dir, FP8_STUDY_FILE)
+    lora_study = load_stored_study(store, LORA_STUDY) or load_study(runs_dir, LORA_STUDY_FILE)
     atomic_write_text(path, render_results_md(all_results(runs_dir, store) if results is None else results, published,
-                                              study, async_study, options_study, async_earlier, fp8_study))
+                                              study, async_study, options_study, async_earlier, fp8_study,
+                                              lora_study))
     return path
 
 

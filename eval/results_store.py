@@ -24,6 +24,7 @@ ASYNC_STUDY = "async-study.json"
 ASYNC_STUDY_EQUAL_STEPS = "async-study-equal-steps.json"  # the first async study: equal steps only
 OPTIONS_STUDY = "options-study.json"
 FP8_STUDY = "fp8-study.json"
+LORA_STUDY = "lora-study.json"
 DROP = {"per_problem"}  # per-problem detail stays in the run directory
 
 

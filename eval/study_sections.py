@@ -1,5 +1,5 @@
-"""RESULTS.md's study sections: the mismatch study, asynchronous RL, DAPO / QAE / Dr. GRPO and the FP8
-KV cache, each rendered from its study.json."""
+"""RESULTS.md's study sections: the mismatch study, asynchronous RL, DAPO / QAE / Dr. GRPO, the FP8
+KV cache and LoRA, each rendered from its study.json."""
 
 from __future__ import annotations
 
@@ -231,4 +231,55 @@ def fp8_section(study: dict[str, Any]) -> str:
     out = "## FP8 KV cache study\n\n" + wrapped(intro) + "\n" + table(FP8_HEADER, rows)
     if study.get("figure"):
         out += f"\n![mismatch and train accuracy per KV cache, against steps and wall-clock]({study['figure']})\n"
+    return out
+
+
+LORA_HEADER = ["arm", "lr", "seeds", "held-out avg@8 (min-max)", "final train accuracy", "bytes per push",
+               "s per step", "collapsed", "commit"]
+
+
+def _lora_missing(study: dict[str, Any]) -> list[str]:
+    """The design's runs the table lacks, and runs that did not finish: empty for a complete study."""
+    plan, design = study.get("plan", {}), study.get("plan", {}).get("design", {})
+    have = {(t["arm"], t["lr_scale"], s) for t in study.get("table", []) for s in t.get("seeds", [])}
+    gaps = [f"{arm} lr x{scale} seed {s}" for s in design.get("seeds", []) for scale in design.get("lr_scales", [])
+            for arm in design.get("arms", []) if (arm, scale, s) not in have]
+    out = [f"not run: {', '.join(gaps)}"] if gaps else []
+    if design and plan.get("steps") != design.get("steps"):
+        out.append(f"{plan.get('steps')} steps where the design has {design.get('steps')}")
+    unfinished = [f"{r['arm']} lr x{r['lr_scale']} seed {r['seed']} ({r['status']})"
+                  for r in study.get("runs", []) if r.get("status") != "done"]
+    if unfinished:
+        out.append("did not finish (counted as collapses): " + ", ".join(unfinished))
+    return out
+
+
+def lora_section(study: dict[str, Any]) -> str:
+    """RESULTS.md's "LoRA study": one line per (arm, learning rate), over seeds."""
+    plan, rows = study.get("plan", {}), []
+    for t in study.get("table", []):
+        pct = {k: None if t.get(k) is None else 100 * t[k] for k in ("eval_avg_mean", "eval_avg_sd", "eval_avg_min",
+                                                                      "eval_avg_max")}
+        spread = "" if pct["eval_avg_min"] is None else f" ({pct['eval_avg_min']:.1f}-{pct['eval_avg_max']:.1f})"
+        arm = "full fine-tuning" if not t["rank"] else f"LoRA rank {t['rank']}"
+        rows.append([arm, f"{t['lr']:g}", " ".join(str(x) for x in t.get("seeds", [])),
+                     mean_sd(pct["eval_avg_mean"], pct["eval_avg_sd"], ".1f") + spread,
+                     num(t.get("accuracy_final"), ".3f"), "-" if t.get("push_bytes") is None else f"{t['push_bytes']:,}",
+                     num(t.get("step_s"), ".2f"), f"{t['collapsed']} of {len(t.get('seeds', []))}",
+                     " ".join(c[:7] for c in t.get("commits", [])) or "-"])
+    missing = _lora_missing(study)
+    intro = (
+        "LoRA against full fine-tuning in RL: recipes/tiny_rl.yaml from the tiny SFT model with "
+        "`trainer.lora.rank` 0 (full), 1, 8 or 32 on every linear layer of the blocks (alpha 32), each at "
+        f"tiny_rl's learning rate and at 10x it; {plan.get('steps', '-')} steps, seeds "
+        f"{', '.join(map(str, plan.get('seeds', []))) or '-'}. Held-out: the final avg@8 on tiny-arith eval, percent "
+        "(± sd across seeds, min-max). Final train accuracy: the mean of the last steps. Bytes per push: what one "
+        "push to SGLang carries (the adapter under LoRA, the whole model otherwise; the in-process engine the "
+        "study ran on takes merged weights). Seconds per step: the RL loop's, mean over steps and seeds."
+        + (f" Partial: {'; '.join(missing)}. The rows are not the full study's." if missing else "")
+        + (f" Note: {plan['note']}." if plan.get("note") else "")
+        + " `make lora-study` reruns it.")
+    out = "## LoRA study\n\n" + wrapped(intro) + "\n" + table(LORA_HEADER, rows)
+    if study.get("figure"):
+        out += f"\n![train accuracy per step, full fine-tuning and LoRA ranks, at each learning rate]({study['figure']})\n"
     return out

@@ -342,6 +342,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             raise ValueError(f"unknown part {part!r}: 'optimizer' or 'weights'")
         if self.zero3 and not self.fused_adam:
             return  # on a CPU device (see __init__): the state already lives in host memory
+        if part == "weights" and self.is_lora:
+            return  # the frozen base stays on the device in both phases
         self.engine.offload_states(include=parts[part], pin_memory=torch.cuda.is_available())
         empty_device_cache()
 

@@ -195,6 +195,8 @@ class TorchTrainEngine:
                     if torch.is_tensor(v) and v.device != host:
                         state[k] = v.to(host, non_blocking=False)
         elif part == "weights":
+            if self.is_lora:  # the frozen base stays on the device in both phases (the server keeps its own too)
+                return
             self.model.to(host)
         else:
             raise ValueError(f"unknown part {part!r}: 'optimizer' or 'weights'")

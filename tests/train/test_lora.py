@@ -177,3 +177,17 @@ def test_lora_rl_trains_exports_merged_and_resumes_after_a_kill_identically(tmp_
     kill_once_checkpointed([*cmd, str(recipe)], env, other / "checkpoints" / "step_0000002")
     run_rl(str(recipe), "--resume")
     assert rows(other) == reference
+
+
+def test_a_colocated_hand_over_leaves_the_frozen_base_on_the_device(tiny_model_dir, monkeypatch):
+    """Colocated with LoRA the base never moves: the hand-over offloads the adapter's optimizer only."""
+    eng = _engine(tiny_model_dir)
+    eng.train_step(_samples(0), _nll)
+    moves = []
+    monkeypatch.setattr(eng.model, "to", lambda *a, **k: moves.append(a))
+    eng.offload_states("weights")
+    assert moves == []
+    full = TorchTrainEngine(tiny_model_dir, TrainerSection(**TRAINER), 10)
+    monkeypatch.setattr(full.model, "to", lambda *a, **k: moves.append(a))
+    full.offload_states("weights")
+    assert moves == [(torch.device("cpu"),)]

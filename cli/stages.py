@@ -118,7 +118,7 @@ def results(json_: Annotated[bool, typer.Option("--json", help="print JSON")] = 
     results_command(as_json=json_, write=write, record=record)
 
 
-def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
+def serve(ctx: typer.Context, model: str, port: Annotated[int, typer.Option()] = 30000,
           host: Annotated[str, typer.Option()] = "127.0.0.1",
           dtype: Annotated[str, typer.Option()] = "float32",
           api_key: Annotated[str | None, typer.Option(envvar="SGLANG_API_KEY", show_envvar=True,
@@ -135,8 +135,24 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
                    "SGLang's --kv-cache-dtype without calibrated scales")] = "auto",
           access_log: Annotated[bool, typer.Option(
               "--access-log", help="one line per request (client, method, path, status, User-Agent), as "
-                                   "SGLang's access log")] = False) -> None:
+                                   "SGLang's access log")] = False,
+          enable_lora: Annotated[bool, typer.Option(
+              "--enable-lora", help="serve LoRA adapters (/load_lora_adapter, /load_lora_adapter_from_tensors, "
+                                    "/unload_lora_adapter, /generate's lora_path), as SGLang's")] = False,
+          max_lora_rank: Annotated[int, typer.Option(help="the largest adapter rank taken, as SGLang's")] = 0,
+          max_loras_per_batch: Annotated[int, typer.Option(
+              help="taken as SGLang's; every adapter loaded is served here")] = 8,
+          lora_target_modules: Annotated[str | None, typer.Option(
+              help="taken as SGLang's (names may follow, space-separated); the adapter's config decides "
+                   "here")] = None,
+          lora_backend: Annotated[str | None, typer.Option(help="taken as SGLang's; ignored")] = None) -> None:
     """Serve a model over the SGLang HTTP API subset, on the in-process engine (CPU)."""
+    # SGLang's --lora-target-modules takes several names: the ones after the first arrive here
+    if ctx.args and lora_target_modules is None:
+        raise UserError(f"unexpected arguments: {' '.join(ctx.args)}")
+    if enable_lora and max_lora_rank < 1:
+        raise UserError("--enable-lora needs --max-lora-rank (at least 1), as SGLang without --lora-paths")
+    del max_loras_per_batch, lora_backend
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: a TCP port is 0..65535")
     if context_length is not None and context_length < 2:
@@ -146,7 +162,8 @@ def serve(model: str, port: Annotated[int, typer.Option()] = 30000,
     except ImportError as err:
         raise UserError(f"serve is not available: {err}") from None
     serve_forever(model, host=host, port=port, dtype=dtype, api_key=api_key, context_length=context_length,
-                  enable_memory_saver=enable_memory_saver, kv_cache_dtype=kv_cache_dtype, access_log=access_log)
+                  enable_memory_saver=enable_memory_saver, kv_cache_dtype=kv_cache_dtype, access_log=access_log,
+                  enable_lora=enable_lora, max_lora_rank=max_lora_rank)
 
 
 def plot(runs: list[Path], out: Annotated[Path, typer.Option()] = Path("plots")) -> None:
@@ -163,5 +180,6 @@ def register(app: typer.Typer) -> None:
     app.command()(rl)
     app.command(name="eval")(eval_)
     app.command()(results)
-    app.command()(serve)
+    # extra arguments: the further names of SGLang's multi-valued --lora-target-modules
+    app.command(context_settings={"allow_extra_args": True})(serve)
     app.command()(plot)

@@ -28,7 +28,8 @@ float32 lists, Llama-like models only), GET|POST /weights_checker ({"action": "c
 tensor's checksum as SGLang computes it on the CPU), POST /update_weights_from_tensor (tensors
 pickled by value, inside the weight-update session: serve/tensors.py), POST|GET
 /release_memory_occupation and /resume_memory_occupation (with --enable-memory-saver only, and
-stricter than SGLang: serve/memory.py).
+stricter than SGLang: serve/memory.py), POST /load_lora_adapter, /load_lora_adapter_from_tensors and
+/unload_lora_adapter, and /generate's `lora_path` (with --enable-lora: serve/adapters.py).
 
 Also: stop strings (`sampling_params.stop`: the text is cut before the match unless
 no_stop_trim; finish_reason matched is the string) and `n` parallel samples (results prompt by
@@ -46,7 +47,7 @@ fewest chunks first, so a request of many samples takes turns with the others. A
 (a truncated shard, a tensor of the wrong shape) answers 400 and leaves the served weights and
 weight_version as they were (SGLang reloads its original weights after a failed load).
 
-Modules: `memory` (released memory and garbage weights of a colocated server), `tensors` (the
+Modules: `adapters` (LoRA adapters, applied to the weights per chunk), `memory` (released memory and garbage weights of a colocated server), `tensors` (the
 tensor-update body), `protocol` (request parsing and validation, response bodies), `scheduler` (batches
 requests onto the in-process engine, applies aborts and weight updates), `weights` (the update
 group and session, the weights read back), `http_server` (the endpoints, the server, `serve_forever`).

@@ -13,6 +13,7 @@ from pathlib import Path
 from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.sglang.api_key import is_authorized
 from rlrecipe.rollout.sglang.versions import LOWEST, NEWEST, Dialect, parse_version
+from rlrecipe.serve.adapters import TENSOR_PATH
 from rlrecipe.serve.memory import Fatal, MemoryRefused
 from rlrecipe.serve.protocol import (
     BadRequest,
@@ -25,6 +26,7 @@ from rlrecipe.serve.protocol import (
     response_body,
 )
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
+from rlrecipe.serve.tensors import BadTensors, read_adapter_tensors
 
 # An older SGLang version whose rules to follow instead of the newest's (tests of the client
 # against both ends of the pin): its version, e.g. 0.5.1, in this environment variable.
@@ -35,6 +37,7 @@ HEALTH_GENERATE_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT: a probe not answered 
 # tensor-parallel rank), which SGLang takes whatever its size: that route gets a larger bound.
 MAX_BODY_BYTES = 256 * 1024 * 1024
 MAX_TENSOR_BODY_BYTES = 8 * 1024 * 1024 * 1024
+TENSOR_ROUTES = ("/update_weights_from_tensor", "/load_lora_adapter_from_tensors")
 
 
 class TooLarge(Exception):
@@ -88,7 +91,7 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest("Content-Length must be an integer") from None
         if n < 0:  # read(-1) would wait for the client to close the connection
             raise BadRequest("Content-Length must not be negative")
-        limit = MAX_TENSOR_BODY_BYTES if self.path.split("?")[0] == "/update_weights_from_tensor" else MAX_BODY_BYTES
+        limit = MAX_TENSOR_BODY_BYTES if self.path.split("?")[0] in TENSOR_ROUTES else MAX_BODY_BYTES
         if n > limit:
             raise TooLarge(f"request body of {n} bytes; at most {limit}")
         raw = self.rfile.read(n) if n else b""
@@ -217,6 +220,29 @@ class Handler(BaseHTTPRequestHandler):
         log(f"{path.strip('/')} {body.get('tags') or 'all'}")
         self._send(200, b"null")
 
+    def _adapter(self, path: str, body: dict) -> None:
+        """SGLang's LoRA endpoints (serve/adapters.py): 200 or 400 with its body; a tensor payload it
+        cannot unpickle ends the server, as it ends SGLang's scheduler."""
+        adapters, name = self.sched.adapters, body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("lora_name must be a non-empty string")
+        if path == "/unload_lora_adapter":
+            self.sched.wait_unused(name)  # as SGLang: the requests using it finish first
+            result = adapters.unload(name)
+        elif path == "/load_lora_adapter":
+            result = adapters.load_dir(name, str(body.get("lora_path") or ""))
+        elif not adapters.enabled:
+            result = adapters.load(name, {}, {}, TENSOR_PATH)
+        else:
+            try:
+                tensors = read_adapter_tensors(body)
+            except BadTensors as err:
+                self.sched.die(f"load_lora_adapter_from_tensors: {err}")
+                return
+            result = adapters.load(name, body.get("config_dict") or {}, tensors, TENSOR_PATH)
+        log(f"{path.strip('/')} {name}: {'ok' if result['success'] else result['error_message']}")
+        self._send(200 if result["success"] else 400, result)
+
     def _flush(self):
         self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
                         "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -256,6 +282,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._reply(self.sched.weights.update_weights_from_tensor(body))
             elif path in ("/release_memory_occupation", "/resume_memory_occupation"):
                 self._memory(path, body)
+            elif path in ("/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter"):
+                self._adapter(path, body)
             elif path == "/init_weights_update_group":
                 self._reply(self.sched.weights.init_group(body))
             elif path == "/begin_weight_update" and self.sched.rules.weight_update_session:
@@ -309,7 +337,8 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
                 chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0,
                 join_timeout_s: float = JOIN_TIMEOUT_S, api_key: str | None = None,
                 context_length: int | None = None, enable_memory_saver: bool = False,
-                kv_cache_dtype: str = "auto", access_log: bool = False) -> tuple[Server, Scheduler]:
+                kv_cache_dtype: str = "auto", access_log: bool = False, enable_lora: bool = False,
+                max_lora_rank: int = 0) -> tuple[Server, Scheduler]:
     from rlrecipe.modeling import DTYPES, load_tokenizer
     from rlrecipe.rollout.fp8_kv import KV_CACHE_DTYPES
     from rlrecipe.rollout.inprocess import InProcessEngine
@@ -334,6 +363,7 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
     sched.dtype = dtype  # /server_info's dtype, as SGLang's --dtype
     sched.stated_context_length = context_length  # /server_info's: null unless launched with --context-length
     sched.memory.enabled = enable_memory_saver  # /release_memory_occupation is refused without it
+    sched.adapters.enabled, sched.adapters.max_rank = enable_lora, max_lora_rank  # LoRA endpoints, as SGLang's flags
     if os.environ.get(RULES_ENV):
         rules = Dialect(parse_version(os.environ[RULES_ENV]))
         if rules.version is None or not LOWEST <= rules.version <= NEWEST:
@@ -353,11 +383,12 @@ def make_server(model: str | Path, host: str = "127.0.0.1", port: int = 30000, d
 def serve_forever(model: str | Path, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32", *,
                   chunk_tokens: int = 16, max_batch: int = 256, seed: int = 0, api_key: str | None = None,
                   context_length: int | None = None, enable_memory_saver: bool = False,
-                  kv_cache_dtype: str = "auto", access_log: bool = False) -> None:
+                  kv_cache_dtype: str = "auto", access_log: bool = False, enable_lora: bool = False,
+                  max_lora_rank: int = 0) -> None:
     server, sched = make_server(model, host, port, dtype, chunk_tokens=chunk_tokens, max_batch=max_batch, seed=seed,
                                 api_key=api_key, context_length=context_length,
                                 enable_memory_saver=enable_memory_saver, kv_cache_dtype=kv_cache_dtype,
-                                access_log=access_log)
+                                access_log=access_log, enable_lora=enable_lora, max_lora_rank=max_lora_rank)
 
     def _terminate(signum, frame):
         raise SystemExit(0)

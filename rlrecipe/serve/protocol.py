@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlrecipe.rollout.sglang.versions import NEWEST, Dialect
+from rlrecipe.serve.adapters import AdapterRefused
 
 
 class Served(Protocol):
@@ -21,6 +22,7 @@ class Served(Protocol):
     context_len: int
     rules: Dialect
     weights: Any
+    adapters: Any
 
 # SGLang 0.5.23's sampling_params (its api/v1 SamplingParams): any other key is refused with 400, as
 # there; those this server does not implement are refused unless they have their neutral value.
@@ -71,6 +73,7 @@ class GenRequest:
     stop_strs: tuple[str, ...] = ()
     input_logprobs: list = field(default_factory=list)  # input_token_logprobs (logprob_start_len >= 0)
     ignore_eos: bool = False  # throughput tests: run to max_new_tokens (the engine stops at eos; the next chunk goes on)
+    lora: str | None = None  # the adapter it names (lora_path; --enable-lora)
     chunks: int = 0  # decoding chunks it has had (the scheduler serves the fewest first)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -81,7 +84,8 @@ class GenRequest:
 
     @property
     def key(self) -> tuple:
-        return (self.temperature, self.top_p, self.top_k)
+        """Requests decoded together share their sampling and their adapter."""
+        return (self.temperature, self.top_p, self.top_k, self.lora)
 
     def finish_with(self, reason: dict) -> None:
         self.finish = reason
@@ -198,6 +202,14 @@ def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
         rids = [str(rid)] if not batch else [f"{rid}_{i}" for i in range(n)]
     sps = _as_list(body.get("sampling_params"), n, "sampling_params")
     want_lp = _as_list(body.get("return_logprob", False), n, "return_logprob")
+    loras = _as_list(body.get("lora_path"), n, "lora_path")
+    for name in dict.fromkeys(loras):  # SGLang resolves every adapter a request names before it runs
+        if name is not None and not isinstance(name, str):
+            raise BadRequest("lora_path must be a string, or a list of them (one per prompt)")
+        try:
+            sched.adapters.check(name)
+        except AdapterRefused as err:
+            raise BadRequest(str(err)) from None
     starts = _as_list(body.get("logprob_start_len", -1), n, "logprob_start_len")
     out = []
     for i, seq in enumerate(inputs):
@@ -217,7 +229,7 @@ def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
                 raise BadRequest("logprob_start_len >= 0 takes n = 1 in rlrecipe serve")
             # SGLang's input_token_logprobs: from logprob_start_len on, the first token's is null; from
             # the raw logits, whatever the temperature (only the sampled tokens' are tempered)
-            lps = [None, *sched.weights.prompt_logprobs(list(seq))]
+            lps = [None, *sched.weights.prompt_logprobs(list(seq), loras[i])]
             prompt_lps = [[lps[k], seq[k], None] for k in range(prompt_from, len(seq))]
         for j in range(sp["n"]):  # parallel samples come back prompt by prompt, as in SGLang
             rid_j = str(rids[i]) if sp["n"] == 1 else f"{rids[i]}_{j}"
@@ -226,7 +238,7 @@ def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
                                   stop_ids=sp["stop_ids"], return_logprob=bool(want_lp[i]),
                                   return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                                   skip_special_tokens=sp["skip_special_tokens"], no_stop_trim=sp["no_stop_trim"],
-                                  stop_strs=sp["stop_strs"], ignore_eos=sp["ignore_eos"],
+                                  stop_strs=sp["stop_strs"], ignore_eos=sp["ignore_eos"], lora=loras[i] or None,
                                   input_logprobs=prompt_lps if prompt_from is not None else []))
         if len(out) > MAX_SAMPLES_PER_REQUEST:
             raise BadRequest(f"more than {MAX_SAMPLES_PER_REQUEST} samples (prompts x n) in one request; "

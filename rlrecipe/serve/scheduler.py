@@ -15,10 +15,12 @@ import os
 import random
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from rlrecipe.modeling import read_export_for
 from rlrecipe.rollout.weights.sync import receive
+from rlrecipe.serve.adapters import Adapters
 from rlrecipe.serve.memory import FATAL_EXIT, MemoryOccupation
 from rlrecipe.serve.protocol import RULES, GenRequest, health_probe
 from rlrecipe.serve.weights import JOIN_TIMEOUT_S, ServedWeights, log
@@ -51,6 +53,8 @@ class Scheduler:
         self.updates: list[dict] = []
         self.weights_lock = threading.Lock()  # a weight update and a read of the weights (get_weights_by_name)
         self.weights = ServedWeights(self)  # the update group and session, and reads of the served weights
+        # LoRA adapters (serve/adapters.py); make_server enables them with --enable-lora
+        self.adapters = Adapters(engine.model)
         # released and garbage memory (serve/memory.py); make_server enables it with --enable-memory-saver
         self.memory = MemoryOccupation(engine.model, enabled=False)
         self.stopped = False
@@ -113,6 +117,16 @@ class Scheduler:
                     n += 1
             self.cond.notify_all()
         return n
+
+    def wait_unused(self, lora: str, timeout: float = 3600.0) -> None:
+        """Until no request queued or running names adapter `lora` (SGLang unloads an adapter once
+        the requests using it are done)."""
+        deadline = time.time() + timeout
+        with self.cond:
+            while any(r.lora == lora and not r.done.is_set() for r in self.pending + self.active):
+                if time.time() > deadline:
+                    return
+                self.cond.wait(0.05)
 
     def update_weights(self, model_path: str, weight_version: str | None, timeout: float = 3600.0) -> dict:
         return self._run_update({"model_path": model_path, "weight_version": weight_version}, timeout)
@@ -223,11 +237,13 @@ class Scheduler:
         for r in rows:
             r.chunks += 1
         steps = min(self.chunk, min(r.max_new_tokens - len(r.output_ids) for r in rows))
-        temperature, top_p, top_k = key
+        temperature, top_p, top_k, lora = key
         params = SamplingParams(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
                                 max_new_tokens=steps, greedy=temperature == 0)
         trajs = [Trajectory(uid=r.rid, prompt_ids=r.input_ids + r.output_ids) for r in rows]
-        self.engine.generate(trajs, params, seed=self.rng.getrandbits(62))
+        # with adapters, weights change in place for a chunk or a prompt's log-probs: one at a time
+        with (self.weights_lock if self.adapters.enabled else nullcontext()), self.adapters.applied(lora):
+            self.engine.generate(trajs, params, seed=self.rng.getrandbits(62))
         for r, t in zip(rows, trajs, strict=True):
             for tok, lp in zip(t.response_ids, t.logp_infer, strict=True):
                 r.output_ids.append(tok)

@@ -78,9 +78,8 @@ class BadTensors(ValueError):
     pass
 
 
-def read_named_tensors(body: dict) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """Rank 0's (name, tensor) pairs from an /update_weights_from_tensor body, and the shared-memory
-    files they were mapped from (none: they came by value)."""
+def _rank_zero(body: dict) -> tuple[object, list[str]]:
+    """What rank 0 unpickles from `serialized_named_tensors`, and the shared-memory files it mapped."""
     payloads = body.get("serialized_named_tensors")
     if not isinstance(payloads, list) or not payloads:
         raise BadTensors("serialized_named_tensors must be a non-empty list (one entry per tensor-parallel rank)")
@@ -90,10 +89,23 @@ def read_named_tensors(body: dict) -> tuple[list[tuple[str, torch.Tensor]], list
         raise BadTensors("serialized_named_tensors[0] must be a base64 string")
     try:
         unpickler = _Unpickler(io.BytesIO(base64.b64decode(payloads[0], validate=True)))
-        named = unpickler.load()
+        return unpickler.load(), unpickler.shared_files
     except (binascii.Error, pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as err:
         raise BadTensors(f"serialized_named_tensors[0]: {err}") from None
+
+
+def read_adapter_tensors(body: dict) -> dict:
+    """Rank 0's adapter from a /load_lora_adapter_from_tensors body: a dict {name: tensor} (the payload
+    of /update_weights_from_tensor, a dict where that one is a list); anything else is returned as
+    it came, for the load to refuse as SGLang's does."""
+    return _rank_zero(body)[0]
+
+
+def read_named_tensors(body: dict) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """Rank 0's (name, tensor) pairs from an /update_weights_from_tensor body, and the shared-memory
+    files they were mapped from (none: they came by value)."""
+    named, files = _rank_zero(body)
     if not (isinstance(named, list) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
                                             and isinstance(x[1], torch.Tensor) for x in named)):
         raise BadTensors("serialized_named_tensors[0] must hold a list of (name, tensor) pairs")
-    return named, unpickler.shared_files
+    return named, files

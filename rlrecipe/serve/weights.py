@@ -35,6 +35,7 @@ class Host(Protocol):
     """What of the scheduler the weights need: its engine, lock and rules, and its update queue."""
 
     engine: Any
+    adapters: Any
     weights_lock: threading.Lock
     cond: threading.Condition
     rules: Dialect
@@ -53,9 +54,10 @@ class ServedWeights:
         self.groups: dict[str, object] = {}  # weight update groups joined, by name
         self.session_open = False  # SGLang >= 0.5.21: distributed updates run inside a weight-update session
 
-    def prompt_logprobs(self, ids: list[int]) -> list[float]:
-        """Teacher-forced log-probs of `ids` after the first, under the weights served now."""
-        with self.sched.weights_lock:
+    def prompt_logprobs(self, ids: list[int], lora: str | None = None) -> list[float]:
+        """Teacher-forced log-probs of `ids` after the first, under the weights served now (with
+        adapter `lora` added)."""
+        with self.sched.weights_lock, self.sched.adapters.applied(lora):
             return self.sched.engine.prompt_logprobs(ids)
 
     def begin_session(self) -> dict:

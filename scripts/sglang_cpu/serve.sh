@@ -2,7 +2,7 @@
 # The released SGLang serving a model on this CPU (what the live tests and recipes/tiny_rl_sglang.yaml
 # start): usage  serve.sh MODEL HOST PORT DTYPE SEED [more sglang.launch_server arguments...]
 # The environment comes from `make sglang-cpu` (.venv-sglang, or $RLRECIPE_SGLANG_VENV). shims/ makes
-# two CUDA-only imports importable (docs/sglang-cpu.md). Always pass --max-total-tokens (else the KV
+# two CUDA-only imports importable and pinned memory a no-op (docs/sglang-cpu.md). Always pass --max-total-tokens (else the KV
 # pool is sized from RAM) and --context-length.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,7 +19,10 @@ export PYTHONPATH="$here/shims"
 # the key a run launching this server draws for it (or the user's): the server then refuses other clients
 key=()
 [ -n "${SGLANG_API_KEY:-}" ] && key=(--api-key "$SGLANG_API_KEY")
+# LoRA (--enable-lora) on a CPU: SGLang's default LoRA kernels are Triton's; torch_native runs here
+lora=()
+case " $* " in *" --enable-lora "*) case " $* " in *" --lora-backend"*) ;; *) lora=(--lora-backend torch_native) ;; esac ;; esac
 # float32 is passed as such: SGLang's "auto" would serve a float32 checkpoint in float16
 exec "$venv/bin/python" -m sglang.launch_server --model-path "$model" --host "$host" --port "$port" \
   --dtype "$dtype" --random-seed "$seed" --device cpu --disable-overlap-schedule \
-  --attention-backend torch_native "${key[@]}" "$@"
+  --attention-backend torch_native "${key[@]}" "${lora[@]}" "$@"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rlrecipe.cli import cluster as cluster_cmd
 from rlrecipe.cli import data as data_cmd
 from rlrecipe.cli import doctor as doctor_cmd
 from rlrecipe.cli import fit as fit_cmd
@@ -27,6 +28,8 @@ app.command()(doctor_cmd.doctor)
 app.command()(fit_cmd.fit)
 app.command()(grade_cmd.grade)
 app.command(name="rollout-servers")(servers_cmd.rollout_servers)
+app.command()(cluster_cmd.slurm)
+app.command(name="cluster-node")(cluster_cmd.cluster_node)
 
 
 def main() -> None:

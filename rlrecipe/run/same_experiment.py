@@ -12,6 +12,10 @@ from rlrecipe.recipe.base import RecipeError
 from rlrecipe.recipe.schema import LoadedRecipe, _digest, recipe_from_dict
 
 
+# Where a job's processes meet and which servers it talks to: a resubmitted job gets other hosts.
+MOVES_BETWEEN_JOBS = ("trainer.master_addr", "trainer.master_port", "rollout.urls")
+
+
 def check_same_experiment(directory: Path, loaded: LoadedRecipe) -> None:
     """Refused, naming the fields that differ, unless the only difference is fields the schema gained
     since, at their defaults (a newer rlrecipe reading the same recipe: its sha256 covers every
@@ -23,7 +27,8 @@ def check_same_experiment(directory: Path, loaded: LoadedRecipe) -> None:
         raise RecipeError(f"{refuse}; resume with the same recipe or choose another run.name") from None
     now = _flat(loaded.recipe.model_dump(mode="json"))
     explicit = _flat(loaded.recipe.model_dump(mode="json", exclude_defaults=True))
-    changed = sorted(k for k in was.keys() & now.keys() if was[k] != now[k])
+    moved = sorted(k for k in MOVES_BETWEEN_JOBS if k in was and k in now and was[k] != now[k])
+    changed = sorted(k for k in was.keys() & now.keys() if was[k] != now[k] and k not in MOVES_BETWEEN_JOBS)
     gone = sorted(was.keys() - now.keys())
     added = sorted(now.keys() - was.keys())
     set_new = [k for k in added if k in explicit]
@@ -32,6 +37,11 @@ def check_same_experiment(directory: Path, loaded: LoadedRecipe) -> None:
         parts += [f"{k}: new, set to {now[k]!r}" for k in set_new]
         shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
         raise RecipeError(f"{refuse} ({shown}); resume with the same recipe or choose another run.name")
+    if moved:  # a resubmitted cluster job lands on other hosts: where, not what, it computes
+        console.print(f"{directory}: resuming with {', '.join(moved)} changed (this job's hosts)", highlight=False,
+                      soft_wrap=True)
+    if not added:
+        return
     console.print(f"{directory}: resuming with {len(added)} field(s) added to the recipe schema since it started, "
                   f"at their defaults: {', '.join(added)}", highlight=False, soft_wrap=True)
 

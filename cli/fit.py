@@ -25,9 +25,10 @@ def fit(recipe: Annotated[Path, typer.Argument(help="recipe YAML to lay out")],
         ) -> None:
     """Lay a recipe out on these GPUs without changing what it trains: the layouts `rlrecipe plan` says
     fit, fastest first; --out writes the best as a recipe that says what changed and why."""
-    from rlrecipe.checks.fit import FIT_MARGIN, check_machine
     from rlrecipe.checks.fit import fit as fit_layouts
+    from rlrecipe.checks.fit_layout import check_machine
     from rlrecipe.checks.fit_recipe import write_fitted
+    from rlrecipe.checks.fit_search import FIT_MARGIN
     from rlrecipe.checks.model_dims import GIB
     from rlrecipe.recipe.schema import load_recipe
 

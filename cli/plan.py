@@ -16,8 +16,8 @@ def plan(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")
          set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override, e.g. trainer.nproc=4")] = None,
          ) -> None:
     """Print each recipe's expected peak memory per GPU (training and rollout); refuse one that cannot fit."""
+    from rlrecipe.checks.host_disk import disk_parts, rank0_host_parts
     from rlrecipe.checks.model_dims import GIB
-    from rlrecipe.checks.plan import disk_parts, rank0_host_parts
     from rlrecipe.checks.plan import plan as make_plan
     from rlrecipe.recipe.schema import load_recipe
 

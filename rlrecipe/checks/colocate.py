@@ -30,7 +30,8 @@ So per GPU the peak is the larger of two phases (docs/gpu.md, "The colocated lay
   rollout   SGLang's static pool (mem_fraction_static x GPU: weights and KV cache), what SGLang keeps
             outside it, and what the offloaded trainer still holds
   training  the trainer's budget (plan.train_budget), and what the released SGLang still holds
-and each node's host memory holds its ranks' offloaded state.
+and each node's host memory holds its ranks' offloaded state. What SGLang and an offloaded rank keep,
+and what offloading moves, are memory.py's (the plan counts them too).
 
 Every constant below is an assumption unless its comment says MEASURED; each comment says how to
 measure it.
@@ -41,21 +42,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
-from rlrecipe.checks.step_time import GPU, H100, Training
+from rlrecipe.checks.memory import SGLANG_OUTSIDE_POOL_GIB, TRAINER_OFFLOADED_GIB, offloaded_bytes
+from rlrecipe.checks.model_dims import BYTES, ModelDims
+from rlrecipe.checks.step_time import GPU, H100, STEP_OVERHEAD_S, Training
 from rlrecipe.recipe.schema import ipc_refusal
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
-
-# ASSUMPTION: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its static pool
-# (SGLang's own default leaves 10-20% of a GPU). --enable-memory-saver releases only the pool (weights
-# and KV cache), so this much stays while the trainer trains. Measure: nvidia-smi's figure for the
-# server process after /release_memory_occupation.
-SGLANG_OUTSIDE_POOL_GIB = 6.0
-# ASSUMPTION: what a trainer rank holds once everything is offloaded: its CUDA context and NCCL
-# buffers (~1 GiB) and ZeRO-3's persistent small parameters (norms, biases: megabytes), the caching
-# allocator emptied after offload_states. Measure: nvidia-smi's figure for a rank after offload_states
-# and torch.cuda.empty_cache().
-TRAINER_OFFLOADED_GIB = 1.5
 
 
 @dataclass(frozen=True)
@@ -165,23 +156,6 @@ def allowed_pushes(*, colocated: bool, trainer_nodes: int = 1, rollout_nodes: in
     return tuple(k for k in BUILT_PUSHES if k != "ipc")
 
 
-def offloaded_bytes(d: ModelDims, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
-                    zero_stage: int = 3) -> float:
-    """Bytes a DeepSpeed rank moves to host memory and back each step (offload_states): its 16-bit
-    parameters and gradients (partitioned from ZeRO-3 and ZeRO-2), its fp32 gradient partition, its
-    optimizer state (fp32 master weights, m and v) unless ZeRO-Offload keeps that on the host already,
-    and ZeRO-3's reduce bucket (its contiguous gradient buffer). What ZeRO-3 gathers for a forward is
-    freed, not moved."""
-    from rlrecipe.checks.plan import DS_REDUCE_BUCKET
-
-    p, b = d.params(), BYTES[dtype]
-    params = 0.0 if offload_params else b * p / (ranks if zero_stage >= 3 else 1)
-    grads = b * p / (ranks if zero_stage >= 2 else 1)
-    bucket = b * DS_REDUCE_BUCKET if zero_stage >= 3 else 0.0
-    optimizer = 0.0 if offload_optimizer else 12.0 * p / ranks
-    return params + grads + 4.0 * p / ranks + bucket + optimizer
-
-
 def _weights(d: ModelDims, rollout_dtype: str) -> float:
     return BYTES[rollout_dtype] * d.params()
 
@@ -257,18 +231,10 @@ def phase_seconds(d: ModelDims, *, dtype: str, ranks: int, offload_optimizer: bo
 def colocated_training(training: Training, phases: dict[str, float]) -> Training:
     """A training step on shared GPUs: the split layout's push (over disk or a broadcast, in
     "step and push") replaced by the phase changes, the colocated push among them."""
-    from rlrecipe.checks.step_time import STEP_OVERHEAD_S
-
     parts = {k: v for k, v in training.parts.items() if k != "step and push"}
     parts["step"] = STEP_OVERHEAD_S
     parts.update(phases)
     return Training(sum(parts.values()), training.microbatches, parts)
-
-
-def rollout_phase_parts(pool: float) -> dict[str, float]:
-    """Bytes per GPU while the servers generate: their pool, what they keep outside it, the offloaded trainer."""
-    return {"SGLang static pool": pool, "SGLang outside its pool": SGLANG_OUTSIDE_POOL_GIB * GIB,
-            "trainer while offloaded": TRAINER_OFFLOADED_GIB * GIB}
 
 
 def describe(costs: PhaseCosts = ASSUMED) -> dict[str, str]:

@@ -7,8 +7,8 @@ load, an output directory it cannot write, a disk too small for its checkpoints,
 directory its remote servers cannot see): `rlrecipe sft` and `rlrecipe rl` run those at start
 (preflight.py) and refuse with one line each, before the run directory is touched.
 
-Sizes come from plan.py (the model's dimensions and the recipe's numbers); they are estimates at
-the worst case (every rollout at full length), as `rlrecipe plan` prints them.
+Sizes come from plan.py and host_disk.py (the model's dimensions and the recipe's numbers); they are
+estimates at the worst case (every rollout at full length), as `rlrecipe plan` prints them.
 """
 
 from __future__ import annotations

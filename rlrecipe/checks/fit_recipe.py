@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 from rlrecipe.checks.colocate import PHASES, allowed_pushes
-from rlrecipe.checks.fit import Fit, Layout, Search
+from rlrecipe.checks.fit_layout import Fit, Layout
+from rlrecipe.checks.fit_search import Search
 from rlrecipe.checks.model_dims import GIB
 from rlrecipe.checks.plan import plan
 from rlrecipe.recipe.schema import Recipe, apply_overrides, load_recipe, recipe_from_dict

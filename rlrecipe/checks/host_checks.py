@@ -35,7 +35,7 @@ def _dir_bytes(path: Path) -> int:
 
 
 def check_disk(recipe: Recipe, dims) -> Check:
-    from rlrecipe.checks.plan import disk_parts
+    from rlrecipe.checks.host_disk import disk_parts
 
     parts = disk_parts(recipe, dims)
     run_dir = recipe.run.dir
@@ -63,7 +63,7 @@ def meminfo() -> tuple[float | None, float | None]:
 
 
 def check_host_memory(recipe: Recipe, dims) -> Check | None:
-    from rlrecipe.checks.plan import rank0_host_parts
+    from rlrecipe.checks.host_disk import rank0_host_parts
 
     parts = rank0_host_parts(recipe, dims)
     if not parts:

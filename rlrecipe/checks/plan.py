@@ -34,7 +34,7 @@ Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
                bucket lives in backward only, so it joins the backward phases (`backward_bucket`).
   reserve      CUDA context and allocator fragmentation: 1 GiB + 5%, an assumption.
   colocated    (rollout.colocate) what the released SGLang servers keep on the GPU meanwhile
-               (colocate.py: SGLANG_OUTSIDE_POOL_GIB).
+               (memory.py: SGLANG_OUTSIDE_POOL_GIB).
 
 With C3PO++, a note gives the host memory and checkpoint size of the in-flight pool at its worst
 (every rollout at full length), outside the GPU budgets.
@@ -48,8 +48,8 @@ mem_fraction_static x GPU memory = weights + KV cache):
 
 Colocated, a third budget is the GPU while the servers generate: their static pool (then
 mem_fraction_static is a fraction of a GPU the offloaded trainer leaves almost empty), what SGLang
-keeps outside it, and what the offloaded trainer still holds (colocate.py); each node's host memory
-holds its ranks' offloaded state (rank0_host_parts).
+keeps outside it, and what the offloaded trainer still holds (memory.py); each node's host memory
+holds its ranks' offloaded state (host_disk.rank0_host_parts).
 
 The model's dimensions come from model_dims.py. These are estimates for planning: `make bench`
 prints them beside measured peaks.
@@ -60,7 +60,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlrecipe.checks import colocate
+from rlrecipe.checks.memory import (
+    DS_MAX_LIVE_PARAMETERS,
+    DS_PREFETCH_BUCKET,
+    DS_REDUCE_BUCKET,
+    SGLANG_OUTSIDE_POOL_GIB,
+    offloaded_bytes,
+    rollout_phase_parts,
+)
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, kv_bytes, model_dims
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 
@@ -144,12 +151,6 @@ def beyond_previous(phases: dict[str, float]) -> dict[str, float]:
     return out
 
 
-# DeepSpeed's defaults the engine leaves (train/deepspeed_engine.py sets none of these): elements
-DS_REDUCE_BUCKET = 500_000_000
-DS_PREFETCH_BUCKET = 50_000_000
-DS_MAX_LIVE_PARAMETERS = 1_000_000_000
-
-
 def reduce_bucket_held(width: int, written: int, device: str) -> float:
     """Bytes of DeepSpeed's gradient reduce bucket that count once `written` gradient elements are
     in it: CUDA allocates the whole bucket at once; on CPU only the pages written are resident."""
@@ -219,7 +220,7 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
         parts["reference model"] = b * p
         notes.append(f"rl.kl_coef > 0: a whole reference model on every rank ({b * p / GIB:.1f} GiB)")
     if colocated(recipe):
-        parts["SGLang while released"] = colocate.SGLANG_OUTSIDE_POOL_GIB * GIB
+        parts["SGLang while released"] = SGLANG_OUTSIDE_POOL_GIB * GIB
         notes.append("colocated: the training phase, beside what the released SGLang servers keep")
     gpu = tr.gpu_memory_gib * GIB
     parts["reserve"] = GIB + 0.05 * gpu
@@ -233,19 +234,19 @@ def colocated(recipe: Recipe) -> bool:
 
 def trainer_offloaded_bytes(recipe: Recipe, d: ModelDims) -> float:
     """Bytes a colocated rank moves to host memory while the servers generate: DeepSpeed's
-    offload_states (colocate.offloaded_bytes); the torch engine's weights, gradients and AdamW's m
+    offload_states (memory.offloaded_bytes); the torch engine's weights, gradients and AdamW's m
     and v, all in the model dtype."""
     tr = recipe.trainer
     if tr.engine != "deepspeed":
         return 4.0 * BYTES[recipe.model.dtype] * d.params()
-    return colocate.offloaded_bytes(d, recipe.model.dtype, tr.nproc * tr.nodes, tr.offload_optimizer,
+    return offloaded_bytes(d, recipe.model.dtype, tr.nproc * tr.nodes, tr.offload_optimizer,
                                     tr.offload_params, tr.zero_stage)
 
 
 def rollout_phase_budget(recipe: Recipe, d: ModelDims, train: Budget) -> Budget:
     """Colocated: the whole GPU while the servers generate (see the module docstring)."""
     pool, _, _, _ = sglang_memory(recipe, d)
-    parts = colocate.rollout_phase_parts(pool)
+    parts = rollout_phase_parts(pool)
     notes = ["colocated: the rollout phase, the trainer offloaded"]
     if "reference model" in train.parts:  # the frozen copy is not offloaded
         parts["reference model"] = train.parts["reference model"]
@@ -329,16 +330,22 @@ LIST_BYTES_PER_PROMPT_TOKEN = 36
 LIST_BYTES_PER_RESPONSE_TOKEN = 76
 
 
+def rollout_record_bytes(n: int, max_prompt_tokens: int, max_new_tokens: int) -> tuple[float, float]:
+    """n rollouts at full length: as Trajectory lists in memory, and as the arrays a batch or a
+    checkpoint holds them in (trajectory_arrays.py)."""
+    from rlrecipe.trajectory.arrays import TOKEN_FIELDS
+
+    size = {name: dtype.itemsize for name, dtype in TOKEN_FIELDS.items()}
+    per_response = size["response_ids"] + size["logp_infer"] + size["versions"]
+    held = n * (max_prompt_tokens * LIST_BYTES_PER_PROMPT_TOKEN + max_new_tokens * LIST_BYTES_PER_RESPONSE_TOKEN)
+    arrays = n * (max_prompt_tokens * size["prompt_ids"] + max_new_tokens * per_response)
+    return held, arrays
+
+
 def c3po_pool_note(pool_capacity: int, max_prompt_tokens: int, max_new_tokens: int) -> str:
     """What C3PO++'s in-flight rollouts can take outside the GPUs, at most (every one at full length):
     the RL driver holds them between steps, and each checkpoint saves them as arrays."""
-    from rlrecipe.trajectory.arrays import TOKEN_FIELDS
-
-    array = {name: dtype.itemsize for name, dtype in TOKEN_FIELDS.items()}
-    per_response_array = array["response_ids"] + array["logp_infer"] + array["versions"]
-    held = pool_capacity * (max_prompt_tokens * LIST_BYTES_PER_PROMPT_TOKEN
-                            + max_new_tokens * LIST_BYTES_PER_RESPONSE_TOKEN)
-    saved = pool_capacity * (max_prompt_tokens * array["prompt_ids"] + max_new_tokens * per_response_array)
+    held, saved = rollout_record_bytes(pool_capacity, max_prompt_tokens, max_new_tokens)
     return (f"C3PO++ pool: up to {pool_capacity} rollouts in flight, held by the RL driver between steps "
             f"(at most {held / GIB:.1f} GiB of host memory) and saved in each checkpoint (at most {saved / GIB:.1f} GiB)")
 
@@ -352,85 +359,6 @@ def plan(loaded: LoadedRecipe) -> tuple[ModelDims, str, list[Budget]]:
     if colocated(loaded.recipe):
         budgets.append(rollout_phase_budget(loaded.recipe, d, budgets[0]))
     return d, stage, budgets
-
-
-# -- outside the GPUs: rank 0's host memory and the run's disk --------------------------------------
-def rollout_record_bytes(n: int, max_prompt_tokens: int, max_new_tokens: int) -> tuple[float, float]:
-    """n rollouts at full length: as Trajectory lists in memory, and as the arrays a batch or a
-    checkpoint holds them in (trajectory_arrays.py)."""
-    from rlrecipe.trajectory.arrays import TOKEN_FIELDS
-
-    size = {name: dtype.itemsize for name, dtype in TOKEN_FIELDS.items()}
-    per_response = size["response_ids"] + size["logp_infer"] + size["versions"]
-    held = n * (max_prompt_tokens * LIST_BYTES_PER_PROMPT_TOKEN + max_new_tokens * LIST_BYTES_PER_RESPONSE_TOKEN)
-    arrays = n * (max_prompt_tokens * size["prompt_ids"] + max_new_tokens * per_response)
-    return held, arrays
-
-
-def rank0_host_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
-    """Bytes of host memory rank 0 needs beyond the Python process itself, at worst (every rollout at
-    full length): the rollouts it holds, the arrays a step's batch and a checkpoint's pool are
-    packed into, the full weights gathered to its CPU for each push or export, and the push by
-    handle's copy of them, kept from push to push."""
-    ro, rl = recipe.rollout, recipe.rl
-    b = BYTES[recipe.model.dtype]
-    parts: dict[str, float] = {}
-    if stage_of(recipe) == "rl":
-        n = rl.c3po.pool_capacity if rl.c3po.enabled else rl.prompts_per_step * rl.samples_per_prompt
-        held, arrays = rollout_record_bytes(n, recipe.data.max_prompt_tokens, ro.max_new_tokens)
-        parts["rollouts held (lists)"] = held
-        if rl.c3po.enabled:
-            per_token = arrays / max(1, n * (recipe.data.max_prompt_tokens + ro.max_new_tokens))
-            parts["step batch (arrays)"] = min(arrays, rl.c3po.token_budget * per_token * 1.1)
-            parts["pool saved in a checkpoint (arrays)"] = arrays
-        else:
-            parts["step batch (arrays)"] = arrays
-    if recipe.trainer.engine == "deepspeed" and recipe.trainer.zero_stage >= 3:
-        parts["weights gathered for push and export"] = b * d.params()
-    if stage_of(recipe) == "rl" and ro.engine == "sglang" and ro.sglang.weight_sync == "ipc":
-        # the push by handle's copy of what it pushed, which the verification reads, kept from push to
-        # push (pinned on a GPU: rollout/weights/handles.py's HostMirror), beside a checkpoint's export
-        parts["push by handle's copy (kept, pinned)"] = b * d.params()
-    if recipe.trainer.offload_optimizer:
-        parts["optimizer offloaded"] = 12 * d.params() / max(1, recipe.trainer.nodes)
-    if colocated(recipe):
-        # pinned: what the node's ranks offload while the servers generate
-        parts["trainer state offloaded (pinned)"] = recipe.trainer.nproc * trainer_offloaded_bytes(recipe, d)
-    return parts
-
-
-def checkpoint_bytes(recipe: Recipe, d: ModelDims) -> dict[str, float]:
-    """One checkpoint on disk, by part: the trainer's state (DeepSpeed: fp32 master weights and Adam's
-    m and v, every rank's shard; the torch engine: m and v in the model dtype), an HF export of the
-    weights, and C3PO++'s pool."""
-    p, b = d.params(), BYTES[recipe.model.dtype]
-    state = 12 * p if recipe.trainer.engine == "deepspeed" else 2 * b * p
-    parts = {"trainer state": float(state), "weights (HF export)": float(b * p)}
-    rl = recipe.rl
-    if stage_of(recipe) == "rl" and rl.c3po.enabled:
-        parts["C3PO++ pool"] = rollout_record_bytes(rl.c3po.pool_capacity, recipe.data.max_prompt_tokens,
-                                                    recipe.rollout.max_new_tokens)[1]
-    return parts
-
-
-def disk_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
-    """Bytes the run directory reaches at its peak: run.keep_checkpoints checkpoints kept plus one
-    being written, the final export and, with disk weight sync, the export the servers load."""
-    stage = stage_of(recipe)
-    if stage == "eval":
-        return {}
-    b = BYTES[recipe.model.dtype]
-    one = sum(checkpoint_bytes(recipe, d).values())
-    parts = {f"checkpoints ({recipe.run.keep_checkpoints} kept + 1 being written)": (recipe.run.keep_checkpoints + 1) * one,
-             "final export": float(b * d.params())}
-    if stage == "rl" and recipe.rollout.engine == "sglang" and recipe.rollout.sglang.weight_sync == "disk":
-        # asynchronous, lag >= 2: each version waits in an export of its own until the rollout side
-        # loads it (rollout_schedule.py), at most `lag` of them beside the synchronous one
-        lag = recipe.rl.async_lag
-        copies = 1 + (lag if lag >= 2 else 0)
-        parts["export for the rollout servers" + (f" ({copies} copies)" if copies > 1 else "")] = \
-            copies * float(b * d.params())
-    return parts
 
 
 def _count(n: int, noun: str) -> str:

@@ -8,20 +8,26 @@ import pytest
 
 from rlrecipe.checks.colocate import (
     ASSUMED,
-    SGLANG_OUTSIDE_POOL_GIB,
-    TRAINER_OFFLOADED_GIB,
     PhaseCosts,
     allowed_pushes,
     cheapest_push,
     colocated_training,
     ipc_push_s,
-    offloaded_bytes,
     phase_seconds,
     push_seconds,
 )
-from rlrecipe.checks.fit import Machine, Search, fit
+from rlrecipe.checks.fit import fit
+from rlrecipe.checks.fit_layout import Machine
+from rlrecipe.checks.fit_search import Search
+from rlrecipe.checks.host_disk import rank0_host_parts
+from rlrecipe.checks.memory import (
+    DS_REDUCE_BUCKET,
+    SGLANG_OUTSIDE_POOL_GIB,
+    TRAINER_OFFLOADED_GIB,
+    offloaded_bytes,
+)
 from rlrecipe.checks.model_dims import GIB, ModelDims, model_dims
-from rlrecipe.checks.plan import DS_REDUCE_BUCKET, plan, rank0_host_parts
+from rlrecipe.checks.plan import plan
 from rlrecipe.checks.step_time import STEP_OVERHEAD_S, Training
 from rlrecipe.recipe.schema import load_recipe
 from tests.conftest import REPO
@@ -261,7 +267,7 @@ def test_fit_pushes_by_value_where_that_is_cheaper_and_over_disk_where_that_is(t
     assert eight.push == "disk"
     assert eight.train.time.parts["push"] == pytest.approx(w / 2e9 + (2 if eight.rollout.servers > 1 else 1) * w / 8e9)
     # the fitted recipe carries the choice, and says why
-    from rlrecipe.checks.fit import Fit
+    from rlrecipe.checks.fit_layout import Fit
     from rlrecipe.checks.fit_recipe import fitted_recipe
 
     text, recipe = fitted_recipe(Fit(source, Machine(1, 1, 80), [fast]), fast, tmp_path / "one.yaml")
@@ -295,7 +301,7 @@ def test_fit_pushes_by_handle_where_that_is_cheaper(tmp_path):
     assert buckets == 7 and ipc_push_s(model_dims(source), "bfloat16", servers=8, posted_at_once=1) == pytest.approx(
         w / 18.5e9 + 7 * buckets * 0.01 + w / 55e9)
     # the fitted recipe carries it, says why, and loads (colocated, the schema allows ipc)
-    from rlrecipe.checks.fit import Fit
+    from rlrecipe.checks.fit_layout import Fit
     from rlrecipe.checks.fit_recipe import fitted_recipe
 
     text, recipe = fitted_recipe(Fit(source, Machine(1, 1, 80), [one]), one, tmp_path / "one.yaml")

@@ -49,8 +49,8 @@ def test_every_shipped_recipe_gets_a_full_table_on_cpu(path, monkeypatch):
 
 
 def test_disk_need_counts_two_kept_checkpoints_and_one_being_written():
+    from rlrecipe.checks.host_disk import checkpoint_bytes, disk_parts
     from rlrecipe.checks.model_dims import BYTES, model_dims
-    from rlrecipe.checks.plan import checkpoint_bytes, disk_parts
 
     ld = load_recipe(REPO / "recipes/7b_boba.yaml")
     d, r = model_dims(ld), ld.recipe
@@ -62,8 +62,8 @@ def test_disk_need_counts_two_kept_checkpoints_and_one_being_written():
 
 
 def test_host_memory_of_the_c3po_recipe_on_rank_0():
+    from rlrecipe.checks.host_disk import rank0_host_parts
     from rlrecipe.checks.model_dims import GIB, model_dims
-    from rlrecipe.checks.plan import rank0_host_parts
 
     ld = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml")
     total = sum(rank0_host_parts(ld.recipe, model_dims(ld)).values()) / GIB

@@ -11,7 +11,9 @@ import pytest
 from rlrecipe.cli.app import app
 from typer.testing import CliRunner
 
-from rlrecipe.checks.fit import FIT_MARGIN, Machine, Search, fit
+from rlrecipe.checks.fit import fit
+from rlrecipe.checks.fit_layout import Machine
+from rlrecipe.checks.fit_search import FIT_MARGIN, Search
 from rlrecipe.checks.model_dims import GIB, model_dims
 from rlrecipe.checks.plan import plan
 from rlrecipe.checks.step_time import Lengths, Rates, rollout_step, training_step

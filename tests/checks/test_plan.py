@@ -142,7 +142,7 @@ def test_c3po_pool_host_memory_and_checkpoint_size_by_hand():
 
 
 def test_deepspeed_buffers_and_optimizer_temporaries_by_hand():
-    from rlrecipe.checks.plan import DS_REDUCE_BUCKET
+    from rlrecipe.checks.memory import DS_REDUCE_BUCKET
 
     recipe = load_recipe(REPO / "recipes/7b_boba.yaml", []).recipe  # DeepSpeed ZeRO-3, 64 ranks, fp16
     d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
@@ -189,7 +189,7 @@ def test_deepspeed_buffers_and_optimizer_temporaries_by_hand():
 
 
 def test_disk_plan_counts_the_exports_an_async_lag_keeps_waiting():
-    from rlrecipe.checks.plan import disk_parts
+    from rlrecipe.checks.host_disk import disk_parts
 
     d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
     sync = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml", []).recipe

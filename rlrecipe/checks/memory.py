@@ -1,0 +1,48 @@
+"""Bytes that both the memory plan (plan.py) and the colocated layout (colocate.py) count, below both:
+DeepSpeed's buffer defaults, what a released SGLang server and an offloaded trainer rank keep on a GPU,
+and what a rank moves to host memory while the servers generate.
+
+Every constant below is an assumption unless its comment says otherwise; each comment says how to
+measure it.
+"""
+
+from __future__ import annotations
+
+from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
+
+# DeepSpeed's defaults the engine leaves (train/deepspeed_engine.py sets none of these): elements
+DS_REDUCE_BUCKET = 500_000_000
+DS_PREFETCH_BUCKET = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+
+# ASSUMPTION: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its static pool
+# (SGLang's own default leaves 10-20% of a GPU). --enable-memory-saver releases only the pool (weights
+# and KV cache), so this much stays while the trainer trains. Measure: nvidia-smi's figure for the
+# server process after /release_memory_occupation.
+SGLANG_OUTSIDE_POOL_GIB = 6.0
+# ASSUMPTION: what a trainer rank holds once everything is offloaded: its CUDA context and NCCL
+# buffers (~1 GiB) and ZeRO-3's persistent small parameters (norms, biases: megabytes), the caching
+# allocator emptied after offload_states. Measure: nvidia-smi's figure for a rank after offload_states
+# and torch.cuda.empty_cache().
+TRAINER_OFFLOADED_GIB = 1.5
+
+
+def offloaded_bytes(d: ModelDims, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
+                    zero_stage: int = 3) -> float:
+    """Bytes a DeepSpeed rank moves to host memory and back each step (offload_states): its 16-bit
+    parameters and gradients (partitioned from ZeRO-3 and ZeRO-2), its fp32 gradient partition, its
+    optimizer state (fp32 master weights, m and v) unless ZeRO-Offload keeps that on the host already,
+    and ZeRO-3's reduce bucket (its contiguous gradient buffer). What ZeRO-3 gathers for a forward is
+    freed, not moved."""
+    p, b = d.params(), BYTES[dtype]
+    params = 0.0 if offload_params else b * p / (ranks if zero_stage >= 3 else 1)
+    grads = b * p / (ranks if zero_stage >= 2 else 1)
+    bucket = b * DS_REDUCE_BUCKET if zero_stage >= 3 else 0.0
+    optimizer = 0.0 if offload_optimizer else 12.0 * p / ranks
+    return params + grads + 4.0 * p / ranks + bucket + optimizer
+
+
+def rollout_phase_parts(pool: float) -> dict[str, float]:
+    """Bytes per GPU while the servers generate: their pool, what they keep outside it, the offloaded trainer."""
+    return {"SGLang static pool": pool, "SGLang outside its pool": SGLANG_OUTSIDE_POOL_GIB * GIB,
+            "trainer while offloaded": TRAINER_OFFLOADED_GIB * GIB}

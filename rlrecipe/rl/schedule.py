@@ -21,10 +21,11 @@ from rlrecipe.recipe.schema import Recipe
 from rlrecipe.rl.ahead import RolloutAhead, load_pending, save_pending, weights_version
 from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.rollout_stats import RolloutStats
+from rlrecipe.rollout.weights.adapter import Adapter
 from rlrecipe.rollout.weights.handle_push import push_by_handles
 from rlrecipe.rollout.weights.handles import HostMirror
 from rlrecipe.rollout.weights.probe import Scores, probe_sequences
-from rlrecipe.rollout.weights.transport import WeightTransport
+from rlrecipe.rollout.weights.transport import WeightTransport, for_lora
 from rlrecipe.train.base import TrainSample
 from rlrecipe.trajectory.arrays import broadcast_batch_from_rank_zero
 
@@ -44,7 +45,10 @@ class WeightsOut:
         """`version`: the trainer's now; `bucket_bytes`: the most one push request carries (by handle:
         every rank's buffer); `turns`: a colocated layout's hand-overs, which each push goes through.
         The engine is attached after (`attach`): colocated, it starts once the trainer has left the
-        GPU, and the probe is scored before that."""
+        GPU, and the probe is scored before that. A LoRA trainer's pushes are its adapter, whatever
+        transport the caller decided without trainer.lora (`for_lora`)."""
+        if getattr(trainer, "is_lora", False):
+            transport = for_lora(transport)
         self.trainer, self.engine, self.run, self.tokenizer, self.transport = trainer, None, run, tokenizer, transport
         self.turns = turns if turns is not None and turns.enabled else None
         self.bucket_bytes = bucket_bytes
@@ -86,8 +90,8 @@ class WeightsOut:
 
     def push(self, version: int) -> None:
         """Into the engine now (collective; rank 0 pushes): in memory, by broadcast, by pickled
-        tensors, by every rank's handles, or by an HF export the servers load; colocated, through the
-        engine's release."""
+        tensors, by every rank's handles, by an HF export the servers load, or (trainer.lora on
+        SGLang) the adapter alone; colocated, through the engine's release."""
         if self.turns is not None:
             self.turns.push(version, lambda: self._expect(version), lambda verify: self._send(version, verify))
         else:
@@ -97,6 +101,12 @@ class WeightsOut:
     def _send(self, version: int, verify: bool) -> dict:
         """Push by the transport; `verify` False leaves the check to `engine.verify_push` with what
         this returns."""
+        if self.transport.is_lora:
+            adapter = self._adapter(version)
+            if self.engine is not None:
+                self.engine.update_adapter(adapter, version, verify=verify)
+                self._drop_adapters_before(version)
+            return {"adapter": adapter}
         if self.transport is WeightTransport.DISK:
             export = self.trainer.export_hf(self.exports, self.tokenizer)
             if self.engine is not None:
@@ -114,6 +124,23 @@ class WeightsOut:
             else:
                 self.engine.update_weights_from_state(state, version)
         return {"state_dict": state}
+
+    def _adapter(self, version: int) -> Adapter | None:
+        """The trainer's adapter now (collective: every rank calls adapter_state(), rank 0 gets it
+        whole); weight_sync disk: written by rank 0 as a PEFT directory of its own per version."""
+        config, tensors = self.trainer.adapter_state()
+        if not is_rank_zero():
+            return None
+        adapter = Adapter(config, tensors)
+        if self.transport is WeightTransport.LORA_DISK:
+            adapter = adapter.write(self.exports / f"adapter-v{version:07d}")
+        return adapter
+
+    def _drop_adapters_before(self, version: int) -> None:
+        """The PEFT directories of earlier pushes, no longer served (SGLang read them at their load)."""
+        for old in self.exports.glob("adapter-v*") if self.exports.is_dir() else []:
+            if old.name < f"adapter-v{version:07d}":
+                shutil.rmtree(old, ignore_errors=True)
 
     def _send_handles(self, version: int) -> dict:
         """Every rank shares its copy of the weights by handle, bucket by bucket; rank 0 posts them and
@@ -133,6 +160,9 @@ class WeightsOut:
         """A copy of the weights now, for the worker to install later (collective): cloned tensors
         in memory, or an export of its own on disk. None on ranks without the engine."""
         self._expect(version)
+        if self.transport.is_lora:  # small: held in memory, or its own directory on disk
+            adapter = self._adapter(version)
+            return adapter.frozen() if adapter is not None and self.engine is not None else None
         if self.transport is WeightTransport.DISK:
             export = self.trainer.export_hf(self.exports / f"v{version:07d}", self.tokenizer)
             return export if self.engine is not None else None
@@ -143,7 +173,10 @@ class WeightsOut:
 
     def install(self, frozen, version: int) -> None:
         """On the worker: what `freeze` kept, into the engine; older exports are deleted."""
-        if isinstance(frozen, Path):
+        if isinstance(frozen, Adapter):
+            self.engine.update_adapter(frozen, version)
+            self._drop_adapters_before(version)
+        elif isinstance(frozen, Path):
             self.engine.update_weights_from_disk(frozen, version)
             for old in frozen.parent.glob("v*"):
                 if old.name < frozen.name:

@@ -22,6 +22,8 @@ VENV = Path(os.environ.get("RLRECIPE_SGLANG_VENV", REPO / ".venv-sglang"))
 SERVE = REPO / "scripts" / "sglang_cpu" / "serve.sh"
 # the KV pool and context every live server gets (else SGLang sizes the pool from RAM)
 SERVER_ARGS = ["--max-total-tokens", "8192", "--context-length", "256"]
+# what a run under trainer.lora rank 8 launches its servers with (rollout/sglang/lora.py launch_args)
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "8", "--max-loras-per-batch", "2", "--lora-target-modules", "all"]
 START_TIMEOUT_S = 240
 
 
@@ -135,12 +137,38 @@ def standin_server(demo_model_dir, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="package")
+def sglang_lora_server(demo_model_dir, tmp_path_factory):
+    """The real SGLang on the demo-shaped model with LoRA enabled (LORA_ARGS; serve.sh adds the
+    torch_native LoRA backend), for the tests that load adapters."""
+    require_sglang()
+    port = free_port()
+    server = Server(serve_cmd(demo_model_dir, port) + LORA_ARGS, port,
+                    tmp_path_factory.mktemp("sglang-lora") / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="package")
+def standin_lora_server(demo_model_dir, tmp_path_factory):
+    """`rlrecipe serve` with the same LoRA flags."""
+    import sys
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "rlrecipe.cli.app", "serve", str(demo_model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--context-length", "256", *LORA_ARGS]
+    server = Server(cmd, port, tmp_path_factory.mktemp("standin-lora") / "server.log")
+    yield server
+    server.stop()
+
+
 class Front:
     """An HTTP front before a server: passes every request on, except the paths in `fake` (answered
     200 with SGLang's success body, the server never told: a server that claims an update it did not
-    do) and in `hide` (404, as a server without the endpoint)."""
+    do) and in `hide` (404, as a server without the endpoint). `edit(path, body)` sees each JSON
+    request first: it returns the body to pass on, or (status, answer) to answer in the server's place."""
 
-    def __init__(self, target: str, fake: tuple[str, ...] = (), hide: tuple[str, ...] = ()):
+    def __init__(self, target: str, fake: tuple[str, ...] = (), hide: tuple[str, ...] = (), edit=None):
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
@@ -152,6 +180,11 @@ class Front:
                     return self._answer(404, b'{"detail": "Not Found"}')
                 if path in fake:
                     return self._answer(200, json.dumps({"success": True, "message": "Succeeded."}).encode())
+                if edit is not None and body:
+                    edited = edit(path, json.loads(body))
+                    if isinstance(edited, tuple):
+                        return self._answer(edited[0], json.dumps(edited[1]).encode())
+                    body = json.dumps(edited).encode()
                 r = requests.request(method, target + self.path, data=body or None, timeout=600,
                                      headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
                 self._answer(r.status_code, r.content)

@@ -118,3 +118,54 @@ def test_the_same_weights_give_the_same_numbers(sglang_server, standin_server):
     # the embedding (padded by SGLang to 320 rows), every norm, o_proj and down_proj: fused ones differ by name
     assert "model.embed_tokens.weight" in common and len(common) >= 12, common
     assert {n: ours[n] for n in common} == {n: real[n] for n in common}
+
+
+def test_the_lora_endpoints_answer_alike(sglang_lora_server, standin_lora_server, demo_model_dir, tmp_path):
+    """Both launched with the same LoRA flags: loads from tensors and from disk, their refusals, /generate
+    under an adapter (tokens and log-probs) and naming one never loaded, unloads."""
+    import base64
+    import pickle
+
+    from tests.serve.test_serve_lora import peft_adapter
+
+    config, tensors, model = peft_adapter(demo_model_dir, seed=31, rank=8)
+    model.save_pretrained(tmp_path / "adapter")
+    by_value = {"lora_name": "diff-t", "config_dict": config,
+                "serialized_named_tensors": [base64.b64encode(pickle.dumps(dict(tensors))).decode()]}
+    steps = [("/load_lora_adapter_from_tensors", by_value, 200),
+             ("/load_lora_adapter_from_tensors", by_value, 400),  # already loaded
+             ("/load_lora_adapter_from_tensors", {**by_value, "lora_name": "diff-r", "config_dict": {**config, "r": 16}},
+              400),  # above --max-lora-rank
+             ("/load_lora_adapter", {"lora_name": "diff-d", "lora_path": str(tmp_path / "adapter")}, 200),
+             ("/generate", {"input_ids": PROMPT, "lora_path": "diff-nope", "sampling_params": {"max_new_tokens": 1}}, 400),
+             ("/unload_lora_adapter", {"lora_name": "diff-t"}, 200),
+             ("/unload_lora_adapter", {"lora_name": "diff-t"}, 400),
+             ("/unload_lora_adapter", {"lora_name": "diff-d"}, 200)]
+    for path, body, code in steps:
+        if path == "/unload_lora_adapter" and body["lora_name"] == "diff-t" and code == 200:
+            # under the adapter, before it goes: the same greedy tokens and input log-probs
+            gen = {"input_ids": PROMPT, "lora_path": "diff-t", "return_logprob": True, "logprob_start_len": 0,
+                   "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+            real, ours = (r.json() for r in _both(sglang_lora_server, standin_lora_server, "POST", "/generate", gen))
+            assert ours["output_ids"] == real["output_ids"]
+            pairs = list(zip(ours["meta_info"]["input_token_logprobs"][1:],
+                             real["meta_info"]["input_token_logprobs"][1:], strict=True))
+            assert max(abs(o[0] - r[0]) for o, r in pairs) < 1e-4
+        real, ours = _both(sglang_lora_server, standin_lora_server, "POST", path, body)
+        assert (real.status_code, ours.status_code) == (code, code), (path, _json(real), _json(ours))
+        assert _within(_shape(_json(ours)), _shape(_json(real))) == [], (_json(real), _json(ours))
+        if path == "/generate":  # its list of adapters ever loaded depends on the server's history
+            assert ours.json()["error"]["message"].split("\n")[0] == real.json()["error"]["message"].split("\n")[0]
+            continue
+        r, o = real.json(), ours.json()
+        assert (o["success"], o["error_message"].split(". Loaded")[0]) == (r["success"], r["error_message"].split(". Loaded")[0])
+        if code == 200:  # the adapter as listed after the call: its path, "__tensor__", or gone
+            assert o["loaded_adapters"].get(body["lora_name"]) == r["loaded_adapters"].get(body["lora_name"])
+
+
+def test_without_enable_lora_the_lora_requests_are_refused_alike(sglang_server, standin_server):
+    for path, body in (("/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/where"}),
+                       ("/unload_lora_adapter", {"lora_name": "x"}),
+                       ("/generate", {"input_ids": PROMPT, "lora_path": "x", "sampling_params": {"max_new_tokens": 1}})):
+        real, ours = _both(sglang_server, standin_server, "POST", path, body)
+        assert (ours.status_code, ours.json()) == (real.status_code, real.json()) == (400, ours.json())

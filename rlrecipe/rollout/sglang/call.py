@@ -80,6 +80,7 @@ class GenerateCall:
         self.fleet, self.params, self.budget, self.refill = fleet, params, budget, refill
         self.stop_token_ids, self.read_timeout = list(stop_token_ids), read_timeout
         self.version = fleet.version
+        self.adapter = fleet.adapter  # trainer.lora: the adapter of this version, named in every request
         self.groups: dict[str, int] = {}  # a group's server (see to_least_loaded)
         self.limits: dict[int, tuple] = {}  # each endpoint's dialect, context and input limit, asked once
         self.futures: dict[Future, Request] = {}
@@ -173,7 +174,10 @@ class GenerateCall:
             # an unexpected keyword before 0.5.3 (HTTP 500); exact only with --enable-deterministic-inference
             if SEED_KEY in t.meta and dialect.sampling_seed:
                 sp["sampling_seed"] = int(t.meta[SEED_KEY])
-            reqs.append(Request(t, endpoint, generate_payload(input_ids, sp, rid), rid))
+            payload = generate_payload(input_ids, sp, rid)
+            if self.adapter is not None:
+                payload["lora_path"] = self.adapter
+            reqs.append(Request(t, endpoint, payload, rid))
         return reqs
 
     def _submit(self, req: Request) -> Future:

@@ -8,7 +8,9 @@ It is three parts, each readable and testable alone:
 - `GenerationClient` (`sglang/generation.py`): /generate calls (`sglang/call.py`), with read
   timeouts sized from the plan;
 - `WeightPusher` (`sglang/weights.py`): weight pushes over disk, broadcast or tensor requests, each verified;
-- for a colocated layout, `release_memory` / `resume_memory` (`sglang/memory.py`).
+- for a colocated layout, `release_memory` / `resume_memory` (`sglang/memory.py`);
+- under trainer.lora, `update_adapter`: the base stays, each push is an adapter (`sglang/lora.py`),
+  and a colocated release frees the KV cache alone (the base weights stay where they are).
 
 Each response's `meta_info.weight_version` is checked against the version this engine set, so a
 token is never labelled with a policy version that did not produce it.
@@ -23,10 +25,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rlrecipe.recipe.schema import Recipe
-from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.recipe.systems import LoraSection, SGLangServer
 from rlrecipe.rollout.base import Refill, RolloutEngine
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.generation import GenerationClient
+from rlrecipe.rollout.sglang.lora import launch_args
 from rlrecipe.rollout.sglang.memory import ALL_TAGS, RELEASE, RESUME, check_tags, flush, occupy
 from rlrecipe.rollout.sglang.server import ServerProcess, model_arg, trainer_gpus_on_node
 from rlrecipe.rollout.sglang.weights import WeightPusher
@@ -59,7 +62,7 @@ class SGLangEngine(RolloutEngine):
                  max_concurrency: int = 512, servers: Sequence[ServerProcess] | None = None,
                  stop_token_ids: Sequence[int] | None = None, cfg: SGLangServer | None = None,
                  router: ServerProcess | None = None, served_dtype: str | None = None,
-                 fleet: ServerFleet | None = None):
+                 fleet: ServerFleet | None = None, lora: bool = False):
         self.fleet = fleet or ServerFleet(urls, cfg=cfg, max_concurrency=max_concurrency, servers=servers,
                                           router=router)
         self.fleet.version = version
@@ -67,7 +70,9 @@ class SGLangEngine(RolloutEngine):
         stop = list(stop_token_ids) if stop_token_ids is not None else (
             [eos_token_id] if eos_token_id is not None else [])
         self.gen = GenerationClient(self.fleet, stop_token_ids=stop, max_concurrency=max_concurrency)
-        self.weights = WeightPusher(self.fleet, self.fleet.cfg, served_dtype)
+        self.weights = WeightPusher(self.fleet, self.fleet.cfg, served_dtype, lora)
+        self.lora = lora  # trainer.lora: pushes are adapters, and the base weights are never released
+        self.released: set[str] = set()  # memory tags released and not resumed since
         self._closed = False
 
     # -- construction ----------------------------------------------------------------------------
@@ -78,15 +83,17 @@ class SGLangEngine(RolloutEngine):
         first trainer.nproc GPUs train, so launched servers take the GPUs after them."""
         ro = recipe.rollout
         eos = tokenizer.eos_token_id
+        lora = recipe.trainer.lora.enabled
         if ro.urls:
             fleet = ServerFleet.attach(ro, run_dir)
             engine = cls(fleet.urls, eos_token_id=eos, version=version, max_concurrency=ro.sglang.max_concurrency,
-                         served_dtype=ro.dtype, fleet=fleet)
+                         served_dtype=ro.dtype, fleet=fleet, lora=lora)
         else:
             trainer_gpus = trainer_gpus_on_node(recipe.trainer) if beside_training else 0
             engine = cls.launch(model_dir, cfg=ro.sglang, dtype=ro.dtype, run_dir=run_dir, eos_token_id=eos,
                                 version=version, seed=recipe.run.seed, trainer_gpus=trainer_gpus,
-                                memory_saver=ro.colocate, kv_cache_dtype=ro.kv_cache_dtype)
+                                memory_saver=ro.colocate, kv_cache_dtype=ro.kv_cache_dtype,
+                                lora=recipe.trainer.lora if lora else None)
         try:
             if ro.urls:
                 engine.ensure_model(model_dir, version)
@@ -103,15 +110,16 @@ class SGLangEngine(RolloutEngine):
                run_dir: str | Path | None = None, eos_token_id: int | None = None, version: int = 0, seed: int = 0,
                launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
                env: dict[str, str] | None = None, trainer_gpus: int = 0, memory_saver: bool = False,
-               kv_cache_dtype: str = "auto") -> SGLangEngine:
+               kv_cache_dtype: str = "auto", lora: LoraSection | None = None) -> SGLangEngine:
         """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
-        front of them; wait until they generate; return the engine."""
+        front of them; wait until they generate; return the engine. `lora` (trainer.lora, enabled):
+        the servers take adapters, and the pushes are adapters."""
         cfg = cfg or SGLangServer()
         fleet = ServerFleet.launch(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
                                    env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver,
-                                   kv_cache_dtype=kv_cache_dtype)
+                                   kv_cache_dtype=kv_cache_dtype, lora_args=launch_args(lora))
         return cls(fleet.urls, eos_token_id=eos_token_id, version=version, max_concurrency=cfg.max_concurrency,
-                   served_dtype=dtype, fleet=fleet)
+                   served_dtype=dtype, fleet=fleet, lora=lora is not None and lora.enabled)
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, trajs: list[Trajectory], params: SamplingParams, *,
@@ -154,6 +162,11 @@ class SGLangEngine(RolloutEngine):
     def update_weights_from_tensor(self, state_dict: dict, version: int, verify: bool = True) -> None:
         self.weights.update_from_tensor(state_dict, version, verify)
 
+    def update_adapter(self, adapter, version: int, verify: bool = True) -> None:
+        """trainer.lora: the adapter (weights/adapter.py) of `version` into every live server, named by
+        every /generate from now on; the previous one unloaded."""
+        self.weights.update_adapter(adapter, version, verify)
+
     def handles_pushed(self, version: int, world_size: int):
         """A push by handles, bucket by bucket (weights/handle_push.py); verified by `verify_push`."""
         return self.weights.handles_pushed(version, world_size)
@@ -162,21 +175,30 @@ class SGLangEngine(RolloutEngine):
         self.weights.verify_export(model_dir, version, when)
 
     # -- memory (rollout.colocate) ---------------------------------------------------------------
-    def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
-        """Every live server frees the memory of `tags` (sglang/memory.py) while the trainer trains;
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Every live server frees the memory of `tags` (sglang/memory.py; default all, and under
+        trainer.lora all but the base weights, which no push rewrites) while the trainer trains;
         refused while this engine has requests in flight (SGLang would die of them)."""
-        tags = check_tags(tags)
+        tags = check_tags(tags if tags is not None else [t for t in ALL_TAGS if not (self.lora and t == "weights")])
         calls, posts = self.gen.calls, self.fleet.http.open_requests()
         if calls or posts:
             raise RuntimeError(f"release_memory: {calls} generate call(s) and {posts} request(s) still in flight; "
                                "SGLang asserts it is idle at a release and dies otherwise, so generation must "
                                "finish (or be aborted and answered) first")
         occupy(self.fleet, RELEASE, tags)
+        self.released |= set(tags)
 
     def resume_memory(self, tags: Sequence[str]) -> None:
         """Every live server allocates the memory of `tags` again. Weights resumed hold garbage until
-        the next push lands: resume ["weights"], push, then resume ["kv_cache"] (and "cuda_graph")."""
-        occupy(self.fleet, RESUME, check_tags(tags))
+        the next push lands: resume ["weights"], push, then resume ["kv_cache"] (and "cuda_graph").
+        Under trainer.lora a tag not released is left out (SGLang dies resuming one)."""
+        tags = check_tags(tags)
+        if self.lora:
+            tags = [t for t in tags if t in self.released]
+            if not tags:
+                return
+        occupy(self.fleet, RESUME, tags)
+        self.released -= set(tags)
 
     def flush_cache(self) -> None:
         """Every live server drops its prefix cache (SGLang answers 200 when it flushed, 400 while
@@ -201,10 +223,12 @@ class SGLangEngine(RolloutEngine):
         self.verify_push(version, state_dict=state_dict, model_dir=model_dir)
 
     def verify_push(self, version: int, *, state_dict: dict | None = None,
-                    model_dir: str | Path | None = None) -> None:
+                    model_dir: str | Path | None = None, adapter=None) -> None:
         """The check of a push made with `verify=False`: every live server holds `state_dict` (or the
-        export `model_dir`) as `version`."""
-        if state_dict is not None:
+        export `model_dir`, or serves the `adapter` pushed) as `version`."""
+        if adapter is not None:
+            self.weights.verify_adapter(version)
+        elif state_dict is not None:
             self.weights.verify(version, state=state_dict)
         elif model_dir is not None:
             self.weights.verify_export(model_dir, version)

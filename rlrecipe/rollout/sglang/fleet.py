@@ -55,6 +55,7 @@ class ServerFleet:
         self._unversioned: set[int] = set()  # servers already warned of for stating no version
         self.version = 0  # the policy version new tokens are labelled with
         self.weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
+        self.adapter: str | None = None  # trainer.lora: the adapter every /generate names (sglang/lora.py)
         # called when the set of live servers changes (the broadcast group counts the old set)
         self.on_members_changed: Callable[[], None] | None = None
         self._local = threading.local()
@@ -81,7 +82,7 @@ class ServerFleet:
     def launch(cls, model_dir: str | Path, cfg: SGLangServer, *, dtype: str, run_dir: str | Path | None, seed: int,
                launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None,
                env: dict[str, str] | None, trainer_gpus: int, memory_saver: bool = False,
-               kv_cache_dtype: str = "auto") -> ServerFleet:
+               kv_cache_dtype: str = "auto", lora_args: Sequence[str] = ()) -> ServerFleet:
         """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
         front of them; wait until they generate and prove they are the ones launched. Without
         SGLANG_API_KEY the servers get a key drawn for this run (api_key.launch_key)."""
@@ -91,7 +92,7 @@ class ServerFleet:
         try:
             servers = launch_servers(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
                                      env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver,
-                                     kv_cache_dtype=kv_cache_dtype)
+                                     kv_cache_dtype=kv_cache_dtype, lora_args=lora_args)
             wait_until_healthy([(s.url, s) for s in servers], cfg.startup_timeout_s)
             if cfg.router:
                 router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env)

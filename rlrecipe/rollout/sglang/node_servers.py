@@ -35,6 +35,7 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.rollout.sglang.lora import launch_args
 from rlrecipe.rollout.sglang.server import (
     LOG_NAME,
     ServerProcess,
@@ -120,7 +121,8 @@ def plan_node(recipe: Recipe, node: int, *, gpus: int | None, url_host: str | No
     model, revision = server_model(recipe)
     specs = server_specs(model, cfg, indices, dtype=recipe.rollout.dtype, seed=recipe.run.seed,
                          template=cfg.launch_cmd or None, revision=revision,
-                         memory_saver=recipe.rollout.colocate, kv_cache_dtype=recipe.rollout.kv_cache_dtype)
+                         memory_saver=recipe.rollout.colocate, kv_cache_dtype=recipe.rollout.kv_cache_dtype,
+                         lora_args=launch_args(recipe.trainer.lora))
     host = url_host or advertised_host(cfg.host)
     return NodePlan(node, cfg.nodes, specs, [url_for(host, s.port) for s in specs],
                     len(indices) * gpus_per_server(cfg))

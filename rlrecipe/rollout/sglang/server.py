@@ -46,6 +46,7 @@ from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.sglang.api_key import ENV as API_KEY_ENV
 from rlrecipe.rollout.sglang.api_key import api_key, client_headers, key_env
+from rlrecipe.rollout.sglang.lora import PLACEHOLDER as LORA_PLACEHOLDER
 from rlrecipe.rollout.sglang.ownership import foreign_holder, prove_ours, taken_error
 
 LOG_NAME = "sglang_server_{i}.log"
@@ -57,12 +58,14 @@ WAIT_NOTICE_S = 10.0  # say what is awaited once a start-up takes this long
 
 def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
                       seed: int, base_gpu: int | None = None, revision: str | None = None,
-                      memory_saver: bool = False, kv_cache_dtype: str = "auto") -> list[str]:
+                      memory_saver: bool = False, kv_cache_dtype: str = "auto",
+                      lora_args: Sequence[str] = ()) -> list[str]:
     """`python -m sglang.launch_server ...` for server `index`, its GPUs from `base_gpu` on
     (default index * tp * dp: every server of the recipe on this node); `revision` pins a hub id's
     snapshot, as model.revision pins the trainer's; `memory_saver` (rollout.colocate): the server
     can release its memory while the trainer trains (without the flag SGLang frees nothing);
-    `kv_cache_dtype` (rollout.kv_cache_dtype): --kv-cache-dtype unless "auto" or in extra_args already."""
+    `kv_cache_dtype` (rollout.kv_cache_dtype): --kv-cache-dtype unless "auto" or in extra_args already;
+    `lora_args`: trainer.lora's flags (sglang/lora.py launch_args)."""
     if base_gpu is None:
         base_gpu = index * gpus_per_server(cfg)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
@@ -74,7 +77,7 @@ def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangS
             *(["--enable-memory-saver"] if memory_saver and "--enable-memory-saver" not in cfg.extra_args else []),
             *(["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype != "auto" and not _has_flag(
                 cfg.extra_args, "--kv-cache-dtype") else []),
-            *cfg.extra_args]
+            *lora_args, *cfg.extra_args]
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
@@ -124,22 +127,25 @@ def url_for(host: str, port: int) -> str:
 def server_specs(model: str, cfg: SGLangServer, indices: Sequence[int], *, dtype: str, seed: int,
                  template: Sequence[str] | Callable[[int, int], list[str]] | None = None,
                  gpu_offset: int = 0, revision: str | None = None, memory_saver: bool = False,
-                 kv_cache_dtype: str = "auto") -> list[ServerSpec]:
+                 kv_cache_dtype: str = "auto", lora_args: Sequence[str] = ()) -> list[ServerSpec]:
     """Servers `indices` of the recipe: server i on port base_port + i, its GPUs from gpu_offset +
     k x tp x dp on, k its place among `indices`; URLs as this node reaches them (host:port).
     `memory_saver` adds --enable-memory-saver to SGLang's own command only: a template must carry it;
-    `kv_cache_dtype` adds --kv-cache-dtype to SGLang's command, and fills a template's {kv_cache_dtype}."""
+    `kv_cache_dtype` adds --kv-cache-dtype to SGLang's command, and fills a template's {kv_cache_dtype};
+    `lora_args` (trainer.lora) go to SGLang's command, and stand for a template's argument "{lora_args}"."""
     specs = []
     for k, i in enumerate(indices):
         port = cfg.base_port + i
         base_gpu = gpu_offset + k * gpus_per_server(cfg)
         if template is None:
             cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed, base_gpu=base_gpu, revision=revision,
-                                    memory_saver=memory_saver, kv_cache_dtype=kv_cache_dtype)
+                                    memory_saver=memory_saver, kv_cache_dtype=kv_cache_dtype, lora_args=lora_args)
         elif callable(template):
             cmd = list(template(i, port))
         else:
-            cmd = own_cli(fill_placeholders(template, model=model, host=cfg.host, port=port, index=i, dtype=dtype,
+            # "{lora_args}" stands for the LoRA flags, zero or more arguments
+            spliced = [a for part in template for a in (lora_args if part == LORA_PLACEHOLDER else [part])]
+            cmd = own_cli(fill_placeholders(spliced, model=model, host=cfg.host, port=port, index=i, dtype=dtype,
                                             seed=seed, base_gpu_id=base_gpu, revision=revision or "",
                                             kv_cache_dtype=kv_cache_dtype))
         specs.append(ServerSpec(i, port, base_gpu, url_for(cfg.host, port), cmd))
@@ -302,11 +308,13 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
                    run_dir: str | Path | None = None, seed: int = 0,
                    launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
                    env: dict[str, str] | None = None, trainer_gpus: int = 0,
-                   memory_saver: bool = False, kv_cache_dtype: str = "auto") -> list[ServerProcess]:
+                   memory_saver: bool = False, kv_cache_dtype: str = "auto",
+                   lora_args: Sequence[str] = ()) -> list[ServerProcess]:
     """Start `cfg.num_servers` servers on base_port + i (not yet healthy); on failure none is left running.
 
     `launch_cmd` (or `cfg.launch_cmd`) replaces the SGLang command: a list with placeholders
-    {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} {kv_cache_dtype}, or a callable (index, port) -> argv.
+    {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} {kv_cache_dtype} (and an argument
+    "{lora_args}": trainer.lora's flags), or a callable (index, port) -> argv.
     `trainer_gpus`: GPUs 0 .. trainer_gpus - 1 of this node train (servers launched beside
     training); the servers take the GPUs after them.
     """
@@ -320,7 +328,7 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
         check_gpus(cfg, visible_gpus(), trainer_gpus=trainer_gpus)
     specs = server_specs(model_arg(model_dir), cfg, range(cfg.num_servers), dtype=dtype, seed=seed,
                          template=template, gpu_offset=trainer_gpus, memory_saver=memory_saver,
-                         kv_cache_dtype=kv_cache_dtype)
+                         kv_cache_dtype=kv_cache_dtype, lora_args=lora_args)
     return start_servers(specs, cfg, run_dir, env)
 
 

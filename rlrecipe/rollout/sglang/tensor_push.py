@@ -80,7 +80,7 @@ def _body(payloads: list[str], last: bool, version: int) -> dict:
     return body
 
 
-def _tp_size(srv: TensorServers, i: int) -> int:
+def tp_size(srv: TensorServers, i: int) -> int:
     return int(srv.server_info(i).get("tp_size", srv.cfg.tp_size) or srv.cfg.tp_size)
 
 
@@ -90,7 +90,7 @@ def push_tensors(srv: TensorServers, state_dict: dict, version: int) -> None:
     bucket_bytes = srv.cfg.weight_sync_bucket_mb << 20
     for i in list(srv.live):
         with in_session(srv, [i]):
-            for body in tensor_bodies(state_dict, version, bucket_bytes, _tp_size(srv, i)):
+            for body in tensor_bodies(state_dict, version, bucket_bytes, tp_size(srv, i)):
                 srv.control(i, PATH, body, PUSH_S)
 
 
@@ -108,7 +108,7 @@ def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterato
             raise UserError(f"SGLang server {srv.urls[i]} runs dp_size {dp}: weight_sync ipc needs "
                             "servers of one replica each (more servers instead), or weight_sync disk")
         try:
-            reads[i] = ranks_read_by(i, _tp_size(srv, i), world_size)
+            reads[i] = ranks_read_by(i, tp_size(srv, i), world_size)
         except ValueError as err:
             raise UserError(f"SGLang server {srv.urls[i]}: {err}") from None
 

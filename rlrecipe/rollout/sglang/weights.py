@@ -12,6 +12,10 @@ tensors (`sglang/broadcast.py`); `tensor` and `ipc` post them by value or by han
 taken back first, so they get this push's weights, and afterwards every live server's weights are
 checked against the trainer's (`weights/check.py`), since an update that answers 200 has run a load,
 not necessarily loaded the trainer's weights.
+
+Under trainer.lora the base stays and each push is an adapter (`sglang/lora.py`): loaded on every
+live server under a new name, named in every /generate from then on, checked by the probe under
+that name (nothing else sees an adapter), and the previous adapter unloaded.
 """
 
 from __future__ import annotations
@@ -60,9 +64,9 @@ def node_waves(urls: list[str], members: list[int]) -> tuple[list[int], list[int
 class WeightPusher:
     """Pushes the trainer's weights into a fleet's live servers and verifies what they then serve."""
 
-    def __init__(self, fleet: ServerFleet, cfg: SGLangServer, served_dtype: str | None):
+    def __init__(self, fleet: ServerFleet, cfg: SGLangServer, served_dtype: str | None, lora: bool = False):
         self.fleet = fleet
-        self.transport = weight_transport("sglang", cfg)
+        self.transport = weight_transport("sglang", cfg, lora)
         # the dtype the servers hold weights in (rollout.dtype; None: as sent): the fingerprint after
         # each push compares in it (weights/check.py); servers without /get_weights_by_name are skipped
         self.served_dtype = served_dtype
@@ -183,6 +187,49 @@ class WeightPusher:
             fleet.weight_version[i] = str(version)
         fleet.version = version
 
+    def update_adapter(self, adapter, version: int, verify: bool = True) -> None:
+        """Every live server loads `adapter` (weights/adapter.py: by value, or from its directory) as
+        the adapter of `version`; /generate names it from then on; verified by the probe (`verify`
+        False: by the caller, `verify_adapter`), and the previous adapter unloaded after."""
+        from rlrecipe.rollout.sglang import lora
+        from rlrecipe.rollout.sglang.tensor_push import tp_size  # needs torch; the HTTP client does not
+
+        fleet = self.fleet
+        fleet.check_alive()
+        self._forget(fleet.take_back(version))
+        name, old = lora.adapter_name(version), fleet.adapter
+        for i in list(fleet.live):
+            lora.load(fleet, i, name, adapter, 1 if adapter.path is not None else tp_size(fleet, i))
+        fleet.adapter, fleet.version = name, version
+        if verify:
+            self.verify_adapter(version)
+        if old is not None and old != name:
+            for i in list(fleet.live):
+                lora.unload(fleet, i, old)
+
+    def verify_adapter(self, version: int, when: str | None = None) -> None:
+        """Each live server's log-probs of the probe under its current adapter are the trainer's for
+        `version` (weights/probe.py), not the previous push's."""
+        from rlrecipe.rollout.weights.check import WeightCheck
+
+        if self.check is None:
+            self.check = WeightCheck(self.fleet)
+        scores, prev = self._scores_for(version)
+        self.check.run_probe(version, scores, prev, when)
+        self._checked(version, scores)
+
+    def _scores_for(self, version: int):
+        """The trainer's probe scores of `version`, and the previous push's to tell them apart from."""
+        scores, prev = self.scores.get(version), self.last_scores
+        if prev is not None and prev.version == version:
+            prev = None  # the same version pushed again (a resumed run): nothing earlier to tell apart
+        return scores, prev
+
+    def _checked(self, version: int, scores) -> None:
+        if scores is not None:
+            self.last_scores = scores
+            self.scores = {v: s for v, s in self.scores.items() if v > version}
+
     def verify_export(self, model_dir: str | Path, version: int, when: str | None = None) -> None:
         """Each server serves the weights of the HF directory `model_dir` (the trainer's export, or
         the stage's starting model); a hub id has no local rows to compare."""
@@ -200,13 +247,9 @@ class WeightPusher:
         if self.check is None:
             self.check = WeightCheck(self.fleet)
         served = getattr(torch, self.served_dtype) if self.served_dtype else None
-        scores, prev = self.scores.get(version), self.last_scores
-        if prev is not None and prev.version == version:
-            prev = None  # the same version pushed again (a resumed run): nothing earlier to tell apart
+        scores, prev = self._scores_for(version)
         self.check.run(TrainerWeights(state=state, model_dir=model_dir), version, served, when, scores, prev)
-        if scores is not None:
-            self.last_scores = scores
-            self.scores = {v: s for v, s in self.scores.items() if v > version}
+        self._checked(version, scores)
 
     def expect(self, scores) -> None:
         """The trainer's log-probs of the probe under the weights of `scores.version` (weights/probe.py)."""

@@ -39,7 +39,7 @@ from rlrecipe.rollout.weights.checksum import (
     rank_checksums,
     served_checksum,
 )
-from rlrecipe.rollout.weights.probe import Scores, judge_scores, server_scores
+from rlrecipe.rollout.weights.probe import AdapterRefused, Scores, judge_scores, server_scores
 
 TRUNCATE_ROWS = 2
 SAMPLES = 4
@@ -250,9 +250,31 @@ class WeightCheck:
                               f"{undecided}", highlight=False, soft_wrap=True)
         self.seconds = time.perf_counter() - t0
 
+    def run_probe(self, version: int, scores: Scores | None, prev: Scores | None, when: str | None = None) -> None:
+        """The probe alone on every live server (an adapter push: the base weights, which the exact
+        checks read, did not move); raise WeightMismatch at the first that fails, say which cannot
+        be decided."""
+        import time
+
+        from rlrecipe.core.console import console
+
+        t0 = time.perf_counter()
+        when = when or f"after the update to weight version {version}"
+        for i in list(self.servers.live):
+            undecided = ("no probe log-probs were given for this version" if scores is None
+                         else self._probe(i, scores, prev, when))
+            if undecided is not None:
+                console.print(f"[yellow]warning[/]: SGLang server {self.servers.urls[i]}: {when}, its adapter cannot "
+                              f"be verified: {undecided}", highlight=False, soft_wrap=True)
+        self.seconds = time.perf_counter() - t0
+
     def _probe(self, i: int, scores: Scores, prev: Scores | None, when: str) -> str | None:
         """The check through generation (weights/probe.py): None when it decided and the server passed."""
-        got = server_scores(self.servers, i, scores)
+        try:
+            got = server_scores(self.servers, i, scores)
+        except AdapterRefused as err:
+            raise WeightMismatch(f"SGLang server {self.servers.urls[i]}: {when}, it refuses the probe under adapter "
+                                 f"{self.servers.adapter} ({err})") from None
         if got is None:
             return "it gives no input_token_logprobs for the probe either"
         verdict, detail = judge_scores(got, scores, prev)

@@ -9,6 +9,10 @@ to the trainer's log-probs under the new weights than under the previous push's:
 of what the push moved them, per token on average. Where a push moved them less than the noise
 between the two implementations (bf16 kernels against the trainer's), the check says it cannot
 decide; a server whose log-probs are far from both holds other weights.
+
+Under trainer.lora the probe names the servers' current adapter (`lora_path`, the fleet's
+`adapter`): it is the only check of an adapter push, the base weights never move. A server that
+refuses the probe under that name (never loaded it) is a failed push, not an undecided one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ def probe_sequences(tokenizer) -> list[list[int]]:
     return [ids[:PROBE_TOKENS] for ids in (tokenizer.encode(t) for t in PROBE_TEXTS) if len(ids) >= 2]
 
 
+class AdapterRefused(Exception):
+    """A server refused the probe under the adapter it should serve."""
+
+
 @dataclass
 class Scores:
     """The trainer's log-probs of the probe under the weights of one version (tokens 1.. of each)."""
@@ -42,12 +50,16 @@ class Scores:
 
 
 def server_scores(servers, i: int, scores: Scores) -> list[list[float]] | None:
-    """Server i's teacher-forced log-probs of the probe; None where it does not give them."""
+    """Server i's teacher-forced log-probs of the probe, under its current adapter if any; None
+    where it does not give them, AdapterRefused where it refuses the adapter."""
     out = []
+    adapter = getattr(servers, "adapter", None)
     for seq in scores.sequences:
         body = {"input_ids": seq, "return_logprob": True, "logprob_start_len": 0, "rid": uuid.uuid4().hex,
-                "sampling_params": {"max_new_tokens": 1}}
+                "sampling_params": {"max_new_tokens": 1}, **({"lora_path": adapter} if adapter else {})}
         r = servers.post(i, "/generate", body, timeout=(30.0, 300.0))
+        if adapter and r.status_code != 200:
+            raise AdapterRefused(f"HTTP {r.status_code}: {r.text[:300]}")
         try:
             entries = (r.json().get("meta_info") or {}).get("input_token_logprobs") if r.status_code == 200 else None
         except ValueError:

@@ -1,0 +1,132 @@
+"""The SGLang client under trainer.lora, against `rlrecipe serve --enable-lora`: each push loads the
+adapter under a new name on every server, every /generate and the probe name it, the previous one is
+unloaded, and a server that answers 200 but does not serve the new adapter is stopped at the push."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlrecipe.core.errors import UserError
+from rlrecipe.modeling import load_tokenizer
+from rlrecipe.recipe.systems import LoraSection, SGLangServer
+from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.sglang.lora import launch_args
+from rlrecipe.rollout.sglang.server import server_specs
+from rlrecipe.rollout.weights.adapter import Adapter
+from rlrecipe.rollout.weights.check import WeightMismatch
+from rlrecipe.rollout.weights.probe import Scores
+from rlrecipe.rollout.weights.transport import WeightTransport, for_lora, weight_transport
+from rlrecipe.trajectory.record import SamplingParams, Trajectory
+from tests.helpers import serving_in_thread
+from tests.serve.test_serve_lora import peft_adapter, peft_logprobs
+
+PROBE = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25]]
+
+
+def test_lora_decides_the_transport_and_refuses_what_cannot_carry_an_adapter():
+    assert weight_transport("sglang", SGLangServer(weight_sync="tensor"), lora=True) is WeightTransport.LORA_TENSOR
+    assert weight_transport("sglang", SGLangServer(), lora=True) is WeightTransport.LORA_DISK
+    assert weight_transport("inprocess", SGLangServer(), lora=True) is WeightTransport.IN_MEMORY
+    assert for_lora(WeightTransport.LORA_TENSOR) is WeightTransport.LORA_TENSOR
+    for sync in ("distributed", "ipc"):
+        with pytest.raises(UserError, match=f"trainer.lora with rollout.sglang.weight_sync {sync}"):
+            weight_transport("sglang", SGLangServer(weight_sync=sync), lora=True)
+
+
+def test_launched_servers_get_the_lora_flags_and_a_template_its_placeholder():
+    section = LoraSection(rank=8)
+    assert launch_args(section) == ["--enable-lora", "--max-lora-rank", "8", "--max-loras-per-batch", "2",
+                                    "--lora-target-modules", "all"]
+    assert launch_args(LoraSection(rank=4, target_modules=["q_proj", "v_proj"]))[-3:] == [
+        "--lora-target-modules", "q_proj", "v_proj"]
+    assert launch_args(LoraSection()) == []
+    spec, = server_specs("m", SGLangServer(), [0], dtype="float32", seed=0, lora_args=launch_args(section))
+    assert spec.cmd[spec.cmd.index("--enable-lora"):][:3] == ["--enable-lora", "--max-lora-rank", "8"]
+    spec, = server_specs("m", SGLangServer(), [0], dtype="float32", seed=0, lora_args=launch_args(section),
+                         template=["serve.sh", "{model}", "{lora_args}", "--x"])
+    assert spec.cmd == ["serve.sh", "m", *launch_args(section), "--x"]
+    spec, = server_specs("m", SGLangServer(), [0], dtype="float32", seed=0, template=["serve.sh", "{lora_args}"])
+    assert spec.cmd == ["serve.sh"]
+
+
+def scores(version: int, model) -> Scores:
+    return Scores(version, PROBE, [peft_logprobs(model, s) for s in PROBE])
+
+
+@pytest.fixture
+def lora_engine(tiny_model_dir):
+    with serving_in_thread(tiny_model_dir, chunk_tokens=4, enable_lora=True, max_lora_rank=8) as (port, sched):
+        assert sched.ready.wait(120)
+        tok = load_tokenizer(tiny_model_dir)
+        eng = SGLangEngine([f"http://127.0.0.1:{port}"], eos_token_id=tok.eos_token_id, served_dtype="float32",
+                           cfg=SGLangServer(weight_sync="tensor"), lora=True)
+        base = peft_adapter(tiny_model_dir, seed=0)[2]
+        with base.disable_adapter():
+            eng.expect_logprobs(scores(0, base))  # the servers start from the base
+        yield eng, sched
+        eng.close()
+
+
+def test_each_push_loads_a_new_adapter_named_by_every_generate_and_unloads_the_old(lora_engine, tiny_model_dir,
+                                                                                  tmp_path):
+    eng, sched = lora_engine
+    assert eng.transport is WeightTransport.LORA_TENSOR
+    for version, seed in ((1, 1), (2, 2)):
+        config, tensors, model = peft_adapter(tiny_model_dir, seed=seed)
+        eng.expect_logprobs(scores(version, model))
+        adapter = Adapter(config, tensors)
+        if version == 2:
+            adapter = adapter.write(tmp_path / "v2")  # weight_sync disk: the server reads the directory
+        eng.update_adapter(adapter, version)
+        assert sched.adapters.order == [f"policy-v{version}"]  # the previous one unloaded
+        assert sched.adapters.paths[f"policy-v{version}"] == (str(tmp_path / "v2") if version == 2 else "__tensor__")
+        # a rollout is sampled under the adapter: its log-probs are the merged model's
+        t = Trajectory(uid="a", prompt_ids=PROBE[0])
+        eng.generate([t], SamplingParams(temperature=1.0, max_new_tokens=6))
+        with torch.no_grad():
+            ids = torch.tensor([t.prompt_ids + t.response_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        want = logp[len(PROBE[0]) - 1:].gather(-1, ids[0, len(PROBE[0]):, None])[:, 0]
+        assert torch.allclose(torch.tensor(t.logp_infer), want, atol=1e-5), (t.logp_infer, want)
+        assert set(t.versions) == {version}
+    assert sched.weight_version == "default"  # the base never moved
+
+
+def test_a_server_that_answers_200_but_keeps_the_old_adapter_is_stopped(lora_engine, tiny_model_dir):
+    eng, sched = lora_engine
+    config, tensors, model = peft_adapter(tiny_model_dir, seed=1)
+    eng.expect_logprobs(scores(1, model))
+    eng.update_adapter(Adapter(config, tensors), 1)
+    config2, tensors2, model2 = peft_adapter(tiny_model_dir, seed=2)
+    eng.expect_logprobs(scores(2, model2))
+    real_load = sched.adapters.load
+
+    def stale(name, config, tensors, path):  # answers 200, serves the old adapter under the new name
+        sched.adapters.deltas[name], sched.adapters.paths[name] = sched.adapters.deltas["policy-v1"], path
+        sched.adapters.order.append(name)
+        return sched.adapters._result(True)
+
+    sched.adapters.load = stale
+    with pytest.raises(WeightMismatch, match="still serves the weights of version 1"):
+        eng.update_adapter(Adapter(config2, tensors2), 2)
+
+    def ignored(name, config, tensors, path):  # answers 200, loads nothing
+        return sched.adapters._result(True)
+
+    sched.adapters.load = ignored
+    eng.expect_logprobs(scores(3, model2))
+    with pytest.raises(WeightMismatch, match="refuses the probe under adapter policy-v3 .*never been loaded"):
+        eng.update_adapter(Adapter(config2, tensors2), 3)
+    sched.adapters.load = real_load
+
+
+def test_a_colocated_lora_engine_releases_and_resumes_the_kv_cache_alone(lora_engine, monkeypatch):
+    eng, _ = lora_engine
+    sent = []
+    monkeypatch.setattr("rlrecipe.rollout.sglang.engine.occupy", lambda fleet, path, tags: sent.append((path, tags)))
+    eng.release_memory()
+    eng.resume_memory(["weights"])  # what a colocated push asks first: the base never left
+    eng.resume_memory(["kv_cache", "cuda_graph"])
+    assert sent == [("/release_memory_occupation", ["kv_cache", "cuda_graph"]),
+                    ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]

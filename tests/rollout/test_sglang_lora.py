@@ -130,3 +130,61 @@ def test_a_colocated_lora_engine_releases_and_resumes_the_kv_cache_alone(lora_en
     eng.resume_memory(["kv_cache", "cuda_graph"])
     assert sent == [("/release_memory_occupation", ["kv_cache", "cuda_graph"]),
                     ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]
+
+
+class _Trainer:
+    """What WeightsOut asks of a LoRA trainer: its adapter, and the probe's log-probs."""
+
+    is_lora, temperature = True, 1.0
+
+    def __init__(self):
+        self.step = 0
+
+    def adapter_state(self):
+        b = torch.full((4, 2), float(self.step))
+        return {"r": 2, "lora_alpha": 4}, {"base_model.model.l.lora_A.weight": torch.ones(2, 4),
+                                           "base_model.model.l.lora_B.weight": b}
+
+    def compute_logprobs(self, samples):
+        return [(torch.zeros(len(s.input_ids) - 1), None) for s in samples]
+
+
+class _Engine:
+    def __init__(self):
+        self.pushed = []
+
+    def expect_logprobs(self, scores):
+        pass
+
+    def update_adapter(self, adapter, version, verify=True):
+        self.pushed.append((version, adapter))
+
+
+def test_weights_out_pushes_the_adapter_whatever_transport_was_decided_without_lora(tmp_path, tiny_model_dir):
+    from types import SimpleNamespace
+
+    from rlrecipe.rl.schedule import WeightsOut
+
+    tok, trainer, engine = load_tokenizer(tiny_model_dir), _Trainer(), _Engine()
+    run = SimpleNamespace(dir=tmp_path)
+    out = WeightsOut(trainer, run, tok, WeightTransport.DISK, 0, bucket_bytes=1 << 20)
+    assert out.transport is WeightTransport.LORA_DISK
+    out.attach(engine)
+    for version in (1, 2):
+        trainer.step = version
+        out.push(version)
+    (v1, a1), (v2, a2) = engine.pushed
+    assert (v1, v2) == (1, 2) and a2.path == tmp_path / "weights_for_rollout" / "adapter-v0000002"
+    assert sorted(p.name for p in a2.path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not a1.path.exists()  # the push before it, no longer served, is deleted
+    # asynchronous: a copy frozen now, installed later, unmoved by the steps between
+    frozen = out.freeze(3)
+    trainer.step = 9
+    out.install(frozen, 3)
+    assert engine.pushed[-1][0] == 3 and float(engine.pushed[-1][1].tensors["base_model.model.l.lora_B.weight"][0, 0]) == 2.0
+    tensor = WeightsOut(trainer, run, tok, WeightTransport.TENSOR, 0, bucket_bytes=1 << 20)
+    tensor.attach(engine)
+    tensor.push(4)
+    assert tensor.transport is WeightTransport.LORA_TENSOR and engine.pushed[-1][1].path is None
+    with pytest.raises(UserError, match="weight_sync distributed"):
+        WeightsOut(trainer, run, tok, WeightTransport.BROADCAST, 0, bucket_bytes=1 << 20)

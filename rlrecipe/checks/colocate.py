@@ -144,39 +144,48 @@ CPU_STANDIN_BY_VALUE_BYTES_S = 271e6 / 4.0
 DEFAULT_BUCKET_BYTES = SGLangServer.model_fields["weight_sync_bucket_mb"].default << 20
 # The pushes built into SGLang servers that fit costs (rollout.sglang.weight_sync), cheapest chosen.
 BUILT_PUSHES = ("tensor", "disk", "ipc")
+# Under trainer.lora SGLang takes an adapter by value (/load_lora_adapter_from_tensors) or from a PEFT
+# directory (/load_lora_adapter) only (rollout/weights/transport.py's for_lora)
+LORA_PUSHES = ("tensor", "disk")
 
 
 def allowed_pushes(*, colocated: bool, trainer_nodes: int = 1, rollout_nodes: int = 1,
-                   server_gpus: int = 0, trainer_ranks: int = 0) -> tuple[str, ...]:
+                   server_gpus: int = 0, trainer_ranks: int = 0, lora: bool = False) -> tuple[str, ...]:
     """The built pushes a layout may use: "ipc" only where the recipe accepts it (schema.ipc_refusal;
-    attached rollout.urls must be local too, which the layout cannot say)."""
+    attached rollout.urls must be local too, which the layout cannot say); under LoRA (`lora`) the
+    adapter's two (LORA_PUSHES)."""
+    if lora:
+        return LORA_PUSHES
     if ipc_refusal(colocated=colocated, trainer_nodes=trainer_nodes, rollout_nodes=rollout_nodes,
                    server_gpus=server_gpus, trainer_ranks=trainer_ranks) is None:
         return BUILT_PUSHES
     return tuple(k for k in BUILT_PUSHES if k != "ipc")
 
 
-def _weights(d: ModelDims, rollout_dtype: str) -> float:
-    return BYTES[rollout_dtype] * d.params()
+def _weights(d: ModelDims, rollout_dtype: str, params: int | None = None) -> float:
+    """Bytes of one push in the served dtype: the whole model, or `params` (the adapter under LoRA)."""
+    return BYTES[rollout_dtype] * (d.params() if params is None else params)
 
 
 def tensor_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, tp: int, nodes: int = 1,
-                  costs: PhaseCosts = ASSUMED, gpu: GPU = H100) -> float:
+                  costs: PhaseCosts = ASSUMED, gpu: GPU = H100, params: int | None = None) -> float:
     """The push as built (weight_sync: tensor): every server's body holds the weights once per
     tensor-parallel rank, and the servers are posted one after another; across nodes rank 0's gather
-    also crosses the network."""
-    w = _weights(d, rollout_dtype)
+    also crosses the network. Under LoRA (`params`: the adapter's) the same for the adapter, posted to
+    /load_lora_adapter_from_tensors (rollout/sglang/lora.py: one pickle per tensor-parallel rank)."""
+    w = _weights(d, rollout_dtype, params)
     return servers * tp * w / costs.by_value_bytes_s + (w / gpu.network_bytes_s if nodes > 1 else 0.0)
 
 
 def disk_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 1,
-                costs: PhaseCosts = ASSUMED) -> float:
+                costs: PhaseCosts = ASSUMED, params: int | None = None) -> float:
     """weight_sync: disk: the export written once, then one server per node loads it from the shared file
     system (side by side, at most MAX_PARALLEL_LOADS at once, each at the least of its load rate, its
     node's link and its share of the file system), then the nodes' other servers from the page cache,
-    MAX_PARALLEL_LOADS at a time (rollout/sglang/weights.py's order, recipe/systems.py's bound)."""
+    MAX_PARALLEL_LOADS at a time (rollout/sglang/weights.py's order, recipe/systems.py's bound). Under
+    LoRA (`params`) the adapter, a PEFT directory that /load_lora_adapter reads."""
 
-    w = _weights(d, rollout_dtype)
+    w = _weights(d, rollout_dtype, params)
     readers = min(servers, nodes)
     rate = min(costs.disk_load_bytes_s, costs.node_read_bytes_s,
                costs.fs_read_bytes_s / min(readers, MAX_PARALLEL_LOADS))
@@ -186,14 +195,15 @@ def disk_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 
 
 def ipc_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 1,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES, costs: PhaseCosts = ASSUMED, gpu: GPU = H100,
-               posted_at_once: int = MAX_PARALLEL_LOADS, pushes_per_run: int | None = None) -> float:
+               posted_at_once: int = MAX_PARALLEL_LOADS, pushes_per_run: int | None = None,
+               params: int | None = None) -> float:
     """weight_sync: ipc, as built: the gather inside a node, the shared buckets and one round of loads
     (ipc_push_bytes_s); rank 0 posting each of the (at least) weights / bucket_bytes buckets to the
     servers `posted_at_once` at a time (MAX_PARALLEL_LOADS as built), ipc_request_s a further round;
     rank 0's copy of the weights into pinned host memory for the verification (verify_copy_bytes_s);
     across nodes each rank's gather also crosses the network; and, given `pushes_per_run` (the run's
     steps), the first push's allocation of the pinned buffers (mirror_alloc_bytes_s) spread over them."""
-    w = _weights(d, rollout_dtype)
+    w = _weights(d, rollout_dtype, params)
     buckets = math.ceil(w / bucket_bytes)
     rounds = math.ceil(servers / posted_at_once) - 1  # the first round is in ipc_push_bytes_s's figure
     once = w / costs.mirror_alloc_bytes_s / pushes_per_run if pushes_per_run else 0.0
@@ -203,14 +213,16 @@ def ipc_push_s(d: ModelDims, rollout_dtype: str, *, servers: int, nodes: int = 1
 
 def push_seconds(d: ModelDims, rollout_dtype: str, *, servers: int, tp: int, nodes: int = 1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, costs: PhaseCosts = ASSUMED,
-                 gpu: GPU = H100, pushes_per_run: int | None = None) -> dict[str, float]:
+                 gpu: GPU = H100, pushes_per_run: int | None = None, params: int | None = None) -> dict[str, float]:
     """Seconds of one push to `servers` servers of `tp` GPUs on `nodes` nodes, by each built way
     (`bucket_bytes`: rollout.sglang.weight_sync_bucket_mb; `pushes_per_run`: rl.steps, over which a
-    push's one-time cost is spread, None to leave it out)."""
-    return {"tensor": tensor_push_s(d, rollout_dtype, servers=servers, tp=tp, nodes=nodes, costs=costs, gpu=gpu),
-            "disk": disk_push_s(d, rollout_dtype, servers=servers, nodes=nodes, costs=costs),
+    push's one-time cost is spread, None to leave it out; `params`: what is pushed, the adapter's
+    parameters under LoRA, None for the whole model)."""
+    return {"tensor": tensor_push_s(d, rollout_dtype, servers=servers, tp=tp, nodes=nodes, costs=costs, gpu=gpu,
+                                    params=params),
+            "disk": disk_push_s(d, rollout_dtype, servers=servers, nodes=nodes, costs=costs, params=params),
             "ipc": ipc_push_s(d, rollout_dtype, servers=servers, nodes=nodes, bucket_bytes=bucket_bytes,
-                              costs=costs, gpu=gpu, pushes_per_run=pushes_per_run)}
+                              costs=costs, gpu=gpu, pushes_per_run=pushes_per_run, params=params)}
 
 
 def cheapest_push(seconds: dict[str, float], allowed: tuple[str, ...] = BUILT_PUSHES) -> str:
@@ -220,10 +232,14 @@ def cheapest_push(seconds: dict[str, float], allowed: tuple[str, ...] = BUILT_PU
 
 
 def phase_seconds(d: ModelDims, *, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
-                  push_s: float, zero_stage: int = 3, costs: PhaseCosts = ASSUMED) -> dict[str, float]:
+                  push_s: float, zero_stage: int = 3, costs: PhaseCosts = ASSUMED,
+                  adapter: int | None = None) -> dict[str, float]:
     """Seconds of each phase change of a colocated step (the training itself aside), with `push_s`, the
-    push's seconds (push_seconds: it depends on the servers, which the training options do not)."""
-    moved = offloaded_bytes(d, dtype, ranks, offload_optimizer, offload_params, zero_stage) / costs.offload_bytes_s
+    push's seconds (push_seconds: it depends on the servers, which the training options do not). Under
+    LoRA (`adapter`: its parameters) the weights stay on the GPU and the servers release and resume their
+    KV cache only: release_s and resume_s are kept as assumed (per call, not per byte)."""
+    moved = offloaded_bytes(d, dtype, ranks, offload_optimizer, offload_params, zero_stage,
+                            adapter) / costs.offload_bytes_s
     return {"release": costs.release_s, "reload": moved, "offload": moved, "resume": costs.resume_s,
             "push": push_s, "verify": costs.verify_s}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from rlrecipe.checks.colocate import PHASES, allowed_pushes
+from rlrecipe.checks.colocate import PHASES
 from rlrecipe.checks.fit_layout import Fit, Layout
 from rlrecipe.checks.fit_search import Search
 from rlrecipe.checks.model_dims import GIB
@@ -57,7 +57,7 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
         split = (f"every GPU shared by a trainer rank and an SGLang server, taking turns: the layout projected "
                  f"fastest per trained token (rollout {r.time.seconds:.0f} s, training {t.time.seconds:.0f} s a step, "
                  f"{changes:.0f} s of it the phase changes: release, reload, offload, resume, push, verify; "
-                 f"{_push_short(search.pushes(r), layout.push)})")
+                 f"{_push_short(search.pushes(r), layout.push, search.allowed)})")
     for key in ("trainer.nproc", "trainer.nodes", "rollout.sglang.num_servers", "rollout.sglang.nodes",
                 "rollout.colocate"):
         out[key] = split
@@ -66,14 +66,14 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
                                   else "servers on other nodes, reached over the network")
     out["rollout.sglang.dp_size"] = "one model copy per server"
     if layout.colocated:
-        out["rollout.sglang.weight_sync"] = _push_reason(search.pushes(r), layout.push)
+        out["rollout.sglang.weight_sync"] = _push_reason(search.pushes(r), layout.push, search.allowed)
 
     def train_alt(**change) -> str:
         base = dict(stage=t.zero_stage, opt=t.offload_optimizer, par=t.offload_params, micro=t.microbatch_tokens,
                     chunk=t.chunk_tokens)
         base.update(change)
         o = search.train_option(t.ranks, t.nodes, **base, colocated=layout.colocated,
-                                push_s=t.time.parts.get("push", 0.0))
+                                push_s=t.time.parts.get("push", 0.0), tp=r.tp if layout.colocated else None)
         if not search.train_fits(o):
             return (f"{t.peak / GIB:.1f} GiB per GPU; with the source's value training needs {o.peak / GIB:.1f}, "
                     f"over {search.limit / GIB:.1f}")
@@ -95,7 +95,7 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
                if tp in search.tp_candidates(r.gpus) and frac in search.fractions(layout.colocated) else None)
         here = f"KV cache of {r.kv_tokens:,} tokens per server"
         # colocated, the push also depends on the servers: the cheapest built one into the alternative's
-        dpush = (min(search.pushes(alt)[k] for k in allowed_pushes(colocated=True)) - t.time.parts["push"]
+        dpush = (min(search.pushes(alt)[k] for k in search.allowed) - t.time.parts["push"]
                  if alt is not None and layout.colocated else 0.0)
         out[key] = (f"{here}; the source's value does not fit this machine" if alt is None else
                     f"{here}; the source's value projects {alt.time.seconds + dpush - r.time.seconds:+.0f} s a step")
@@ -105,12 +105,23 @@ def reasons(search: Search, layout: Layout) -> dict[str, str]:
 PUSH_WAY = {"tensor": "by value", "disk": "over disk", "ipc": "by handle"}
 
 
-def _others(seconds: dict[str, float], kind: str) -> str:
-    return " and ".join(f"{seconds[k]:.1f} s {PUSH_WAY[k]}" for k in allowed_pushes(colocated=True) if k != kind)
+def _others(seconds: dict[str, float], kind: str, allowed: tuple[str, ...], digits: int = 1) -> str:
+    return " and ".join(f"{seconds[k]:.{digits}f} s {PUSH_WAY[k]}" for k in allowed if k != kind)
 
 
-def _push_reason(seconds: dict[str, float], kind: str) -> str:
-    """Why the colocated layout pushes its weights as it does: every built push's seconds."""
+# Under trainer.lora: the adapter alone, which SGLang takes two ways (colocate.LORA_PUSHES)
+LORA_HOW = {"tensor": "rank 0 posts the adapter by value (pickled, base64 in the body, once per tensor-parallel "
+                      "rank) to each server in turn (/load_lora_adapter_from_tensors); the base weights never move",
+            "disk": "rank 0 writes the adapter as a PEFT directory once and the servers load it "
+                    "(/load_lora_adapter); the base weights never move"}
+
+
+def _push_reason(seconds: dict[str, float], kind: str, allowed: tuple[str, ...]) -> str:
+    """Why the colocated layout pushes its weights (under LoRA its adapter) as it does: every allowed
+    push's seconds."""
+    if "ipc" not in allowed:  # under LoRA
+        return (f"{LORA_HOW[kind]}: the cheaper of the two, {seconds[kind]:.2f} s a step against "
+                f"{_others(seconds, kind, allowed, 2)}")
     how = {"tensor": "rank 0 posts the weights by value (pickled, base64 in the body, once per tensor-parallel "
                      "rank) to each server in turn (/update_weights_from_tensor)",
            "disk": "rank 0 writes an HF export once and the servers load it into their resumed weights "
@@ -119,12 +130,15 @@ def _push_reason(seconds: dict[str, float], kind: str) -> str:
                   "the handles to the servers side by side (/update_weights_from_tensor) and copies them into pinned "
                   "host memory to verify (run on an H100 in bench/gpu/ipc_push.py, not end to end with SGLang on "
                   "a GPU)"}
-    return f"{how[kind]}: the cheapest built push, {seconds[kind]:.1f} s a step against {_others(seconds, kind)}"
+    return f"{how[kind]}: the cheapest built push, {seconds[kind]:.1f} s a step against {_others(seconds, kind, allowed)}"
 
 
-def _push_short(seconds: dict[str, float], kind: str) -> str:
+def _push_short(seconds: dict[str, float], kind: str, allowed: tuple[str, ...]) -> str:
+    if "ipc" not in allowed:  # under LoRA
+        return (f"rollout.sglang.weight_sync {kind}: the adapter pushed {PUSH_WAY[kind]} in {seconds[kind]:.2f} s, "
+                f"against {_others(seconds, kind, allowed, 2)}")
     return (f"rollout.sglang.weight_sync {kind}: the weights pushed {PUSH_WAY[kind]} in {seconds[kind]:.1f} s, "
-            f"against {_others(seconds, kind)}")
+            f"against {_others(seconds, kind, allowed)}")
 
 
 def fitted_recipe(fitted: Fit, layout: Layout, out: Path) -> tuple[str, Recipe]:
@@ -146,6 +160,7 @@ def fitted_recipe(fitted: Fit, layout: Layout, out: Path) -> tuple[str, Recipe]:
 
 def _header(fitted: Fit, layout: Layout, out: Path, recipe: Recipe, changes: dict, why: dict) -> str:
     src_path, m, t, r = fitted.source.path, fitted.machine, layout.train, layout.rollout
+    src = fitted.source.recipe
     ds = f"DeepSpeed {t.zero}, {t.ranks} ranks"
     servers = f"{r.servers} SGLang server{'s' if r.servers > 1 else ''}, tp {r.tp}"
     where = (f"{t.ranks} GPUs train ({ds}), {r.gpus} serve rollouts ({servers})" if m.nodes == 1 else
@@ -154,6 +169,11 @@ def _header(fitted: Fit, layout: Layout, out: Path, recipe: Recipe, changes: dic
         where = (f"{t.ranks} GPU{'s' if t.ranks > 1 else ''}, each shared by a training rank ({ds}, its state "
                  f"offloaded to host memory while SGLang generates) and {servers} (released while the trainer "
                  "trains)")
+        if src.trainer.lora.enabled:
+            where = (f"{t.ranks} GPU{'s' if t.ranks > 1 else ''}, each shared by a training rank ({ds}, "
+                     f"LoRA rank {src.trainer.lora.rank}: its frozen base stays, the adapter's optimizer state is "
+                     f"offloaded to host memory while SGLang generates) and {servers} (its weights stay, its "
+                     "KV cache released while the trainer trains)")
     sets = "".join(f" --set {s}" for s in fitted.source.overrides)
     host = f" --host-memory {m.host_memory_gib:g}" if m.host_memory_gib is not None else ""
     nodes = f" --nodes {m.nodes}" if m.nodes > 1 else ""

@@ -33,29 +33,35 @@ def colocated_failure(search: Search) -> str:
     """Why no colocated layout fits, with the numbers."""
     m, d, limit = search.machine, search.dims, search.limit
     head = f"{d.params() / 1e9:.1f}B colocated on {m.label}"
-    trains = search.train_options(m.gpus, 1, colocated=True)
+    lora = search.adapter is not None
+    # under LoRA the released servers keep their weights: the widest servers keep the least per GPU
+    tp = max(search.tp_candidates(m.gpus)) if lora else None
+    trains = search.train_options(m.gpus, 1, colocated=True, tp=tp)
     best = min(trains, key=lambda o: o.peak)
     if best.peak > limit:
+        keeps = (f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB the released SGLang keeps" if not lora else
+                 f"the {SGLANG_OUTSIDE_POOL_GIB:g} GiB, weights and adapters the released SGLang keeps at tp {tp}, "
+                 f"LoRA rank {search.recipe.trainer.lora.rank}")
         return (f"{head}: the training phase needs {best.peak / GIB:.1f} GiB per GPU > {limit / GIB:.1f} "
-                f"usable ({FIT_MARGIN:.0%} kept free) at its least ({best.label}, with "
-                f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB the released SGLang keeps)")
+                f"usable ({FIT_MARGIN:.0%} kept free) at its least ({best.label}, with {keeps})")
     if not any(search.train_fits(o) for o in trains):
         least = min((o for o in trains if o.peak <= limit), key=lambda o: o.host)
         return (f"{head}: host memory needs {least.host / GIB:.0f} GiB ({least.label}: the offloaded trainer "
                 f"state pinned, and rank 0's) > {m.host_memory_gib:g}")
     seq = search.recipe.data.max_prompt_tokens + search.recipe.rollout.max_new_tokens
     fractions = search.fractions(colocated=True)
-    outside = SGLANG_OUTSIDE_POOL_GIB + TRAINER_OFFLOADED_GIB
+    outside = SGLANG_OUTSIDE_POOL_GIB + TRAINER_OFFLOADED_GIB + search.kept_gib
     if not fractions:
-        return (f"{head}: the rollout phase needs {outside:g} GiB outside SGLang's pool (its own "
-                f"{SGLANG_OUTSIDE_POOL_GIB:g}, the offloaded trainer's {TRAINER_OFFLOADED_GIB:g}) and a pool of "
+        kept = f", the frozen base it keeps {search.kept_gib:.1f}" if lora else ""
+        return (f"{head}: the rollout phase needs {outside:.3g} GiB outside SGLang's pool (its own "
+                f"{SGLANG_OUTSIDE_POOL_GIB:g}, the offloaded trainer's {TRAINER_OFFLOADED_GIB:g}{kept}) and a pool of "
                 f"at least {min(COLOCATED_FRACTIONS):.2f} x {m.gpu_memory_gib:g} GiB")
     b = BYTES[search.recipe.rollout.dtype]
     weights = b * d.params() / GIB
     one_seq = seq * 2 * d.layers * d.kv_dim * b / GIB
     return (f"{head}: the rollout phase needs the weights ({weights:.1f} GiB at tp 1) and one {seq}-token "
             f"sequence's KV cache ({one_seq:.1f} GiB) in a pool of at most {max(fractions):.2f} x "
-            f"{m.gpu_memory_gib:g} = {max(fractions) * m.gpu_memory_gib:.1f} GiB ({outside:g} GiB kept outside it)")
+            f"{m.gpu_memory_gib:g} = {max(fractions) * m.gpu_memory_gib:.1f} GiB ({outside:.3g} GiB kept outside it)")
 
 
 def split_failure(search: Search) -> str:

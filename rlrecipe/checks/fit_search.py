@@ -15,10 +15,17 @@ from rlrecipe.checks.colocate import (
     push_seconds,
 )
 from rlrecipe.checks.fit_layout import Layout, Machine, RolloutOption, TrainOption
-from rlrecipe.checks.fit_space import COLOCATED_ZERO, ZERO, chunk_candidates, microbatch_candidates
+from rlrecipe.checks.fit_space import (
+    COLOCATED_LORA_ZERO,
+    COLOCATED_ZERO,
+    ZERO,
+    chunk_candidates,
+    microbatch_candidates,
+)
 from rlrecipe.checks.host_disk import rank0_host_parts
+from rlrecipe.checks.memory import lora_params
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, kv_bytes, model_dims
-from rlrecipe.checks.plan import rollout_budget, sglang_memory, train_budget
+from rlrecipe.checks.plan import rollout_budget, sglang_memory, train_budget, trainer_kept_bytes
 from rlrecipe.checks.step_time import Lengths, Rates, rollout_step, training_step, weight_load_s
 from rlrecipe.recipe.schema import LoadedRecipe
 
@@ -35,22 +42,29 @@ class Search:
         self.loaded, self.machine, self.costs = loaded, machine, costs
         r = self.recipe = loaded.recipe
         self.dims = dims or model_dims(loaded)
+        self.adapter = lora_params(r, self.dims)  # trainer.lora: what trains and is pushed; None: everything
         self.rates = Rates.of(self.dims, r.rollout.dtype, r.model.gradient_checkpointing,
-                              kv_bytes=kv_bytes(r.rollout))
+                              kv_bytes=kv_bytes(r.rollout), lora=self.adapter is not None)
+        self.allowed = allowed_pushes(colocated=True, lora=self.adapter is not None)  # colocated pushes
         self.lengths = Lengths.assumed(r.rollout.max_new_tokens, r.data.max_prompt_tokens)
         self.c3po = r.rl.c3po.enabled
         self.rollouts = r.rl.prompts_per_step * r.rl.samples_per_prompt
         self.trained = (float(r.rl.c3po.token_budget) if self.c3po else self.rollouts * self.lengths.mean)
         self.gpu = machine.gpu_memory_gib * GIB
         self.limit = self.gpu * (1 - FIT_MARGIN)
+        # colocated under LoRA, what each rank keeps on its GPU beside the servers (ZeRO-3 over the node)
+        shared = fit_space.train_variant(r, machine, machine.gpus, 1, 3, False, False, 0, 0, colocated=True)
+        self.kept_gib = trainer_kept_bytes(shared, self.dims) / GIB
 
     # -- the two sides -----------------------------------------------------------------------------
     def train_option(self, ranks: int, nodes: int, stage: int, opt: bool, par: bool, micro: int,
-                     chunk: int, colocated: bool = False, push_s: float = 0.0, push: str | None = None) -> TrainOption:
+                     chunk: int, colocated: bool = False, push_s: float = 0.0, push: str | None = None,
+                     tp: int | None = None) -> TrainOption:
         """`push_s`: colocated, the push's seconds (they depend on the servers: push_seconds); `push`:
-        its kind (rollout.sglang.weight_sync), None for the source's."""
+        its kind (rollout.sglang.weight_sync), None for the source's; `tp`: the servers' (their weights
+        stay beside the trainer under LoRA), None for the source's."""
         variant = fit_space.train_variant(self.recipe, self.machine, ranks, nodes, stage, opt, par, micro, chunk,
-                                          colocated, push)
+                                          colocated, push, tp)
         peak = train_budget(variant, self.dims).total
         host = sum(rank0_host_parts(variant, self.dims).values())
         if par:  # ZeRO-3's offloaded parameters: a node's share of the 16-bit weights in host memory
@@ -58,17 +72,18 @@ class Search:
         time = training_step(self.rates, self.dims, trained_tokens=self.trained, ranks=ranks, nodes=nodes,
                              dtype=variant.model.dtype, zero_stage=stage, offload_optimizer=opt,
                              offload_params=par, microbatch_tokens=micro, chunk_tokens=chunk,
-                             minibatches=variant.rl.ppo_minibatches)
+                             minibatches=variant.rl.ppo_minibatches, trained_params=self.adapter)
         if colocated:
             time = colocated_training(time, phase_seconds(
                 self.dims, dtype=variant.model.dtype, ranks=ranks, offload_optimizer=opt, offload_params=par,
-                push_s=push_s, zero_stage=stage, costs=self.costs))
+                push_s=push_s, zero_stage=stage, costs=self.costs, adapter=self.adapter))
         return TrainOption(ranks, nodes, stage, opt, par, micro, chunk, peak, host, time)
 
     def train_options(self, ranks: int, nodes: int, colocated: bool = False, push_s: float = 0.0,
-                      push: str | None = None) -> list[TrainOption]:
-        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk, colocated, push_s, push)
-                for stage, opt, par in (COLOCATED_ZERO if colocated else ZERO)
+                      push: str | None = None, tp: int | None = None) -> list[TrainOption]:
+        zero = (COLOCATED_ZERO if self.adapter is None else COLOCATED_LORA_ZERO) if colocated else ZERO
+        return [self.train_option(ranks, nodes, stage, opt, par, micro, chunk, colocated, push_s, push, tp)
+                for stage, opt, par in zero
                 for micro in microbatch_candidates(self.recipe) for chunk in chunk_candidates(self.recipe)]
 
     def train_fits(self, o: TrainOption) -> bool:
@@ -79,7 +94,7 @@ class Search:
         return fit_space.tp_candidates(self.dims, self.machine, gpus)
 
     def fractions(self, colocated: bool = False) -> list[float]:
-        return fit_space.fractions(self.machine, colocated)
+        return fit_space.fractions(self.machine, colocated, self.kept_gib)
 
     def rollout_option(self, gpus: int, nodes: int, tp: int, frac: float) -> RolloutOption | None:
         variant = fit_space.rollout_variant(self.recipe, self.machine, gpus, nodes, tp, frac)
@@ -132,12 +147,12 @@ class Search:
         a push's one-time cost spread over the run's rl.steps."""
         return push_seconds(self.dims, self.recipe.rollout.dtype, servers=rollout.servers, tp=rollout.tp,
                             nodes=rollout.nodes, bucket_bytes=self.recipe.rollout.sglang.weight_sync_bucket_mb << 20,
-                            costs=self.costs, pushes_per_run=self.recipe.rl.steps)
+                            costs=self.costs, pushes_per_run=self.recipe.rl.steps, params=self.adapter)
 
     def colocated_layouts(self) -> list[Layout]:
         """The best colocated layout: every GPU a trainer rank and (part of) an SGLang server, the new
         weights pushed by the cheapest built way into its servers (all three allowed: every server reads
-        the trainer rank on its own GPU)."""
+        the trainer rank on its own GPU; under LoRA the adapter's two)."""
         if not self.can_colocate():
             return []
         gpus = self.machine.gpus
@@ -147,13 +162,13 @@ class Search:
 
         def push(o: RolloutOption) -> tuple[str, float]:
             seconds = self.pushes(o)
-            kind = cheapest_push(seconds, allowed_pushes(colocated=True))
+            kind = cheapest_push(seconds, self.allowed)
             return kind, seconds[kind]
 
         # the push depends on the servers and adds to the step, so it ranks the rollout options too
         rollout = min(rollouts, key=lambda o: (o.time.seconds + push(o)[1], o.tp, -o.mem_fraction))
         kind, push_s = push(rollout)
-        trains = [o for o in self.train_options(gpus, 1, colocated=True, push_s=push_s, push=kind)
+        trains = [o for o in self.train_options(gpus, 1, colocated=True, push_s=push_s, push=kind, tp=rollout.tp)
                   if self.train_fits(o)]
         if not trains:
             return []
@@ -166,6 +181,6 @@ def split_step_seconds(search: Search, train: TrainOption, rollout: RolloutOptio
     """A split layout's step: rollout then training, or, asynchronous, the longer of the two (the rollout
     side pausing to load the pushed weights)."""
     if search.recipe.rl.async_lag:
-        load = weight_load_s(search.dims, search.recipe.rollout.dtype)
+        load = weight_load_s(search.dims, search.recipe.rollout.dtype, params=search.adapter)
         return max(rollout.time.seconds + load, train.time.seconds)
     return rollout.time.seconds + train.time.seconds

@@ -21,6 +21,9 @@ ZERO = ((3, False, False), (2, False, False), (1, False, False), (3, True, False
 # Colocated: ZeRO-3 only, whose ranks hold the least while offloaded and reload the least (the trainer
 # hands ZeRO-3's optimizer state over with DeepSpeed's FusedAdam on CUDA)
 COLOCATED_ZERO = tuple(z for z in ZERO if z[0] == 3)
+# Colocated under LoRA the frozen base stays on the GPU in both phases, so not its parameters offloaded
+# (DeepSpeed's offload_states, the hand-over, also refuses offloaded parameters)
+COLOCATED_LORA_ZERO = tuple(z for z in COLOCATED_ZERO if not z[2])
 CHUNK_DIVISORS = (1, 2, 4)
 
 
@@ -48,25 +51,30 @@ def tp_candidates(d: ModelDims, machine: Machine, gpus: int) -> list[int]:
             and d.heads % tp == 0 and d.kv_heads % tp == 0]
 
 
-def fractions(machine: Machine, colocated: bool = False) -> list[float]:
+def fractions(machine: Machine, colocated: bool = False, trainer_kept_gib: float = 0.0) -> list[float]:
     """Memory fractions that leave SGLang's outside-the-pool allowance free (and, colocated, the
-    offloaded trainer's)."""
-    outside = SGLANG_OUTSIDE_POOL_GIB + (TRAINER_OFFLOADED_GIB if colocated else 0.0)
+    offloaded trainer's, with what it keeps on the GPU under LoRA: `trainer_kept_gib`)."""
+    outside = SGLANG_OUTSIDE_POOL_GIB + (TRAINER_OFFLOADED_GIB + trainer_kept_gib if colocated else 0.0)
     room = outside / machine.gpu_memory_gib
     return [f for f in (COLOCATED_FRACTIONS if colocated else MEM_FRACTIONS) if 1 - f >= room - 1e-9]
 
 
 def train_variant(recipe: Recipe, machine: Machine, ranks: int, nodes: int, stage: int, opt: bool, par: bool,
-                  micro: int, chunk: int, colocated: bool = False, push: str | None = None) -> Recipe:
+                  micro: int, chunk: int, colocated: bool = False, push: str | None = None,
+                  tp: int | None = None) -> Recipe:
     """The recipe trained on `ranks` GPUs over `nodes` nodes with these ZeRO, offload, micro-batch and
-    chunk settings; colocated, with rollout.colocate (and `push` as rollout.sglang.weight_sync)."""
+    chunk settings; colocated, with rollout.colocate (and `push` as rollout.sglang.weight_sync, servers
+    of `tp` GPUs, whose weights stay beside the trainer under LoRA)."""
     trainer = {"nproc": ranks // nodes, "nodes": nodes, "zero_stage": stage, "offload_optimizer": opt,
                "offload_params": par, "max_tokens_per_microbatch": micro, "logprob_chunk_tokens": chunk,
                "gpu_memory_gib": machine.gpu_memory_gib}
     if colocated:  # the plan then counts the released servers beside it, and the offloaded state
         rollout: dict = {"colocate": True}
-        if push is not None:  # and, pushed by handle, rank 0's copy of the weights kept on the host
-            rollout["sglang"] = recipe.rollout.sglang.model_copy(update={"weight_sync": push})
+        sglang: dict = {} if push is None else {"weight_sync": push}  # by handle: rank 0's copy on the host
+        if tp is not None:
+            sglang.update(tp_size=tp, num_servers=ranks // tp)
+        if sglang:
+            rollout["sglang"] = recipe.rollout.sglang.model_copy(update=sglang)
         return with_fields(recipe, trainer=trainer, rollout=rollout)
     return with_fields(recipe, trainer=trainer)
 

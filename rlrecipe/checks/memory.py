@@ -1,6 +1,7 @@
 """Bytes that both the memory plan (plan.py) and the colocated layout (colocate.py) count, below both:
 DeepSpeed's buffer defaults, what a released SGLang server and an offloaded trainer rank keep on a GPU,
-and what a rank moves to host memory while the servers generate.
+what a rank moves to host memory while the servers generate, and what trains (the whole model, or under
+trainer.lora the adapter alone).
 
 Every constant below is an assumption unless its comment says otherwise; each comment says how to
 measure it.
@@ -9,6 +10,7 @@ measure it.
 from __future__ import annotations
 
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
+from rlrecipe.recipe.schema import Recipe
 
 # DeepSpeed's defaults the engine leaves (train/deepspeed_engine.py sets none of these): elements
 DS_REDUCE_BUCKET = 500_000_000
@@ -25,24 +27,49 @@ SGLANG_OUTSIDE_POOL_GIB = 6.0
 # allocator emptied after offload_states. Measure: nvidia-smi's figure for a rank after offload_states
 # and torch.cuda.empty_cache().
 TRAINER_OFFLOADED_GIB = 1.5
+# Under trainer.lora SGLang holds this many adapters at once (rollout/sglang/lora.py's
+# MAX_LORAS_PER_BATCH: the old and the new side by side while one replaces the other), each at the
+# adapter's size in the served dtype. ASSUMPTION: inside its static pool (allocated after the weights,
+# before the KV cache is sized from what is left), and kept while the KV cache is released. Measure: the
+# KV cache tokens a server logs at start with and without --enable-lora.
+SGLANG_ADAPTER_SLOTS = 2
+
+
+def lora_params(recipe: Recipe, d: ModelDims) -> int | None:
+    """The adapter's parameters under trainer.lora (ModelDims.lora_params); None for full fine-tuning."""
+    lora = recipe.trainer.lora
+    return d.lora_params(lora.rank, lora.target_modules) if lora.enabled else None
+
+
+def trained_params(recipe: Recipe, d: ModelDims) -> int:
+    """Parameters with gradients and optimizer state, which each push sends: the adapter under
+    trainer.lora, else the whole model."""
+    adapter = lora_params(recipe, d)
+    return d.params() if adapter is None else adapter
 
 
 def offloaded_bytes(d: ModelDims, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
-                    zero_stage: int = 3) -> float:
+                    zero_stage: int = 3, adapter: int | None = None) -> float:
     """Bytes a DeepSpeed rank moves to host memory and back each step (offload_states): its 16-bit
     parameters and gradients (partitioned from ZeRO-3 and ZeRO-2), its fp32 gradient partition, its
     optimizer state (fp32 master weights, m and v) unless ZeRO-Offload keeps that on the host already,
     and ZeRO-3's reduce bucket (its contiguous gradient buffer). What ZeRO-3 gathers for a forward is
-    freed, not moved."""
+    freed, not moved. Under LoRA (`adapter`: its parameters) the weights stay on the GPU (the frozen base
+    and the adapter's 16-bit copy): only the adapter's gradients and optimizer state and the bucket move."""
     p, b = d.params(), BYTES[dtype]
-    params = 0.0 if offload_params else b * p / (ranks if zero_stage >= 3 else 1)
-    grads = b * p / (ranks if zero_stage >= 2 else 1)
+    t = p if adapter is None else adapter
+    params = 0.0 if (offload_params or adapter is not None) else b * p / (ranks if zero_stage >= 3 else 1)
+    grads = b * t / (ranks if zero_stage >= 2 else 1)
     bucket = b * DS_REDUCE_BUCKET if zero_stage >= 3 else 0.0
-    optimizer = 0.0 if offload_optimizer else 12.0 * p / ranks
-    return params + grads + 4.0 * p / ranks + bucket + optimizer
+    optimizer = 0.0 if offload_optimizer else 12.0 * t / ranks
+    return params + grads + 4.0 * t / ranks + bucket + optimizer
 
 
-def rollout_phase_parts(pool: float) -> dict[str, float]:
-    """Bytes per GPU while the servers generate: their pool, what they keep outside it, the offloaded trainer."""
-    return {"SGLang static pool": pool, "SGLang outside its pool": SGLANG_OUTSIDE_POOL_GIB * GIB,
-            "trainer while offloaded": TRAINER_OFFLOADED_GIB * GIB}
+def rollout_phase_parts(pool: float, trainer_kept: float = 0.0) -> dict[str, float]:
+    """Bytes per GPU while the servers generate: their pool, what they keep outside it, the offloaded
+    trainer, and under LoRA the trainer's weights, which stay (`trainer_kept`)."""
+    parts = {"SGLang static pool": pool, "SGLang outside its pool": SGLANG_OUTSIDE_POOL_GIB * GIB,
+             "trainer while offloaded": TRAINER_OFFLOADED_GIB * GIB}
+    if trainer_kept:
+        parts["trainer's frozen base and adapter (kept)"] = trainer_kept
+    return parts

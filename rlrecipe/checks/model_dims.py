@@ -51,6 +51,23 @@ class ModelDims:
         head = 0 if self.tied else self.vocab * self.hidden
         return self.vocab * self.hidden + self.layers * self.layer_params() + self.hidden + head
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each linear layer of one decoder block: (in, out) features, by its name in a Qwen2 model."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_params(self, rank: int, targets: str | list[str] = "all-linear") -> int:
+        """A LoRA adapter's parameters: A (rank x in) and B (out x rank) for every target linear layer of
+        every block; "all-linear" is all seven (attention and MLP), not the LM head."""
+        shapes = self.linear_shapes()
+        names = list(shapes) if targets == "all-linear" else list(targets)
+        unknown = [n for n in names if n not in shapes]
+        if unknown:
+            raise UserError(f"trainer.lora.target_modules: {', '.join(unknown)} not among a block's linear "
+                            f"layers ({', '.join(shapes)}); or \"all-linear\"")
+        return self.layers * sum(rank * sum(shapes[n]) for n in names)
+
     @classmethod
     def from_config(cls, cfg: dict) -> ModelDims:
         return cls(vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],

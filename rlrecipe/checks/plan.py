@@ -64,7 +64,9 @@ from rlrecipe.checks.memory import (
     DS_MAX_LIVE_PARAMETERS,
     DS_PREFETCH_BUCKET,
     DS_REDUCE_BUCKET,
+    SGLANG_ADAPTER_SLOTS,
     SGLANG_OUTSIDE_POOL_GIB,
+    lora_params,
     offloaded_bytes,
     rollout_phase_parts,
 )
@@ -105,41 +107,62 @@ LOGIT_COPIES_AT_HEAD_BACKWARD = 5
 MLP_BACKWARD_GRADIENTS = 2
 
 
-def logprob_bytes(d: ModelDims, tokens: int, chunk: int, act_bytes: int, weight_bytes: int) -> float:
+def logprob_bytes(d: ModelDims, tokens: int, chunk: int, act_bytes: int, weight_bytes: int,
+                  head_trains: bool = True) -> float:
     """The head's backward at its peak, every token a response row: the decoder output and its
     response rows, then the larger of the last chunk's backward (run first) and an earlier chunk's
-    beside the head's weight gradient already made by the ones after it."""
+    beside the head's weight gradient already made by the ones after it (none when the head is
+    frozen: `head_trains` False, under LoRA)."""
     rows = 2.0 * tokens * d.hidden * act_bytes
     last = min(chunk, tokens)
     peak = LOGIT_COPIES_AT_HEAD_BACKWARD * last * d.vocab * 4.0
     if tokens > last:
         earlier = min(chunk, tokens - last)
-        peak = max(peak, LOGIT_COPIES_AT_HEAD_BACKWARD * earlier * d.vocab * 4.0 + d.vocab * d.hidden * weight_bytes)
+        head_grad = d.vocab * d.hidden * weight_bytes if head_trains else 0.0
+        peak = max(peak, LOGIT_COPIES_AT_HEAD_BACKWARD * earlier * d.vocab * 4.0 + head_grad)
     return rows + peak
 
 
 def step_phases(recipe: Recipe, d: ModelDims, act_b: int, b: int, n: int, stage: int,
                 device: str) -> dict[str, float]:
     """Bytes beyond the persistent parts in each phase of a micro-batch's step, in the order they
-    run (see the module docstring). `stage` is the ZeRO stage under DeepSpeed, 0 for the torch engine."""
+    run (see the module docstring). `stage` is the ZeRO stage under DeepSpeed, 0 for the torch engine.
+    Under LoRA the embedding and the head are frozen (no weight gradients), each adapted layer keeps its
+    rank-wide intermediate for backward, and the optimizer steps over the adapter alone."""
     m, tr = recipe.model, recipe.trainer
     t = tr.max_tokens_per_microbatch
-    one_layer = activation_elements_per_token_layer(d) * act_b * t
+    adapter = lora_params(recipe, d)
+    per_token = activation_elements_per_token_layer(d)
+    if adapter is not None:  # x A, rank wide, for every adapted linear layer of the block
+        per_token += _lora_intermediates(recipe, d)
+    one_layer = per_token * act_b * t
     kept = d.layers * t * d.hidden * act_b if m.gradient_checkpointing else d.layers * one_layer
     recomputed = one_layer if m.gradient_checkpointing else 0.0
+    trained = d.params() if adapter is None else adapter
     if stage:
-        optimizer_step = 4.0 * d.params() / n
+        optimizer_step = 4.0 * trained / n
     elif device == "cuda":
-        optimizer_step = float(b * d.params())
-    else:
+        optimizer_step = float(b * trained)
+    elif adapter is None:
         optimizer_step = 2.0 * b * max(d.vocab * d.hidden, d.intermediate * d.hidden)
-    bucket = backward_bucket(d, b, stage, device)
+    else:  # the adapter's largest tensor: B of gate/up or A of down
+        optimizer_step = 2.0 * b * tr.lora.rank * max(d.intermediate, d.hidden)
+    bucket = backward_bucket(d, b, stage, device, adapter)
+    embedding = float(b * d.vocab * d.hidden) if adapter is None else 0.0
     return {"activations": kept,
-            "log-probs": kept + logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b, b) + bucket["log-probs"],
+            "log-probs": kept + logprob_bytes(d, t, tr.logprob_chunk_tokens, act_b, b, head_trains=adapter is None)
+                         + bucket["log-probs"],
             "layer backward": kept + recomputed + MLP_BACKWARD_GRADIENTS * t * d.intermediate * act_b
                               + bucket["layer backward"],
-            "embedding grad": float(b * d.vocab * d.hidden) + bucket["embedding grad"],
+            "embedding grad": embedding + bucket["embedding grad"],
             "optimizer step": optimizer_step}
+
+
+def _lora_intermediates(recipe: Recipe, d: ModelDims) -> int:
+    """Elements a token keeps per block for the adapter's backward: x A (rank wide) per adapted layer."""
+    lora = recipe.trainer.lora
+    targets = d.linear_shapes() if lora.target_modules == "all-linear" else lora.target_modules
+    return lora.rank * len(targets)
 
 
 def beyond_previous(phases: dict[str, float]) -> dict[str, float]:
@@ -157,30 +180,39 @@ def reduce_bucket_held(width: int, written: int, device: str) -> float:
     return width * float(DS_REDUCE_BUCKET if device == "cuda" else min(DS_REDUCE_BUCKET, written))
 
 
-def backward_bucket(d: ModelDims, b: int, stage: int, device: str) -> dict[str, float]:
+def backward_bucket(d: ModelDims, b: int, stage: int, device: str, adapter: int | None = None) -> dict[str, float]:
     """ZeRO-1/2's gradient reduce bucket in each backward phase. DeepSpeed allocates it as backward
     starts and frees it before the optimizer step (stage_1_and_2.py, `setup_buckets`); what it
     holds by each phase: nothing during the head's backward, all but the first layer's and the
-    embedding's gradients at the first layer."""
+    embedding's gradients at the first layer. Under LoRA (`adapter`: its parameters) only the
+    adapter's gradients reach it (CUDA still allocates it whole)."""
     if stage not in (1, 2):
         return {"log-probs": 0.0, "layer backward": 0.0, "embedding grad": 0.0}
     width = 4 if stage == 1 else b  # ZeRO-1 reduces in fp32, ZeRO-2 in the model's dtype
-    before_embedding = d.params() - d.vocab * d.hidden
+    if adapter is None:
+        before_embedding = d.params() - d.vocab * d.hidden
+        at_first_layer = before_embedding - d.layer_params()
+    else:
+        before_embedding, at_first_layer = adapter, adapter - adapter // d.layers
     return {"log-probs": reduce_bucket_held(width, 0, device),
-            "layer backward": reduce_bucket_held(width, before_embedding - d.layer_params(), device),
+            "layer backward": reduce_bucket_held(width, at_first_layer, device),
             "embedding grad": reduce_bucket_held(width, before_embedding, device)}
 
 
-def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int, device: str) -> dict[str, float]:
+def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int, device: str,
+                      adapter: int | None = None) -> dict[str, float]:
     """DeepSpeed's own buffers, counted on top of the phases: the fp32 gradients of its partition
     (a 16-bit model; ZeRO-3 keeps that buffer whatever the dtype) and ZeRO-3's gradient reduce
     bucket, allocated once and kept (CUDA holds it whole; on CPU only the pages written count, at
-    most the model). ZeRO-1/2's bucket lives in backward only (`backward_bucket`)."""
+    most the model). ZeRO-1/2's bucket lives in backward only (`backward_bucket`). Under LoRA the
+    gradients are the adapter's (`adapter`: its parameters); ZeRO-3's bucket is still allocated
+    whole on CUDA (stage3.py sizes it by reduce_bucket_size, which the engine leaves)."""
+    trained = d.params() if adapter is None else adapter
     out = {}
     if b == 2 or stage >= 3:
-        out["fp32 gradient copy"] = 4.0 * d.params() / (n if stage >= 1 else 1)
+        out["fp32 gradient copy"] = 4.0 * trained / (n if stage >= 1 else 1)
     if stage >= 3:
-        out["reduce bucket"] = reduce_bucket_held(b, d.params(), device)
+        out["reduce bucket"] = reduce_bucket_held(b, trained, device)
     return out
 
 
@@ -191,6 +223,8 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
     deepspeed = tr.engine == "deepspeed"
     n = tr.nodes * tr.nproc if deepspeed else 1
     stage = tr.zero_stage if deepspeed else 0
+    adapter = lora_params(recipe, d)
+    trained = p if adapter is None else adapter
     notes = []
     if stage >= 3:
         # ZeRO-3 releases a gathered parameter only past stage3_max_live_parameters (or when it is
@@ -201,27 +235,45 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
             notes.append("parameters offloaded to CPU memory")
     else:
         params = b * p
-    grads = b * p / (n if stage >= 2 else 1)
+    grads = b * trained / (n if stage >= 2 else 1)
     # fp32 master weights: ZeRO-1/2 always clone their partition into one; ZeRO-3 shares it when
     # the model is fp32 already (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py)
     opt_per_param = (12 if b == 2 or stage < 3 else 8) if deepspeed else 2 * b
-    optimizer = 0.0 if (deepspeed and tr.offload_optimizer) else opt_per_param * p / (n if stage >= 1 else 1)
+    optimizer = 0.0 if (deepspeed and tr.offload_optimizer) else opt_per_param * trained / (n if stage >= 1 else 1)
     if deepspeed and tr.offload_optimizer:
-        notes.append(f"optimizer state ({opt_per_param * p / n / GIB:.1f} GiB per rank) offloaded to CPU memory")
+        notes.append(f"optimizer state ({opt_per_param * trained / n / GIB:.1f} GiB per rank) offloaded to CPU memory")
     if not m.gradient_checkpointing:
         notes.append("no gradient checkpointing: every layer keeps its activations")
-    parts = {"parameters": params, "gradients": grads, "optimizer": optimizer}
+    if adapter is None:
+        parts = {"parameters": params, "gradients": grads, "optimizer": optimizer}
+    else:
+        # the base frozen in the model dtype; the adapter's 16-bit copy partitioned as the base is
+        parts = {"base parameters (frozen)": params, "adapter parameters": b * adapter / (n if stage >= 3 else 1),
+                 "adapter gradients": grads, "adapter optimizer": optimizer}
+        notes.append(f"trainer.lora rank {tr.lora.rank}: {adapter / 1e6:.1f}M adapter parameters train "
+                     f"({b * adapter / 2**20:.0f} MiB), the {p / 1e9:.2f}B base is frozen (no gradients, no "
+                     "optimizer state); the embedding and the head get no weight gradients")
     parts.update(beyond_previous(step_phases(recipe, d, act_b, b, n, stage, device)))
     if deepspeed:
-        parts.update(deepspeed_buffers(d, b, n, stage, device))
+        parts.update(deepspeed_buffers(d, b, n, stage, device, adapter))
     if stage_of(recipe) == "rl" and recipe.rl.kl_coef > 0:
-        # train/reference.py: every rank holds the whole frozen copy, not a ZeRO part of it; its
-        # no-grad forward runs between updates, inside the room the activations leave then
-        parts["reference model"] = b * p
-        notes.append(f"rl.kl_coef > 0: a whole reference model on every rank ({b * p / GIB:.1f} GiB)")
+        if adapter is None:
+            # train/reference.py: every rank holds the whole frozen copy, not a ZeRO part of it; its
+            # no-grad forward runs between updates, inside the room the activations leave then
+            parts["reference model"] = b * p
+            notes.append(f"rl.kl_coef > 0: a whole reference model on every rank ({b * p / GIB:.1f} GiB)")
+        else:
+            notes.append("rl.kl_coef > 0: the reference is the trainer's base with the adapter off, no second model")
     if colocated(recipe):
         parts["SGLang while released"] = SGLANG_OUTSIDE_POOL_GIB * GIB
-        notes.append("colocated: the training phase, beside what the released SGLang servers keep")
+        if adapter is None:
+            notes.append("colocated: the training phase, beside what the released SGLang servers keep")
+        else:  # the servers release their KV cache only: their weights and adapters stay
+            weights, slots = sglang_weights(recipe, d)
+            parts["SGLang weights (kept)"] = weights
+            parts["SGLang adapter slots (kept)"] = slots
+            notes.append("colocated with LoRA: the training phase, beside the released SGLang servers, which keep "
+                         "their weights and adapters (only the KV cache is released)")
     gpu = tr.gpu_memory_gib * GIB
     parts["reserve"] = GIB + 0.05 * gpu
     return Budget("train", parts, gpu, notes)
@@ -237,17 +289,34 @@ def trainer_offloaded_bytes(recipe: Recipe, d: ModelDims) -> float:
     offload_states (memory.offloaded_bytes); the torch engine's weights, gradients and AdamW's m
     and v, all in the model dtype."""
     tr = recipe.trainer
-    if tr.engine != "deepspeed":
-        return 4.0 * BYTES[recipe.model.dtype] * d.params()
+    adapter = lora_params(recipe, d)
+    if tr.engine != "deepspeed":  # under LoRA the adapter's gradients, m and v: the weights stay
+        return (4.0 * d.params() if adapter is None else 3.0 * adapter) * BYTES[recipe.model.dtype]
     return offloaded_bytes(d, recipe.model.dtype, tr.nproc * tr.nodes, tr.offload_optimizer,
-                                    tr.offload_params, tr.zero_stage)
+                           tr.offload_params, tr.zero_stage, adapter)
+
+
+def trainer_kept_bytes(recipe: Recipe, d: ModelDims) -> float:
+    """Colocated under LoRA: what a trainer rank keeps on its GPU while the servers generate, its 16-bit
+    weights (the frozen base and the adapter, ZeRO-3's partition of them; what ZeRO-3 gathered is freed);
+    0 for full fine-tuning, which offloads them."""
+    adapter = lora_params(recipe, d)
+    if adapter is None:
+        return 0.0
+    tr = recipe.trainer
+    b = BYTES[recipe.model.dtype]
+    zero3 = tr.engine == "deepspeed" and tr.zero_stage >= 3
+    n = tr.nproc * tr.nodes if zero3 else 1
+    base = 0.0 if (zero3 and tr.offload_params) else b * d.params() / n
+    return base + b * adapter / n
 
 
 def rollout_phase_budget(recipe: Recipe, d: ModelDims, train: Budget) -> Budget:
     """Colocated: the whole GPU while the servers generate (see the module docstring)."""
     pool, _, _, _ = sglang_memory(recipe, d)
-    parts = rollout_phase_parts(pool)
-    notes = ["colocated: the rollout phase, the trainer offloaded"]
+    parts = rollout_phase_parts(pool, trainer_kept_bytes(recipe, d))
+    notes = ["colocated: the rollout phase, the trainer offloaded" if lora_params(recipe, d) is None else
+             "colocated with LoRA: the rollout phase, the trainer's adapter optimizer offloaded, its weights kept"]
     if "reference model" in train.parts:  # the frozen copy is not offloaded
         parts["reference model"] = train.parts["reference model"]
     return Budget("rollout phase", parts, recipe.trainer.gpu_memory_gib * GIB, notes)
@@ -270,13 +339,23 @@ def rollout_engines(recipe: Recipe) -> int:
     return (len(ro.urls) or ro.sglang.num_servers) * ro.sglang.dp_size
 
 
+def sglang_weights(recipe: Recipe, d: ModelDims) -> tuple[float, float]:
+    """Bytes per GPU of one SGLang engine's weights, and of its adapter slots under trainer.lora
+    (SGLANG_ADAPTER_SLOTS adapters in the served dtype; 0 without LoRA), both inside its static pool."""
+    s, b = recipe.rollout.sglang, BYTES[recipe.rollout.dtype]
+    adapter = lora_params(recipe, d)
+    slots = 0.0 if adapter is None else SGLANG_ADAPTER_SLOTS * b * adapter / s.tp_size
+    return b * d.params() / s.tp_size, slots
+
+
 def sglang_memory(recipe: Recipe, d: ModelDims) -> tuple[float, float, float, float]:
     """Bytes per GPU of one SGLang engine: its static pool (mem_fraction_static x GPU), the
-    weights' share, what is left for the KV cache, and one token's K and V (all layers)."""
-    s, b = recipe.rollout.sglang, BYTES[recipe.rollout.dtype]
+    weights' share, what is left for the KV cache (after the adapter slots under LoRA), and one
+    token's K and V (all layers)."""
+    s = recipe.rollout.sglang
     pool = s.mem_fraction_static * recipe.trainer.gpu_memory_gib * GIB
-    weights = b * d.params() / s.tp_size
-    return pool, weights, max(0.0, pool - weights), 2 * d.layers * d.kv_dim * kv_bytes(recipe.rollout) / s.tp_size
+    weights, slots = sglang_weights(recipe, d)
+    return pool, weights, max(0.0, pool - weights - slots), 2 * d.layers * d.kv_dim * kv_bytes(recipe.rollout) / s.tp_size
 
 
 def kv_cache_tokens(loaded: LoadedRecipe) -> int | None:
@@ -320,6 +399,8 @@ def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
     if stage == "rl" and rl.c3po.enabled:
         notes.append(c3po_pool_note(rl.c3po.pool_capacity, recipe.data.max_prompt_tokens, ro.max_new_tokens))
     parts = {"weights": weights, "KV cache": kv}
+    if ro.engine == "sglang" and lora_params(recipe, d) is not None:
+        parts = {"weights": weights, "adapter slots": sglang_weights(recipe, d)[1], "KV cache": kv}
     return Budget("rollout", parts, pool if ro.engine == "sglang" else gpu, notes, room_for_one_sequence=fit >= 1)
 
 

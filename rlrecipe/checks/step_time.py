@@ -100,14 +100,16 @@ class Rates:
 
     @classmethod
     def of(cls, d: ModelDims, rollout_dtype: str, gradient_checkpointing: bool, gpu: GPU = H100,
-           kv_bytes: int | None = None) -> Rates:
-        """`kv_bytes`: of one cached K or V element (1 for an FP8 cache); default rollout_dtype's."""
+           kv_bytes: int | None = None, lora: bool = False) -> Rates:
+        """`kv_bytes`: of one cached K or V element (1 for an FP8 cache); default rollout_dtype's.
+        `lora`: the base frozen (trainer.lora), so backward skips its weight gradients."""
         n = d.params()
         b = BYTES[rollout_dtype]
         kv = b if kv_bytes is None else kv_bytes
         # 6N forward and backward, 2N recomputing the old log-probs, 2N more recomputing the
-        # forward under gradient checkpointing
-        train_flop = (10 if gradient_checkpointing else 8) * n
+        # forward under gradient checkpointing; under LoRA backward computes the activations' gradients
+        # (2N) but not the frozen weights' (2N less; the adapter's own are ~6 x its parameters, left out)
+        train_flop = (10 if gradient_checkpointing else 8) * n - (2 * n if lora else 0)
         return cls(step_s=b * n / gpu.hbm_bytes_s + gpu.decode_overhead_s,
                    row_s=2 * n / (gpu.decode_gemm_mfu * gpu.bf16_flop_s),
                    ctx_s=2 * d.layers * d.kv_dim * kv / gpu.hbm_bytes_s,
@@ -169,7 +171,7 @@ class Training:
 
 def training_step(rates: Rates, d: ModelDims, *, trained_tokens: float, ranks: int, nodes: int, dtype: str,
                   zero_stage: int, offload_optimizer: bool, offload_params: bool, microbatch_tokens: int,
-                  chunk_tokens: int, minibatches: int, gpu: GPU = H100) -> Training:
+                  chunk_tokens: int, minibatches: int, gpu: GPU = H100, trained_params: int | None = None) -> Training:
     """One step's training on `ranks` data-parallel ranks over `nodes` nodes, and the weight push.
 
     Compute is the FLOP count at the assumed MFU, linear in ranks. On top, ZeRO's collectives, each
@@ -178,26 +180,35 @@ def training_step(rates: Rates, d: ModelDims, *, trained_tokens: float, ranks: i
     the parameters for its forward and again for its backward), every PPO minibatch's step
     gathers the updated parameters (ZeRO-1/2); CPU offload (the optimizer step on the host and the gradients and
     parameters over PCIe each minibatch; offloaded parameters cross PCIe in every micro-batch);
-    one overhead per log-prob chunk; the optimizer step's fixed cost and the push."""
+    one overhead per log-prob chunk; the optimizer step's fixed cost and the push. Under LoRA
+    (`trained_params`: the adapter's) the gradients reduced, the optimizer offloaded and the push are
+    the adapter's; ZeRO-3 still gathers the whole (frozen) parameters."""
     n, b = d.params(), BYTES[dtype]
+    t = n if trained_params is None else trained_params
     per_rank = trained_tokens / ranks
     micro_total = math.ceil(per_rank / (PACKING_FILL * microbatch_tokens))
     micro_per_minibatch = math.ceil(micro_total / minibatches)
     link = gpu.nvlink_bytes_s if nodes == 1 else gpu.network_bytes_s
     unit = (b * n / link) if ranks > 1 else 0.0
     per_micro, per_minibatch = (3, 0) if zero_stage >= 3 else (1, 1)
+    if trained_params is None:
+        collectives = unit * (per_micro * micro_total + per_minibatch * minibatches)
+    else:  # the adapter's gradients reduced (and gathered after a ZeRO-1/2 step); ZeRO-3's gathers whole
+        grads = unit * t / n
+        collectives = (grads + (per_micro - 1) * unit) * micro_total + per_minibatch * minibatches * grads
     parts = {"compute": rates.train_token_s * per_rank,
              "log-prob chunks": CHUNK_OVERHEAD_S * per_rank / chunk_tokens,
-             "ZeRO collectives": unit * (per_micro * micro_total + per_minibatch * minibatches),
-             "step and push": STEP_OVERHEAD_S + b * n / gpu.weight_push_bytes_s}
+             "ZeRO collectives": collectives,
+             "step and push": STEP_OVERHEAD_S + b * t / gpu.weight_push_bytes_s}
     if offload_optimizer:
-        parts["optimizer offload"] = minibatches * (n / nodes / gpu.cpu_adam_params_s
-                                                    + 2 * b * n / ranks / gpu.pcie_bytes_s)
+        parts["optimizer offload"] = minibatches * (t / nodes / gpu.cpu_adam_params_s
+                                                    + 2 * b * t / ranks / gpu.pcie_bytes_s)
     if offload_params:
         parts["parameter offload"] = micro_total * 2 * b * n / gpu.pcie_bytes_s
     return Training(sum(parts.values()), micro_per_minibatch, parts)
 
 
-def weight_load_s(d: ModelDims, rollout_dtype: str, gpu: GPU = H100) -> float:
-    """The rollout side's pause to load pushed weights (asynchronous layouts)."""
-    return BYTES[rollout_dtype] * d.params() / gpu.weight_push_bytes_s
+def weight_load_s(d: ModelDims, rollout_dtype: str, gpu: GPU = H100, params: int | None = None) -> float:
+    """The rollout side's pause to load pushed weights (asynchronous layouts); `params`: what is pushed
+    (the adapter's under LoRA), the whole model by default."""
+    return BYTES[rollout_dtype] * (d.params() if params is None else params) / gpu.weight_push_bytes_s

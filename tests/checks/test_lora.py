@@ -1,0 +1,185 @@
+"""trainer.lora in plan, fit and the step time: the adapter's size by hand, what the plan counts (the base
+frozen, the adapter alone training, its push, the colocated base kept in both phases), the one-GPU answers
+for the shipped LoRA recipes, and full fine-tuning unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlrecipe.checks.colocate import ASSUMED, allowed_pushes, phase_seconds, push_seconds
+from rlrecipe.checks.fit import fit
+from rlrecipe.checks.fit_layout import Machine
+from rlrecipe.checks.fit_refusal import first_failure
+from rlrecipe.checks.fit_search import Search
+from rlrecipe.checks.host_disk import checkpoint_bytes, disk_parts, rank0_host_parts
+from rlrecipe.checks.memory import DS_REDUCE_BUCKET, SGLANG_ADAPTER_SLOTS, lora_params, offloaded_bytes
+from rlrecipe.checks.model_dims import GIB, ModelDims, model_dims
+from rlrecipe.checks.plan import plan, train_budget
+from rlrecipe.checks.step_time import H100, Rates, training_step
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.schema import load_recipe
+from tests.conftest import REPO
+
+# Qwen2 1.5B (DeepSeek-R1-Distill-Qwen-1.5B's config)
+QWEN_1_5B = ModelDims(vocab=151936, hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, tied=False)
+LORA_1_5B = "recipes/1.5b_boba_icepop_c3po_lora_1x24gb.yaml"
+LORA_7B = "recipes/7b_boba_icepop_c3po_lora_1x48gb.yaml"
+FULL_1_5B = "recipes/1.5b_boba_icepop_c3po_1x80gb.yaml"
+# the 7B recipe's one-GPU batch, as the shipped LoRA recipe's header's fit command sets it
+ONE_GPU_BATCH = ["rl.prompts_per_step=128", "rl.samples_per_prompt=8", "rollout.max_new_tokens=8192",
+                 "rl.c3po.token_budget=4000000", "rl.c3po.pool_capacity=2048"]
+LORA = ["trainer.lora.alpha=32", "trainer.lr=2e-4"]
+
+
+def _load(path: str, sets: list[str] | None = None):
+    return load_recipe(REPO / path, sets or [])
+
+
+def test_adapter_parameters_of_qwen2_1_5b_by_hand():
+    # per block, rank x (in + out) for each linear: q 1536 -> 1536 (12 heads x 128), k and v 1536 -> 256
+    # (2 KV heads x 128), o 1536 -> 1536, gate and up 1536 -> 8960, down 8960 -> 1536
+    per_rank_block = (1536 + 1536) + 2 * (1536 + 256) + (1536 + 1536) + 2 * (1536 + 8960) + (8960 + 1536)
+    assert per_rank_block == 41_216
+    assert QWEN_1_5B.lora_params(32) == 28 * 32 * 41_216 == 36_929_536
+    assert QWEN_1_5B.lora_params(8, ["q_proj", "v_proj"]) == 28 * 8 * (3072 + 1792)
+    with pytest.raises(UserError, match="lm_head not among"):
+        QWEN_1_5B.lora_params(8, ["q_proj", "lm_head"])
+
+
+def test_lora_training_phase_counts_the_adapter_alone():
+    loaded = _load(LORA_1_5B)
+    r, d = loaded.recipe, model_dims(loaded)
+    p, t = d.params(), lora_params(r, d)
+    assert t == 36_929_536
+    parts = train_budget(r, d).parts
+    # ZeRO-3 on one rank, float16: the whole frozen base plus what it keeps gathered (1.05e9 at most)
+    assert parts["base parameters (frozen)"] == pytest.approx(2 * p + 2 * 1.05e9)
+    assert parts["adapter parameters"] == parts["adapter gradients"] == pytest.approx(2 * t)
+    assert parts["adapter optimizer"] == pytest.approx(12 * t)  # fp32 master, m and v: the adapter's only
+    assert parts["fp32 gradient copy"] == pytest.approx(4 * t)
+    assert parts["reduce bucket"] == pytest.approx(2 * DS_REDUCE_BUCKET)  # allocated whole on CUDA
+    assert parts["embedding grad"] == 0  # the embedding is frozen
+    # colocated: the released server keeps its weights (and its adapter slots) beside the trainer
+    assert parts["SGLang weights (kept)"] == pytest.approx(2 * p)
+    assert parts["SGLang adapter slots (kept)"] == pytest.approx(SGLANG_ADAPTER_SLOTS * 2 * t)
+    assert "gradients" not in parts and "reference model" not in parts
+
+
+def test_lora_rollout_phase_keeps_the_trainers_base_and_the_pool_holds_the_adapter_slots():
+    loaded = _load(LORA_1_5B)
+    d = model_dims(loaded)
+    p, t = d.params(), lora_params(loaded.recipe, d)
+    _, _, budgets = plan(loaded)
+    rollout, phase = budgets[1].parts, budgets[2].parts
+    assert phase["trainer's frozen base and adapter (kept)"] == pytest.approx(2 * (p + t))
+    assert rollout["adapter slots"] == pytest.approx(2 * 2 * t)
+    assert rollout["weights"] + rollout["adapter slots"] + rollout["KV cache"] == pytest.approx(0.5 * 24 * GIB)
+    assert all(b.fits for b in budgets)
+
+
+def test_lora_kl_reference_is_the_base_no_second_model():
+    loaded = _load(LORA_1_5B, ["rl.kl_coef=0.01"])
+    budget = train_budget(loaded.recipe, model_dims(loaded))
+    assert "reference model" not in budget.parts
+    assert any("adapter off, no second model" in n for n in budget.notes)
+    full = _load(FULL_1_5B, ["rl.kl_coef=0.01"])
+    assert "reference model" in train_budget(full.recipe, model_dims(full)).parts
+
+
+def test_lora_checkpoints_hold_the_adapter_and_its_optimizer_only():
+    loaded = _load(LORA_1_5B)
+    r, d = loaded.recipe, model_dims(loaded)
+    t = lora_params(r, d)
+    ckpt = checkpoint_bytes(r, d)
+    assert ckpt["trainer state (the adapter's)"] == 12 * t and ckpt["adapter (PEFT)"] == 2 * t
+    assert "weights (HF export)" not in ckpt
+    disk = disk_parts(r, d)
+    assert disk["adapter for the rollout servers"] == 2 * t  # weight_sync disk: the adapter, not the weights
+    assert disk["final export"] == 2 * (d.params() + t)  # the merged model and the adapter beside it
+    host = rank0_host_parts(r, d)
+    assert host["trainer state offloaded (pinned)"] == pytest.approx(offloaded_bytes(d, "float16", 1, False, False,
+                                                                                     3, t))
+
+
+def test_lora_offload_moves_the_adapters_state_and_the_bucket_only():
+    p, t = QWEN_1_5B.params(), 1_000_000
+    # ZeRO-3 over 4 ranks, 16-bit: the adapter's gradients (2), fp32 gradients (4), optimizer (12), a
+    # quarter each, and the reduce bucket; no weights
+    moved = (2 + 4 + 12) * t / 4 + 2 * DS_REDUCE_BUCKET
+    assert offloaded_bytes(QWEN_1_5B, "bfloat16", 4, False, False, 3, t) == pytest.approx(moved)
+    assert offloaded_bytes(QWEN_1_5B, "bfloat16", 4, False, False) > 2 * p / 4  # full fine-tuning: the weights too
+    phases = phase_seconds(QWEN_1_5B, dtype="bfloat16", ranks=4, offload_optimizer=False, offload_params=False,
+                           push_s=0.0, adapter=t)
+    assert phases["reload"] == phases["offload"] == pytest.approx(moved / ASSUMED.offload_bytes_s)
+
+
+def test_adapter_push_by_hand():
+    t = QWEN_1_5B.lora_params(32)
+    seconds = push_seconds(QWEN_1_5B, "float16", servers=1, tp=1, params=t)
+    w = 2 * t  # 73.9 MB in float16
+    assert w == pytest.approx(73.86e6, rel=1e-4)
+    assert seconds["tensor"] == pytest.approx(w / 0.25e9)  # /load_lora_adapter_from_tensors: 0.30 s
+    assert seconds["disk"] == pytest.approx(w / 2e9 + w / 8e9)  # a PEFT directory written, then loaded: 0.05 s
+    assert allowed_pushes(colocated=True, lora=True) == ("tensor", "disk")
+
+
+def test_lora_training_step_skips_the_frozen_weight_gradients():
+    d = QWEN_1_5B
+    full = Rates.of(d, "bfloat16", True)
+    lora = Rates.of(d, "bfloat16", True, lora=True)
+    assert lora.train_token_s == pytest.approx(full.train_token_s * 8 / 10)
+    t = d.lora_params(32)
+    kw = dict(trained_tokens=1e6, ranks=1, nodes=1, dtype="bfloat16", zero_stage=3, offload_optimizer=False,
+              offload_params=False, microbatch_tokens=9216, chunk_tokens=1024, minibatches=4)
+    step = training_step(lora, d, trained_params=t, **kw)
+    assert step.parts["step and push"] == pytest.approx(3.0 + 2 * t / H100.weight_push_bytes_s)
+    assert training_step(full, d, **kw).parts["step and push"] == pytest.approx(3.0 + 2 * d.params() / 8e9)
+
+
+def test_fit_lays_out_1_5b_lora_on_one_24gb_gpu_where_full_fine_tuning_is_refused():
+    full = fit(_load(FULL_1_5B), Machine(1, 1, 24))
+    assert full.refusal and "the training phase needs 27.6 GiB per GPU > 22.8" in full.refusal
+    loaded = _load(FULL_1_5B, ["trainer.lora.rank=32", *LORA])
+    best = fit(loaded, Machine(1, 1, 24)).layouts[0]
+    assert best.colocated and best.push == "disk" and best.train.label == "Z3 9k x 128 c1024"
+    assert best.train.peak / GIB == pytest.approx(22.22, abs=0.01) and best.rollout.mem_fraction == 0.5
+    assert best.step_s == pytest.approx(367, abs=1) and best.hours == pytest.approx(41, abs=0.5)
+
+
+def test_fit_on_one_48gb_gpu_7b_lora_rank_8_fits_rank_32_is_refused_with_the_numbers():
+    rank32 = _load("recipes/7b_boba_icepop_c3po.yaml", [*ONE_GPU_BATCH, "trainer.lora.rank=32", *LORA])
+    search = Search(rank32, Machine(1, 1, 48))
+    assert search.layouts() == []
+    assert "the training phase needs 45.9 GiB per GPU > 45.6 usable" in first_failure(search)
+    rank8 = _load("recipes/7b_boba_icepop_c3po.yaml", [*ONE_GPU_BATCH, "trainer.lora.rank=8", *LORA])
+    best = Search(rank8, Machine(1, 1, 48)).layouts()[0]
+    assert best.colocated and best.train.peak / GIB == pytest.approx(45.43, abs=0.01)
+    assert best.hours == pytest.approx(145, abs=0.5)
+
+
+@pytest.mark.parametrize("path, machine", [(LORA_1_5B, Machine(1, 1, 24)), (LORA_7B, Machine(1, 1, 48))],
+                         ids=["1.5b_24gb", "7b_48gb"])
+def test_shipped_lora_recipes_are_fits_first_layout(path, machine):
+    loaded = _load(path)
+    r = loaded.recipe
+    best = Search(loaded, machine).layouts()[0]
+    t, ro = best.train, best.rollout
+    assert r.trainer.lora.enabled and r.trainer.lora.target_modules == "all-linear" and r.trainer.lr == 2e-4
+    assert r.rollout.colocate and r.rollout.sglang.weight_sync == best.push
+    assert (r.trainer.zero_stage, r.trainer.offload_optimizer, r.trainer.offload_params) == \
+        (t.zero_stage, t.offload_optimizer, t.offload_params)
+    assert (r.trainer.max_tokens_per_microbatch, r.trainer.logprob_chunk_tokens) == (t.microbatch_tokens, t.chunk_tokens)
+    assert (r.rollout.sglang.tp_size, r.rollout.sglang.mem_fraction_static) == (ro.tp, ro.mem_fraction)
+    head = (REPO / path).read_text()
+    assert "NOTHING OF IT HAS RUN ON A GPU" in head and f"{best.hours:.0f} h" in head
+
+
+@pytest.mark.parametrize("path, totals", [("recipes/7b_boba.yaml", (24.52, 64.00)),
+                                          (FULL_1_5B, (53.61, 72.00, 79.50)),
+                                          ("recipes/7b_boba_8x40gb.yaml", (33.39, 32.00, 39.50))],
+                         ids=["7b_boba", "1.5b_1x80gb", "7b_8x40gb"])
+def test_full_fine_tuning_plans_unchanged(path, totals):
+    """The totals `rlrecipe plan` printed before LoRA was counted; rank 0 set explicitly changes nothing."""
+    for sets in ([], ["trainer.lora.rank=0"]):
+        budgets = plan(_load(path, sets))[2]
+        assert tuple(round(b.total / GIB, 2) for b in budgets) == totals

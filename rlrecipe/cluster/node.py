@@ -119,8 +119,10 @@ def run_node(loaded: LoadedRecipe, overrides: list[str], *, stage: str, gpus_per
                         "nodes: submit the job with the #SBATCH --nodes `rlrecipe slurm` wrote")
     role = layout.role(place.node)
     console.print(f"node {place.node} of {layout.nodes} ({place.hosts[place.node]}): {role}", highlight=False)
-    if role == ROLLOUT:
-        return subprocess.call(rollout_command(loaded, overrides, layout, place))
+    if role == ROLLOUT:  # become rollout-servers: the job's signals reach it, and it cleans up before exiting
+        cmd = rollout_command(loaded, overrides, layout, place)
+        sys.stdout.flush()
+        os.execv(cmd[0], cmd)
     servers = None
     if role == BOTH:
         servers = subprocess.Popen(rollout_command(loaded, overrides, layout, place))

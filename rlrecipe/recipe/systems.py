@@ -49,6 +49,7 @@ class SGLangServer(Section):
     max_restarts: int = Field(0, ge=0)
     # Replaces `python -m sglang.launch_server ...` (then tp/dp/mem/extra_args are not added).
     # Placeholders: {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {kv_cache_dtype}
+    # {lora_args} (under trainer.lora, SGLang's --enable-lora flags; one argument each, none without)
     # {revision} (model.revision for a hub id started by `rlrecipe rollout-servers`, else empty). E.g. the CPU stand-in that
     # speaks the same API: ["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}"].
     launch_cmd: list[str] = []

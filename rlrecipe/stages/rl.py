@@ -292,7 +292,8 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
     guard = BadStepGuard(cfg.max_bad_steps, "rl", rl_step_skipped)
     start, resumed_from = resume_rl(run, trainer, pool, watch, guard)
     turns = TakingTurns(trainer, colocated)  # colocated: rollout and training take turns on the GPUs
-    weights_out = WeightsOut(trainer, run, tokenizer, weight_transport(recipe.rollout.engine, recipe.rollout.sglang),
+    weights_out = WeightsOut(trainer, run, tokenizer, weight_transport(recipe.rollout.engine, recipe.rollout.sglang,
+                                                                     lora=recipe.trainer.lora.enabled),
                              start, bucket_bytes=recipe.rollout.sglang.weight_sync_bucket_mb << 20, turns=turns)
     turns.before_rollout_starts()  # colocated: the trainer leaves the GPU to the engine about to start
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir,

@@ -191,3 +191,17 @@ def test_a_colocated_hand_over_leaves_the_frozen_base_on_the_device(tiny_model_d
     monkeypatch.setattr(full.model, "to", lambda *a, **k: moves.append(a))
     full.offload_states("weights")
     assert moves == [(torch.device("cpu"),)]
+
+
+@pytest.mark.parametrize("sync", ["distributed", "ipc"])
+def test_lora_with_a_push_that_cannot_carry_an_adapter_is_refused_when_the_recipe_loads(sync):
+    from rlrecipe.recipe.base import RecipeError
+    from rlrecipe.recipe.schema import recipe_from_dict
+
+    spec = {"run": {"name": "r"}, "model": {"tiny": {}}, "rl": {}, "trainer": {"lora": {"rank": 4}},
+            "rollout": {"engine": "sglang", "urls": ["http://127.0.0.1:30000"], "sglang": {"weight_sync": sync}}}
+    with pytest.raises(RecipeError, match=f"trainer.lora with rollout.sglang.weight_sync: {sync}: SGLang takes an "
+                                          "adapter only by /load_lora_adapter_from_tensors or from disk"):
+        recipe_from_dict(spec)
+    spec["rollout"]["sglang"]["weight_sync"] = "tensor"
+    assert recipe_from_dict(spec).trainer.lora.rank == 4

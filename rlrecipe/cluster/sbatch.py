@@ -63,6 +63,10 @@ def _describe(loaded: LoadedRecipe, layout: JobLayout) -> str:
         return f"{train}, each also serving {layout.servers_per_node} SGLang server(s) on the same GPUs"
     if layout.rollout_nodes:
         return f"{train}, then {layout.rollout_nodes} rollout node(s) of {layout.servers_per_node} SGLang server(s)"
+    ro = loaded.recipe.rollout
+    if ro.engine == "sglang" and not ro.urls:
+        where = "on the same GPUs (colocated)" if ro.colocate else "beside training"
+        return f"{train}; the run launches its {ro.sglang.num_servers} SGLang server(s) there, {where}"
     return train
 
 

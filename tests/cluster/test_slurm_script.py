@@ -123,3 +123,18 @@ def test_the_cli_writes_an_executable_script(tmp_path):
     assert done.returncode == 0, done.stderr
     text = out.read_text()
     assert "#SBATCH --partition=gpu" in text and "#SBATCH --time=48:00:00" in text and out.stat().st_mode & 0o111
+
+
+def _docs_scripts() -> list[str]:
+    from pathlib import Path
+
+    text = Path("docs/cluster.md").read_text()
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) if block.startswith("#!/bin/bash")]
+
+
+def test_the_scripts_shown_in_the_docs_are_what_slurm_writes_now():
+    published, colocated = _docs_scripts()
+    seven_b = render(load_recipe("recipes/7b_boba.yaml"), [],
+                     SlurmOptions(gpus_per_node=8, nodes=16, assume_shared=True))
+    one_node = render(load_recipe("recipes/7b_boba_8x80gb.yaml"), [], SlurmOptions(gpus_per_node=8))
+    assert published == seven_b.strip() and colocated == one_node.strip()

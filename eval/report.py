@@ -27,7 +27,13 @@ from rlrecipe.eval.results_store import (
     merge,
     read_study,
 )
-from rlrecipe.eval.study_sections import async_section, fp8_section, lora_section, options_section, study_section
+from rlrecipe.eval.study_sections import (
+    async_section,
+    fp8_section,
+    lora_section,
+    options_section,
+    study_section,
+)
 
 from rlrecipe.core.errors import UserError
 

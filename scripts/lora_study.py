@@ -19,15 +19,13 @@ results/lora-study.png and results/lora-study.json, from which RESULTS.md's "LoR
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
-from rlrecipe.eval.results_store import LORA_STUDY, STORE, save_study
+from rlrecipe.eval.results_store import LORA_STUDY, STORE
 
 from scripts.mismatch_study import WINDOW, _mean, collapsed
-from scripts.study_runs import finish_row, finished, train
+from scripts.study_runs import collect, conclude, finish_row, keep_study, save_figure, write_study_json
 from scripts.study_runs import sd as _sd
 
 RECIPE = "recipes/tiny_rl.yaml"
@@ -101,18 +99,11 @@ def study_of(rows: list[dict], plan: dict) -> dict:
 
 
 def write_study(rows: list[dict], plan: dict) -> Path:
-    from rlrecipe.core.atomic_io import atomic_write_text
-
-    STUDY_DIR.mkdir(parents=True, exist_ok=True)
-    path = STUDY_DIR / "study.json"
-    atomic_write_text(path, json.dumps(study_of(rows, plan), indent=1))
-    return path
+    return write_study_json(STUDY_DIR, study_of(rows, plan))
 
 
 def keep(study: dict, figure: Path | None, store: Path = STORE) -> Path:
-    kept = {**study, "runs": [{k: v for k, v in r.items() if k != "curve"} for r in study["runs"]],
-            "figure": figure.as_posix() if figure else None}
-    return save_study(kept, store, LORA_STUDY, also=("runs",))
+    return keep_study(study, figure, store, LORA_STUDY)
 
 
 def plot(rows: list[dict], out: Path) -> Path:
@@ -135,11 +126,7 @@ def plot(rows: list[dict], out: Path) -> Path:
     for arm, colour in colours.items():
         axes[0].plot([], [], color=colour, label="full" if arm == "full" else f"LoRA rank {ARMS[arm]}")
     axes[0].legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,25 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     seeds = [int(x) for x in args.seeds.split(",") if x]
     plan = {"steps": args.steps, "seeds": seeds, "arms": arms, "lr_scales": scales,
             **({"note": args.note} if args.note else {})}
-    rows: list[dict] = []
-    for seed in seeds:  # seeds outermost: a study cut short has every arm at the seeds it reached
-        for scale in scales:
-            for arm in arms:
-                run_dir = Path("runs") / run_name(arm, scale, args.steps, seed)
-                if args.no_new_runs:
-                    if not run_dir.is_dir():
-                        continue
-                    status = "done" if finished(run_dir) else "unfinished"
-                else:
-                    status = train(arm_args(arm, scale, args.steps, seed), run_dir)
-                rows.append(summarise_run(run_dir, arm, scale, seed, status))
-                write_study(rows, plan)
-    if not rows:
-        sys.exit("no run of the plan is there: nothing to summarise")
-    path = write_study(rows, plan)
-    figure = plot(rows, FIGURE)
-    print(f"study: {path}; figure: {figure}; kept as {keep(json.loads(path.read_text()), figure)}")
-    subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)
+    # seeds outermost: a study cut short has every arm at the seeds it reached
+    planned = ((Path("runs") / run_name(arm, scale, args.steps, seed), arm_args(arm, scale, args.steps, seed),
+                (arm, scale, seed)) for seed in seeds for scale in scales for arm in arms)
+    rows = collect(planned, args.no_new_runs, summarise_run, lambda rows: write_study(rows, plan))
+    conclude(rows, lambda rows: write_study(rows, plan), lambda rows: plot(rows, FIGURE), keep)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -43,3 +44,66 @@ def finish_row(row: dict, run_dir: Path, collapsed) -> dict:
 def sd(xs: list[float]) -> float | None:
     """The sample standard deviation, or None below two values."""
     return statistics.stdev(xs) if len(xs) > 1 else None
+
+
+def collect(planned: Iterable[tuple[Path, list[str], tuple]], no_new_runs: bool,
+            summarise: Callable[..., dict], save: Callable[[list[dict]], object]) -> list[dict]:
+    """Each planned (run directory, `rlrecipe` arguments, its arm) trained unless finished (with
+    `no_new_runs`: only those there, none trained) and summarised as summarise(run_dir, *arm,
+    status); the study saved after every run, so a study cut short keeps what it reached."""
+    rows: list[dict] = []
+    for run_dir, args, arm in planned:
+        if no_new_runs:
+            if not run_dir.is_dir():
+                continue
+            status = "done" if finished(run_dir) else "unfinished"
+        else:
+            status = train(args, run_dir)
+        rows.append(summarise(run_dir, *arm, status))
+        save(rows)
+    if not rows:
+        sys.exit("no run of the plan is there: nothing to summarise")
+    return rows
+
+
+def regenerate_results() -> None:
+    subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "results"], check=False)
+
+
+def conclude(rows: list[dict], write: Callable[[list[dict]], Path], plot: Callable[[list[dict]], Path],
+             keep: Callable[[dict, Path], Path]) -> None:
+    """The study written, drawn and kept; where it went said; RESULTS.md regenerated from it."""
+    path = write(rows)
+    figure = plot(rows)
+    print(f"study: {path}; figure: {figure}; kept as {keep(json.loads(path.read_text()), figure)}")
+    regenerate_results()
+
+
+def save_figure(fig, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_study_json(study_dir: Path, study: dict) -> Path:
+    """The study with every run's curves, in its runs/ folder (written whole or not at all)."""
+    from rlrecipe.core.atomic_io import atomic_write_text
+
+    study_dir.mkdir(parents=True, exist_ok=True)
+    path = study_dir / "study.json"
+    atomic_write_text(path, json.dumps(study, indent=1))
+    return path
+
+
+def keep_study(study: dict, figure: Path | None, store: Path, name: str) -> Path:
+    """results/<name>: the study and its per-run rows without their per-step curves (they stay in
+    runs/ and the figure)."""
+    from rlrecipe.eval.results_store import save_study
+
+    kept = {**study, "runs": [{k: v for k, v in r.items() if k != "curve"} for r in study["runs"]],
+            "figure": figure.as_posix() if figure else None}
+    return save_study(kept, store, name, also=("runs",))

@@ -11,7 +11,6 @@ from rlrecipe.core.console import console
 from rlrecipe.recipe.base import RecipeError
 from rlrecipe.recipe.schema import LoadedRecipe, _digest, recipe_from_dict
 
-
 # Where a job's processes meet and which servers it talks to: a resubmitted job gets other hosts.
 MOVES_BETWEEN_JOBS = ("trainer.master_addr", "trainer.master_port", "rollout.urls")
 

@@ -14,7 +14,6 @@ from rlrecipe.cluster.nodelist import expand_nodelist
 from rlrecipe.cluster.sbatch import SlurmOptions, render
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import load_recipe, recipe_from_dict
-from tests.helpers import write_recipe
 
 
 @pytest.mark.parametrize("text, hosts", [

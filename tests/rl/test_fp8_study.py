@@ -9,6 +9,7 @@ from rlrecipe.eval.results_store import FP8_STUDY, load_stored_study
 from rlrecipe.eval.study_sections import fp8_section
 
 import scripts.fp8_study as fp8
+import scripts.study_runs as study_runs
 from rlrecipe.recipe.schema import load_recipe
 from scripts.fp8_study import (
     CORRECTIONS,
@@ -134,8 +135,8 @@ def test_no_new_runs_summarises_the_runs_there_keeps_the_study_and_renders_resul
         raise AssertionError("--no-new-runs trained a run")
 
     calls = []
-    monkeypatch.setattr(fp8, "train", no_training)
-    monkeypatch.setattr(fp8.subprocess, "run", lambda cmd, **k: calls.append(cmd[-1]))
+    monkeypatch.setattr(study_runs, "train", no_training)
+    monkeypatch.setattr(study_runs, "regenerate_results", lambda: calls.append("results"))
     fp8.main(["--no-new-runs", "--steps", "10", "--seeds", "1,2,3", "--kv", "bf16", "--corrections", "icepop"])
     kept = json.loads((tmp_path / "results" / FP8_STUDY).read_text())
     assert [(r["seed"], r["status"]) for r in kept["runs"]] == [(1, "done"), (2, "unfinished")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -280,7 +280,24 @@ def run_rl(loaded: LoadedRecipe, resume: bool = False, overwrite: bool = False) 
         return _train(loaded, stage)
 
 
-def _train(loaded: LoadedRecipe, stage) -> dict:
+@dataclass
+class RLParts:
+    """What the loop works with: built once per run (every rank; the engine, pool and grader's
+    side on rank 0 only)."""
+
+    trainer: object
+    reference: object
+    pool: RolloutPool | None
+    engine: object
+    watch: EntropyWatch
+    guard: BadStepGuard
+    turns: TakingTurns
+    weights_out: WeightsOut
+    start: int
+    resumed_from: Path | None
+
+
+def _build(stage) -> RLParts:
     recipe, run, tokenizer, cfg = stage.recipe, stage.run, stage.tokenizer, stage.recipe.rl
     lead = is_rank_zero()
     pool = make_pool(recipe, tokenizer) if lead else None
@@ -292,65 +309,88 @@ def _train(loaded: LoadedRecipe, stage) -> dict:
     guard = BadStepGuard(cfg.max_bad_steps, "rl", rl_step_skipped)
     start, resumed_from = resume_rl(run, trainer, pool, watch, guard)
     turns = TakingTurns(trainer, colocated)  # colocated: rollout and training take turns on the GPUs
-    weights_out = WeightsOut(trainer, run, tokenizer, weight_transport(recipe.rollout.engine, recipe.rollout.sglang,
-                                                                     lora=recipe.trainer.lora.enabled),
-                             start, bucket_bytes=recipe.rollout.sglang.weight_sync_bucket_mb << 20, turns=turns)
+    transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang, lora=recipe.trainer.lora.enabled)
+    weights_out = WeightsOut(trainer, run, tokenizer, transport, start,
+                             bucket_bytes=recipe.rollout.sglang.weight_sync_bucket_mb << 20, turns=turns)
     turns.before_rollout_starts()  # colocated: the trainer leaves the GPU to the engine about to start
     engine = make_rollout_engine(recipe, stage.model_dir, tokenizer, version=start, run_dir=run.dir,
                                  beside_training=not colocated) if lead else None
     turns.attach(engine)
     weights_out.attach(engine)
+    return RLParts(trainer, reference, pool, engine, watch, guard, turns, weights_out, start, resumed_from)
+
+
+def _train(loaded: LoadedRecipe, stage) -> dict:
+    recipe, run, tokenizer, cfg = stage.recipe, stage.run, stage.tokenizer, stage.recipe.rl
+    parts = _build(stage)
     params = sampling_params(recipe.rollout)
     t_start = time.time()
     t_mark = t_start  # the end of the last step's row: a step's wall time runs from there (validation left out)
     rollout = None
     try:
         with Grader() as grader:
-            collect = partial(collect_graded, pool, engine, params, tokenizer, grader, cfg)
-            rollout = StepRollout(recipe, collect, weights_out, start, resumed_from)
-            for step in range(start, cfg.steps):
+            collect = partial(collect_graded, parts.pool, parts.engine, params, tokenizer, grader, cfg)
+            rollout = StepRollout(recipe, collect, parts.weights_out, parts.start, parts.resumed_from)
+            for step in range(parts.start, cfg.steps):
                 timer = StepTimer()
                 with timer("rollout_s"):  # synchronous: collected now; asynchronous: collected ahead
                     batch, roll = rollout.batch_for(step)
                 with timer("train_s"):
-                    with turns.training():  # colocated: the engine releases the GPUs for the update
-                        samples, logp_old, entropy = recompute_old_logprobs(trainer, batch, reference)
-                        weights = attach_ppo_fields(samples, batch, logp_old, cfg)
-                        update = ppo_update(trainer, samples, cfg)
-                        guard.check(update, step + 1)
+                    weights, update, entropy = _update(parts, batch, cfg, step)
                     rollout.trained(step + 1)  # synchronous: push the weights (when due)
                 metrics = {**rollout_metrics(batch, entropy, step), **weights, **update, **roll.metrics(),
                            **timer.seconds, **rollout.timing(timer.seconds["rollout_s"], roll.generated_tokens),
-                           **turns.seconds()}
-                metrics.update(watch.update(metrics["entropy"], step + 1))
-                validation_s = 0.0
-                if lead and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                    t0 = time.time()
-                    rollout.hold_current_weights(step + 1)  # asynchronous: the worker's batches ahead finish first
-                    t1 = time.time()
-                    metrics.update(validate(loaded, engine, tokenizer, grader, run, step + 1))
-                    validation_s = time.time() - t1
-                    metrics.update(validation_s=validation_s, validation_drain_s=t1 - t0)
+                           **parts.turns.seconds()}
+                metrics.update(parts.watch.update(metrics["entropy"], step + 1))
+                validation_s = _validate_if_due(loaded, stage, parts.engine, rollout, grader, metrics, step)
                 # wall time of the step as training sees it: since the last row (its checkpoint included),
                 # less the validation itself (the drain before it stays: it is rollout work)
                 now = time.time()
                 metrics["step_wall_s"], t_mark = now - t_mark - validation_s, now
                 run.log(step + 1, metrics, total=cfg.steps)
-                if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                    # colocated: the engine steps aside again while the trainer's state is saved from
-                    # the GPU, then gets its weights back (its memory never holds both sides at once)
-                    with turns.training():
-                        save_rl_checkpoint(run, step + 1, trainer, pool, rollout)
-                    if turns.released and step + 1 < cfg.steps:
-                        weights_out.push(step + 1)
+                _checkpoint_if_due(parts, rollout, run, cfg, step)
     finally:
         if rollout is not None:
             rollout.close()
-        if engine is not None:
-            engine.close()
-    console.print(f"RL done: {cfg.steps - start} steps in {time.time() - t_start:.1f}s")
-    turns.trainer_back()
-    return finish_stage(stage, trainer, token_columns=("tokens_trained", "tokens_generated"))
+        if parts.engine is not None:
+            parts.engine.close()
+    console.print(f"RL done: {cfg.steps - parts.start} steps in {time.time() - t_start:.1f}s")
+    parts.turns.trainer_back()
+    return finish_stage(stage, parts.trainer, token_columns=("tokens_trained", "tokens_generated"))
+
+
+def _update(parts: RLParts, batch: TrajectoryBatch, cfg, step: int) -> tuple[dict, dict, torch.Tensor]:
+    """The PPO update on a graded batch: old log-probs, advantages and IcePop/TIS weights, minibatches."""
+    with parts.turns.training():  # colocated: the engine releases the GPUs for the update
+        samples, logp_old, entropy = recompute_old_logprobs(parts.trainer, batch, parts.reference)
+        weights = attach_ppo_fields(samples, batch, logp_old, cfg)
+        update = ppo_update(parts.trainer, samples, cfg)
+        parts.guard.check(update, step + 1)
+    return weights, update, entropy
+
+
+def _validate_if_due(loaded: LoadedRecipe, stage, engine, rollout, grader, metrics: dict, step: int) -> float:
+    """Held-out validation every rl.eval_every steps (rank 0), into `metrics`; its seconds."""
+    cfg = loaded.recipe.rl
+    if not (is_rank_zero() and cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+        return 0.0
+    t0 = time.time()
+    rollout.hold_current_weights(step + 1)  # asynchronous: the worker's batches ahead finish first
+    t1 = time.time()
+    metrics.update(validate(loaded, engine, stage.tokenizer, grader, stage.run, step + 1))
+    validation_s = time.time() - t1
+    metrics.update(validation_s=validation_s, validation_drain_s=t1 - t0)
+    return validation_s
+
+
+def _checkpoint_if_due(parts: RLParts, rollout, run, cfg, step: int) -> None:
+    if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+        # colocated: the engine steps aside again while the trainer's state is saved from the GPU,
+        # then gets its weights back (its memory never holds both sides at once)
+        with parts.turns.training():
+            save_rl_checkpoint(run, step + 1, parts.trainer, parts.pool, rollout)
+        if parts.turns.released and step + 1 < cfg.steps:
+            parts.weights_out.push(step + 1)
 
 
 # -- the loop's plumbing ------------------------------------------------------------------------

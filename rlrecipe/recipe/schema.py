@@ -198,14 +198,6 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
-    def _adapter_push(self) -> Recipe:
-        sync = self.rollout.sglang.weight_sync
-        if self.trainer.lora.enabled and self.rollout.engine == "sglang" and sync in ("distributed", "ipc"):
-            raise ValueError(f"trainer.lora with rollout.sglang.weight_sync: {sync}: SGLang takes an adapter only by "
-                             "/load_lora_adapter_from_tensors or from disk; set weight_sync: tensor (or disk)")
-        return self
-
-    @model_validator(mode="after")
     def _colocated_gpus(self) -> Recipe:
         ro, tr = self.rollout, self.trainer
         if not ro.colocate:

@@ -299,6 +299,8 @@ class RLParts:
 
 def _build(stage) -> RLParts:
     recipe, run, tokenizer, cfg = stage.recipe, stage.run, stage.tokenizer, stage.recipe.rl
+    # first: a push that cannot carry the recipe's weights (an adapter over ipc) stops before anything loads
+    transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang, lora=recipe.trainer.lora.enabled)
     lead = is_rank_zero()
     pool = make_pool(recipe, tokenizer) if lead else None
     colocated = recipe.rollout.colocate
@@ -309,7 +311,6 @@ def _build(stage) -> RLParts:
     guard = BadStepGuard(cfg.max_bad_steps, "rl", rl_step_skipped)
     start, resumed_from = resume_rl(run, trainer, pool, watch, guard)
     turns = TakingTurns(trainer, colocated)  # colocated: rollout and training take turns on the GPUs
-    transport = weight_transport(recipe.rollout.engine, recipe.rollout.sglang, lora=recipe.trainer.lora.enabled)
     weights_out = WeightsOut(trainer, run, tokenizer, transport, start,
                              bucket_bytes=recipe.rollout.sglang.weight_sync_bucket_mb << 20, turns=turns)
     turns.before_rollout_starts()  # colocated: the trainer leaves the GPU to the engine about to start

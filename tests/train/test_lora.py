@@ -194,14 +194,19 @@ def test_a_colocated_hand_over_leaves_the_frozen_base_on_the_device(tiny_model_d
 
 
 @pytest.mark.parametrize("sync", ["distributed", "ipc"])
-def test_lora_with_a_push_that_cannot_carry_an_adapter_is_refused_when_the_recipe_loads(sync):
-    from rlrecipe.recipe.base import RecipeError
-    from rlrecipe.recipe.schema import recipe_from_dict
-
-    spec = {"run": {"name": "r"}, "model": {"tiny": {}}, "rl": {}, "trainer": {"lora": {"rank": 4}},
-            "rollout": {"engine": "sglang", "urls": ["http://127.0.0.1:30000"], "sglang": {"weight_sync": sync}}}
-    with pytest.raises(RecipeError, match=f"trainer.lora with rollout.sglang.weight_sync: {sync}: SGLang takes an "
-                                          "adapter only by /load_lora_adapter_from_tensors or from disk"):
-        recipe_from_dict(spec)
-    spec["rollout"]["sglang"]["weight_sync"] = "tensor"
-    assert recipe_from_dict(spec).trainer.lora.rank == 4
+def test_lora_rl_with_a_push_that_cannot_carry_an_adapter_stops_before_anything_loads(sync, tmp_path,
+                                                                                      tiny_model_dir):
+    """A recipe fit may still rewrite (it picks the push) loads; the run refuses it in one line first."""
+    data = write_tiny_data(tmp_path / "data")
+    recipe = rl_recipe(tmp_path, data, str(tiny_model_dir))
+    recipe["trainer"]["lora"] = {"rank": 4}
+    recipe["rollout"] = {**recipe["rollout"], "engine": "sglang", "urls": ["http://127.0.0.1:9"],
+                         "sglang": {"weight_sync": sync}}
+    out = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", "rl", str(write_recipe(tmp_path / "r.yaml", recipe))],
+                         capture_output=True, text=True, timeout=300)
+    said = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert (f"trainer.lora with rollout.sglang.weight_sync {sync}: SGLang takes an adapter only by "
+            "/load_lora_adapter_from_tensors or from disk") in " ".join(said.split())
+    assert not (tmp_path / "runs" / "rl" / "checkpoints").exists() or not any((tmp_path / "runs" / "rl" /
+                                                                              "checkpoints").iterdir())

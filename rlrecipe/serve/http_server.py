@@ -253,55 +253,14 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             body = self._body()
-            if path in ("/generate", "/generate/") and self.sched.memory.refusal():
-                self._error(400, self.sched.memory.refusal() or "")
-            elif path in ("/generate", "/generate/"):
-                reqs, batch = build_requests(body, self.sched)
-                if body.get("stream") and (batch or len(reqs) != 1):
-                    raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
-                self.sched.submit(reqs)
-                if body.get("stream"):
-                    self._stream(reqs[0])
-                    return
-                for r in reqs:
-                    r.done.wait()
-                outs = [response_body(r, self.sched.tokenizer, self.sched.weight_version) for r in reqs]
-                self._send(200, outs if batch else outs[0])
-            elif path == "/abort_request":
-                n = self.sched.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
-                if n:
-                    log(f"abort {body.get('rid') or 'all'}: {n} request(s)")
-                self._send(200)
-            elif path == "/update_weights_from_disk":
-                if not body.get("model_path"):
-                    raise BadRequest("model_path is required")
-                log(f"update_weights_from_disk {body['model_path']}")
-                self._reply(self.sched.update_weights(str(body["model_path"]), body.get("weight_version")))
-            elif path == "/update_weights_from_tensor":
-                log(f"update_weights_from_tensor ({len(body.get('serialized_named_tensors') or [])} rank payload(s))")
-                self._reply(self.sched.weights.update_weights_from_tensor(body))
-            elif path in ("/release_memory_occupation", "/resume_memory_occupation"):
-                self._memory(path, body)
-            elif path in ("/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter"):
-                self._adapter(path, body)
-            elif path == "/init_weights_update_group":
-                self._reply(self.sched.weights.init_group(body))
-            elif path == "/begin_weight_update" and self.sched.rules.weight_update_session:
-                self._reply(self.sched.weights.begin_session())
-            elif path == "/end_weight_update" and self.sched.rules.weight_update_session:
-                self._reply(self.sched.weights.end_session())
-            elif path == "/update_weights_from_distributed":
-                self._reply(self.sched.weights.update_weights_from_distributed(body))
-            elif path == "/weights_checker" and self.sched.rules.weights_checksum:
-                self._weights_checker(body)
-            elif path == "/destroy_weights_update_group" and self.sched.rules.destroy_group:
-                self._reply(self.sched.weights.destroy_group(body))
-            elif path == "/flush_cache":
-                self._flush()
-            elif path == "/get_weights_by_name":
-                self._weights_by_name(body)
-            else:
+            if path in ("/generate", "/generate/"):
+                self._generate(body)
+                return
+            handler = self._post_routes().get(path)
+            if handler is None:
                 self._error(404, f"no route POST {path}")
+            else:
+                handler(body)
         except ServerError as err:
             self._error(500, str(err))
         except UnknownField as err:
@@ -316,6 +275,63 @@ class Handler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError,
                 OverflowError) as err:
             self._error(400, f"bad request: {err!r}")
+
+    def _post_routes(self) -> dict:
+        """POST path -> handler of the body; the routes an older SGLang lacks only under its rules."""
+        rules, weights = self.sched.rules, self.sched.weights
+        routes = {
+            "/abort_request": self._abort,
+            "/update_weights_from_disk": self._update_from_disk,
+            "/update_weights_from_tensor": self._update_from_tensor,
+            "/init_weights_update_group": lambda body: self._reply(weights.init_group(body)),
+            "/update_weights_from_distributed": lambda body: self._reply(weights.update_weights_from_distributed(body)),
+            "/flush_cache": lambda body: self._flush(),
+            "/get_weights_by_name": self._weights_by_name,
+        }
+        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            routes[path] = lambda body, path=path: self._memory(path, body)
+        for path in ("/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter"):
+            routes[path] = lambda body, path=path: self._adapter(path, body)
+        if rules.weight_update_session:
+            routes["/begin_weight_update"] = lambda body: self._reply(weights.begin_session())
+            routes["/end_weight_update"] = lambda body: self._reply(weights.end_session())
+        if rules.weights_checksum:
+            routes["/weights_checker"] = self._weights_checker
+        if rules.destroy_group:
+            routes["/destroy_weights_update_group"] = lambda body: self._reply(weights.destroy_group(body))
+        return routes
+
+    def _generate(self, body: dict) -> None:
+        if self.sched.memory.refusal():
+            self._error(400, self.sched.memory.refusal() or "")
+            return
+        reqs, batch = build_requests(body, self.sched)
+        if body.get("stream") and (batch or len(reqs) != 1):
+            raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
+        self.sched.submit(reqs)
+        if body.get("stream"):
+            self._stream(reqs[0])
+            return
+        for r in reqs:
+            r.done.wait()
+        outs = [response_body(r, self.sched.tokenizer, self.sched.weight_version) for r in reqs]
+        self._send(200, outs if batch else outs[0])
+
+    def _abort(self, body: dict) -> None:
+        n = self.sched.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+        if n:
+            log(f"abort {body.get('rid') or 'all'}: {n} request(s)")
+        self._send(200)
+
+    def _update_from_disk(self, body: dict) -> None:
+        if not body.get("model_path"):
+            raise BadRequest("model_path is required")
+        log(f"update_weights_from_disk {body['model_path']}")
+        self._reply(self.sched.update_weights(str(body["model_path"]), body.get("weight_version")))
+
+    def _update_from_tensor(self, body: dict) -> None:
+        log(f"update_weights_from_tensor ({len(body.get('serialized_named_tensors') or [])} rank payload(s))")
+        self._reply(self.sched.weights.update_weights_from_tensor(body))
 
     def do_PUT(self):  # noqa: N802 - SGLang accepts PUT on /generate
         self.do_POST()

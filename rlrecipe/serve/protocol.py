@@ -175,8 +175,8 @@ def _as_list(value, n: int, name: str) -> list:
     return [value] * n
 
 
-def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
-    """A /generate body as requests, and whether it was a batch (list in, list out)."""
+def _prompts(body: dict, sched: Served) -> tuple[list, bool]:
+    """The prompts of a /generate body as token-id lists (not yet checked), and whether it was a batch."""
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise BadRequest("give exactly one of input_ids or text")
@@ -184,53 +184,72 @@ def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
         if not isinstance(ids, list):
             raise BadRequest("input_ids must be a list of integers or a list of such lists")
         batch = bool(ids) and isinstance(ids[0], list)
-        inputs = ids if batch else [ids]
-    else:
-        batch = isinstance(text, list)
-        if not all(isinstance(s, str) for s in (text if batch else [text])):
-            raise BadRequest("text must be a string or a list of strings")
-        inputs = [sched.tokenizer.encode(s) for s in (text if batch else [text])]
-    n = len(inputs)
-    if n == 0:
-        raise BadRequest("empty batch")
-    rid = body.get("rid")
+        return (ids if batch else [ids]), batch
+    batch = isinstance(text, list)
+    if not all(isinstance(s, str) for s in (text if batch else [text])):
+        raise BadRequest("text must be a string or a list of strings")
+    return [sched.tokenizer.encode(s) for s in (text if batch else [text])], batch
+
+
+def _rids(rid, n: int, batch: bool) -> list:
     if isinstance(rid, list):
-        rids = _as_list(rid, n, "rid")
-    elif rid is None:
-        rids = [uuid.uuid4().hex for _ in range(n)]
-    else:
-        rids = [str(rid)] if not batch else [f"{rid}_{i}" for i in range(n)]
-    sps = _as_list(body.get("sampling_params"), n, "sampling_params")
-    want_lp = _as_list(body.get("return_logprob", False), n, "return_logprob")
+        return _as_list(rid, n, "rid")
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    return [str(rid)] if not batch else [f"{rid}_{i}" for i in range(n)]
+
+
+def _adapters(body: dict, n: int, sched: Served) -> list:
+    """Each prompt's lora_path, every adapter named resolved first (as SGLang does before it runs)."""
     loras = _as_list(body.get("lora_path"), n, "lora_path")
-    for name in dict.fromkeys(loras):  # SGLang resolves every adapter a request names before it runs
+    for name in dict.fromkeys(loras):
         if name is not None and not isinstance(name, str):
             raise BadRequest("lora_path must be a string, or a list of them (one per prompt)")
         try:
             sched.adapters.check(name)
         except AdapterRefused as err:
             raise BadRequest(str(err)) from None
+    return loras
+
+
+def _checked_ids(seq, vocab_size: int) -> list[int]:
+    if not isinstance(seq, list) or not seq or not all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
+        raise BadRequest("input_ids must be non-empty lists of integers")
+    if not all(0 <= t < vocab_size for t in seq):
+        bad = next(t for t in seq if not 0 <= t < vocab_size)
+        raise BadRequest(f"input_ids: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    return seq
+
+
+def _prompt_logprobs(seq: list[int], prompt_from: int, n: int, lora, sched: Served) -> list:
+    """SGLang's input_token_logprobs: from logprob_start_len on, the first token's null; from the raw
+    logits, whatever the temperature (only the sampled tokens' are tempered)."""
+    if n != 1:
+        raise BadRequest("logprob_start_len >= 0 takes n = 1 in rlrecipe serve")
+    lps = [None, *sched.weights.prompt_logprobs(list(seq), lora)]
+    return [[lps[k], seq[k], None] for k in range(prompt_from, len(seq))]
+
+
+def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
+    """A /generate body as requests, and whether it was a batch (list in, list out)."""
+    inputs, batch = _prompts(body, sched)
+    n = len(inputs)
+    if n == 0:
+        raise BadRequest("empty batch")
+    rids = _rids(body.get("rid"), n, batch)
+    sps = _as_list(body.get("sampling_params"), n, "sampling_params")
+    want_lp = _as_list(body.get("return_logprob", False), n, "return_logprob")
+    loras = _adapters(body, n, sched)
     starts = _as_list(body.get("logprob_start_len", -1), n, "logprob_start_len")
     out = []
     for i, seq in enumerate(inputs):
-        if not isinstance(seq, list) or not seq or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in seq):
-            raise BadRequest("input_ids must be non-empty lists of integers")
-        if not all(0 <= t < sched.vocab_size for t in seq):
-            bad = next(t for t in seq if not 0 <= t < sched.vocab_size)
-            raise BadRequest(f"input_ids: token id {bad} is outside the vocabulary (0..{sched.vocab_size - 1})")
+        seq = _checked_ids(seq, sched.vocab_size)
         prompt_from = starts[i] if starts[i] is not None and starts[i] >= 0 and want_lp[i] else None
         if prompt_from is not None and (batch or prompt_from >= len(seq)):
             raise BadRequest("logprob_start_len >= 0 (prompt log-probs): one prompt per request, and less than "
                              "its length, in rlrecipe serve")
         sp = parse_sampling(sps[i], sched.context_len, len(seq), sched.rules)
-        if prompt_from is not None:
-            if sp["n"] != 1:
-                raise BadRequest("logprob_start_len >= 0 takes n = 1 in rlrecipe serve")
-            # SGLang's input_token_logprobs: from logprob_start_len on, the first token's is null; from
-            # the raw logits, whatever the temperature (only the sampled tokens' are tempered)
-            lps = [None, *sched.weights.prompt_logprobs(list(seq), loras[i])]
-            prompt_lps = [[lps[k], seq[k], None] for k in range(prompt_from, len(seq))]
+        prompt_lps = [] if prompt_from is None else _prompt_logprobs(seq, prompt_from, sp["n"], loras[i], sched)
         for j in range(sp["n"]):  # parallel samples come back prompt by prompt, as in SGLang
             rid_j = str(rids[i]) if sp["n"] == 1 else f"{rids[i]}_{j}"
             out.append(GenRequest(rid=rid_j, input_ids=list(seq), max_new_tokens=sp["max_new_tokens"],
@@ -239,7 +258,7 @@ def build_requests(body: dict, sched: Served) -> tuple[list[GenRequest], bool]:
                                   return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                                   skip_special_tokens=sp["skip_special_tokens"], no_stop_trim=sp["no_stop_trim"],
                                   stop_strs=sp["stop_strs"], ignore_eos=sp["ignore_eos"], lora=loras[i] or None,
-                                  input_logprobs=prompt_lps if prompt_from is not None else []))
+                                  input_logprobs=prompt_lps))
         if len(out) > MAX_SAMPLES_PER_REQUEST:
             raise BadRequest(f"more than {MAX_SAMPLES_PER_REQUEST} samples (prompts x n) in one request; "
                              "split it")

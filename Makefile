@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study fp8-study lora-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks gpu-carry sglang-contract lint clean
+.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study fp8-study lora-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks gpu-quick gpu-carry sglang-contract lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -116,6 +116,15 @@ gpu-smoke: $(STAMP)
 # CUDA visible); logs and JSON in runs/gpu-checks. bench/gpu/ holds what an H100 gave.
 gpu-checks: $(STAMP)
 	PY=$(BIN)/python bash scripts/gpu_checks.sh
+
+# What only a GPU can tell, within a short loan (8 minutes by default from a cold start; parts in order of
+# value, one JSON rewritten after each, in $OUT or runs/gpu-quick): plan vs measured peak under ZeRO-2 and
+# -3, the colocated hand-over's seconds and bytes, the push by handle, the torch engine's hand-over test,
+# decode tokens/s with bf16 and FP8 KV. Needs no venv (the GPU image's python3 and .gpu-carry/);
+# GPU_QUICK_ARGS=--cpu-dry-run runs every part at toy sizes here. docs/gpu.md, "Running the GPU checks".
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-quick:
+	$(GPU_PY) -m bench.gpu.quick $(GPU_QUICK_ARGS)
 
 # For a GPU machine without a package index: the dependencies its image lacks, in .gpu-carry/
 # (scripts/gpu_carry.sh says how to use them there).

@@ -13,6 +13,7 @@ What it does not cover: ZeRO-3's gather across ranks (one GPU here), SGLang's ow
 and a CUDA GPU, not the rest of rlrecipe (the device machine has no pydantic).
 
     python3 bench/gpu/ipc_push.py --out bench/gpu/ipc_push_h100.json
+    python3 bench/gpu/ipc_push.py --layers 4 --reps 3        # smaller, as make gpu-quick runs it
 """
 
 from __future__ import annotations
@@ -161,11 +162,14 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="2 layers, a 1024-token vocabulary")
+    ap.add_argument("--layers", type=int, help=f"7B's shapes with this many layers (default {LAYERS}; "
+                                               "make gpu-quick: 4, 4.0 GB)")
     args = ap.parse_args()
     handles, sync_module = load("handles"), load("sync")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = shapes_7b(**SMALL) if args.small else shapes_7b()
+    shapes = shapes_7b(**{**SMALL, **({'layers': args.layers} if args.layers else {})}) if args.small else \
+        shapes_7b(layers=args.layers or LAYERS)
     torch.manual_seed(0)
     src = [(name, torch.randn(shape, dtype=torch.bfloat16, device=device)) for name, shape in shapes]
     weights = sum(t.numel() * t.element_size() for _, t in src)

@@ -67,8 +67,9 @@ def _ratios(result: dict, prefix: str, eta: int) -> dict:
 
 def one_distribution(groups: list[list[int]], label: str, eta: int, steps: int = STEPS,
                      overrides: list[str] | None = None) -> dict:
-    cache: dict = {}  # the simulated rollouts, shared by every push variant below
-    kw = dict(etas=(eta,), steps=steps, splits=(async_split(),), cache=cache, overrides=overrides)
+    # the simulated rollouts are shared by every push variant below (and colocated's, on the same lengths):
+    # async_projection keeps them for the process (simulation_cache)
+    kw = dict(etas=(eta,), steps=steps, splits=(async_split(),), overrides=overrides)
     modelled = async_projection(SYNC_RECIPE, groups, lengths_label=label, **kw)
     out = _ratios(modelled, "", eta)
     out.update(_ratios(async_projection(SYNC_RECIPE, groups, per_node=False, **kw), "every_server_reads_", eta))

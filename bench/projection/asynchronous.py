@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.projection.push import WEIGHT_BYTES_7B, PushModel, describe, push_cost
 from bench.projection.rollout import _steady, gpu_cost_model, lognormal_groups, lognormal_label, recipe_trace
-from bench.projection.sim import CostModel, simulate
+from bench.projection.sim import FEATURES, CostModel, simulate
 
 AREAL_LENGTHS = Path(__file__).parents[1] / "data" / "areal_aime24_lengths.json"
 NODE = 8  # GPUs per node: the grid the rollout / training split is chosen on
@@ -145,14 +145,51 @@ def schedule_row(name: str, steps: list[dict], *, gpus: int, rollout_gpus: int, 
             "train_busy": mean_t / step if not colocated else (mean_r + mean_t) / step}
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """The recipe's GPUs as the projection lays them out: the shipped rollout and training GPUs, the KV
+    cache of one engine (`rlrecipe plan`'s), and the weight sync the recipe ships with."""
+
+    loaded: object
+    kv: int
+    shipped_r: int
+    shipped_t: int
+    transport: str
+
+    @property
+    def gpus(self) -> int:
+        return self.shipped_r + self.shipped_t
+
+    @classmethod
+    def of(cls, loaded) -> Cluster:
+        from rlrecipe.checks.plan import kv_cache_tokens, rollout_engines
+
+        recipe = loaded.recipe
+        return cls(loaded, kv_cache_tokens(loaded), rollout_engines(recipe) * recipe.rollout.sglang.tp_size,
+                   recipe.trainer.nproc * recipe.trainer.nodes,
+                   "broadcast" if recipe.rollout.sglang.weight_sync == "distributed" else "disk")
+
+
+# Simulated rollout steps by (recipe, overrides, steps, rollout cost, lengths): the simulator is
+# deterministic, so calls that differ only in the training model, the push or the layouts compared
+# (async_fast's push variants, colocated's phase-cost variants, both on the same lengths) share them.
+_SIMULATED: dict[tuple, dict] = {}
+
+
+def simulation_cache(recipe_path, overrides: list[str] | None, steps: int, cost: CostModel,
+                     groups: list[list[int]]) -> dict:
+    """The process's cache of simulated rollout steps (by engine count) for these inputs."""
+    rollout_cost = tuple(getattr(cost, f) for f in FEATURES)
+    key = (str(recipe_path), tuple(overrides or ()), steps, rollout_cost, tuple(tuple(g) for g in groups))
+    return _SIMULATED.setdefault(key, {})
+
+
 def async_projection(recipe_path: str | Path, groups: list[list[int]], *, lengths_label: str = "",
                      etas: tuple[int, ...] = (1, 2), steps: int = 5, cost: CostModel | None = None,
                      cost_name: str = "", load_s: float | None = None, train_scale: float = 1.0,
                      push_model: PushModel = PushModel(), per_node: bool = True, weight_bytes: float = WEIGHT_BYTES_7B,
                      splits: tuple[int, ...] | None = None, overrides: list[str] | None = None,
                      cache: dict | None = None, colocated_phases: dict[str, float] | None = None) -> dict:
-    # Long (~65 lines) on purpose: the rows are built in one pass so each schedule's row reads
-    # beside the others', from the same simulated rollouts.
     """The four schedules (and sync / C3PO++ both colocated and split as shipped) on the recipe's own
     GPU count, batch and C3PO++ settings, over response lengths `groups` (one list per prompt).
 
@@ -161,69 +198,99 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
     trained tokens, and speed-ups per trained token against both synchronous layouts.
     `splits`: rollout GPU counts to try for async (default: the node grid around the balance).
     `cache`: simulated rollout steps by engine count, shared by calls that differ only in the
-    training model (`train_scale`, `load_s`, `etas`, the push).
+    training model (`train_scale`, `load_s`, `etas`, the push); default: the process's
+    (`simulation_cache`).
     `colocated_phases`: seconds of a colocated step's phase changes (bench.projection.colocated), which
     add the rows "sync, colocated, costed" and "C3PO++, colocated, costed" in their place of the
     idealised rows' in-place load.
     The push (`bench.projection.push`): over the recipe's transport (disk at eta >= 2), `per_node`
     loading as sglang/weights.py does; `load_s`, when given, replaces the modelled rollout-side pause of
     every layout with separate rollout GPUs (the sensitivity to the push)."""
-    from rlrecipe.checks.plan import kv_cache_tokens, rollout_engines
     from rlrecipe.recipe.schema import load_recipe
 
     loaded = load_recipe(str(recipe_path), overrides or [])
-    recipe = loaded.recipe
     if cost is None:
         cost, cost_name = gpu_cost_model()
     cost = replace(cost, train_token_s=cost.train_token_s * train_scale)
-    kv = kv_cache_tokens(loaded)
-    shipped_r = rollout_engines(recipe) * recipe.rollout.sglang.tp_size
-    shipped_t = recipe.trainer.nproc * recipe.trainer.nodes
-    gpus = shipped_r + shipped_t
-    cache = {} if cache is None else cache
-    sim = lambda n: rollout_steps(loaded, n, cost, groups, steps=steps, kv_tokens=kv, cache=cache)  # noqa: E731
-    shipped_transport = "broadcast" if recipe.rollout.sglang.weight_sync == "distributed" else "disk"
+    c = Cluster.of(loaded)
+    if cache is None:
+        cache = simulation_cache(recipe_path, overrides, steps, cost, groups)
+    sim = lambda n: rollout_steps(loaded, n, cost, groups, steps=steps, kv_tokens=c.kv, cache=cache)  # noqa: E731
 
     def push(servers: int, eta: int) -> dict:
-        transport = "disk" if eta >= 2 else shipped_transport  # a copy held for later is an export
+        transport = "disk" if eta >= 2 else c.transport  # a copy held for later is an export
         out = push_cost(transport, weight_bytes, servers, per_node=per_node, model=push_model)
         return out if load_s is None else {**out, "rollout_s": load_s, "modelled_rollout_s": out["rollout_s"]}
 
     in_place = {"transport": "in place", "trainer_s": 0.0, "rollout_s": weight_bytes / push_model.load_bps}
+    rows = synchronous_rows(c, sim, cost, in_place, push(c.shipped_r, 0), colocated_phases)
+    if splits is None:
+        splits = balanced_splits(sim(c.shipped_r), c.shipped_r, c.gpus, cost)
+    rows += asynchronous_rows(c, sim, cost, push, etas, splits)
+    add_speedups(rows)
+    return {"assumptions": assumptions(recipe_path, c, groups, splits=splits, cost=cost, cost_name=cost_name,
+                                       lengths_label=lengths_label, train_scale=train_scale, steps=steps,
+                                       push_model=push_model, per_node=per_node, load_s=load_s),
+            "rows": rows}
+
+
+def synchronous_rows(c: Cluster, sim, cost: CostModel, in_place: dict, split_push: dict,
+                     colocated_phases: dict[str, float] | None) -> list[dict]:
+    """Sync and C3PO++, colocated (weights loaded in place) and split as shipped (`split_push`), and
+    with `colocated_phases` the colocated rows with every phase change costed."""
     rows = []
     for mode, label in (("sync", "sync"), ("c3po", "C3PO++")):
-        rows.append(schedule_row(f"{label}, colocated", sim(gpus)[mode], gpus=gpus, rollout_gpus=gpus,
-                                 train_gpus=gpus, eta=0, colocated=True, cost=cost, push=in_place))
-        rows.append(schedule_row(f"{label}, split as shipped", sim(shipped_r)[mode], gpus=gpus,
-                                 rollout_gpus=shipped_r, train_gpus=shipped_t, eta=0, colocated=False, cost=cost,
-                                 push=push(shipped_r, 0)))
+        rows.append(schedule_row(f"{label}, colocated", sim(c.gpus)[mode], gpus=c.gpus, rollout_gpus=c.gpus,
+                                 train_gpus=c.gpus, eta=0, colocated=True, cost=cost, push=in_place))
+        rows.append(schedule_row(f"{label}, split as shipped", sim(c.shipped_r)[mode], gpus=c.gpus,
+                                 rollout_gpus=c.shipped_r, train_gpus=c.shipped_t, eta=0, colocated=False, cost=cost,
+                                 push=split_push))
     if colocated_phases is not None:
         costed = {"transport": "in place, phases costed", "trainer_s": sum(colocated_phases.values()),
                   "rollout_s": 0.0}
         for mode, label in (("sync", "sync"), ("c3po", "C3PO++")):
-            rows.append(schedule_row(f"{label}, colocated, costed", sim(gpus)[mode], gpus=gpus, rollout_gpus=gpus,
-                                     train_gpus=gpus, eta=0, colocated=True, cost=cost, push=costed))
-    if splits is None:
-        splits = balanced_splits(sim(shipped_r), shipped_r, gpus, cost)
+            rows.append(schedule_row(f"{label}, colocated, costed", sim(c.gpus)[mode], gpus=c.gpus,
+                                     rollout_gpus=c.gpus, train_gpus=c.gpus, eta=0, colocated=True, cost=cost,
+                                     push=costed))
+    return rows
+
+
+def asynchronous_rows(c: Cluster, sim, cost: CostModel, push, etas: tuple[int, ...],
+                      splits: tuple[int, ...]) -> list[dict]:
+    """Async and async + C3PO++ at each eta, each at the split among `splits` with the fewest seconds
+    per trained token."""
+    rows = []
     for mode, label in (("sync", "async"), ("c3po", "async + C3PO++")):
         for eta in etas:
-            best = min((schedule_row(f"{label}, eta={eta}", sim(r)[mode], gpus=gpus, rollout_gpus=r,
-                                     train_gpus=gpus - r, eta=eta, colocated=False, cost=cost, push=push(r, eta))
+            best = min((schedule_row(f"{label}, eta={eta}", sim(r)[mode], gpus=c.gpus, rollout_gpus=r,
+                                     train_gpus=c.gpus - r, eta=eta, colocated=False, cost=cost, push=push(r, eta))
                         for r in splits), key=lambda row: row["s_per_1m_trained_tokens"])
             rows.append(best)
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's speed-up per trained token against sync colocated and sync split as shipped."""
     base = {k: next(r for r in rows if r["schedule"] == f"sync, {k}")["s_per_1m_trained_tokens"]
             for k in ("colocated", "split as shipped")}
     for r in rows:
         r["speedup_vs_sync_colocated"] = base["colocated"] / r["s_per_1m_trained_tokens"]
         r["speedup_vs_sync_split"] = base["split as shipped"] / r["s_per_1m_trained_tokens"]
+
+
+def assumptions(recipe_path, c: Cluster, groups: list[list[int]], *, splits, cost: CostModel, cost_name: str,
+                lengths_label: str, train_scale: float, steps: int, push_model: PushModel, per_node: bool,
+                load_s: float | None) -> dict:
+    """What a projection took as given, written beside its rows."""
+    recipe = c.loaded.recipe
     rl = recipe.rl
-    assumptions = {
-        "recipe": str(recipe_path), "gpus": gpus,
-        "shipped_split": f"{shipped_r} rollout (SGLang, tp {recipe.rollout.sglang.tp_size}) + {shipped_t} training",
+    return {
+        "recipe": str(recipe_path), "gpus": c.gpus,
+        "shipped_split": f"{c.shipped_r} rollout (SGLang, tp {recipe.rollout.sglang.tp_size}) + {c.shipped_t} training",
         "batch": f"{rl.prompts_per_step} prompts x {rl.samples_per_prompt}, max_new_tokens "
                  f"{recipe.rollout.max_new_tokens}; per engine: the batch, pool ({rl.c3po.pool_capacity}) and "
                  f"budget ({rl.c3po.token_budget}) divided by the rollout GPUs, rounded to whole prompts",
-        "kv_tokens_per_engine": kv,
+        "kv_tokens_per_engine": c.kv,
         "lengths": lengths_label, "length_stats": length_stats(groups, recipe.rollout.max_new_tokens),
         "cost_model": cost_name or cost.label,
         "train": f"{cost.train_token_s * 1e6:.0f} us per trained token on one GPU (x{train_scale:g} of the cost "
@@ -231,13 +298,12 @@ def async_projection(recipe_path: str | Path, groups: list[list[int]], *, length
                  f"and weight push)",
         "async": f"step k's rollouts start once version k - eta is pushed; split chosen among {list(splits)} "
                  f"rollout GPUs",
-        "push": {**describe(push_model), "transport": f"{shipped_transport} (the recipe's), disk at eta >= 2",
+        "push": {**describe(push_model), "transport": f"{c.transport} (the recipe's), disk at eta >= 2",
                  "per_node": per_node, "rollout_pause_override_s": load_s,
                  "colocated": "in place: one load from memory per engine, nothing on the file system",
                  "train_step_s": "the optimizer step alone; the push is added on its own"},
         "steps": f"{steps} simulated steps per engine share after a warm-up step, repeated to steady state",
     }
-    return {"assumptions": assumptions, "rows": rows}
 
 
 def balanced_splits(shipped: dict[str, list[dict]], shipped_r: int, gpus: int, cost: CostModel) -> tuple[int, ...]:

@@ -140,8 +140,9 @@ def _ratios(result: dict, prefix: str) -> dict:
 
 
 def one_distribution(groups: list[list[int]], label: str, steps: int = STEPS) -> dict:
-    cache: dict = {}  # the simulated rollouts, shared by every variant below
-    kw = dict(etas=(), steps=steps, splits=(), cache=cache)
+    # the simulated rollouts are shared by every variant below, and with async_fast's when it ran first
+    # in this process (async_projection's simulation_cache)
+    kw = dict(etas=(), steps=steps, splits=())
     phases, pushes = recipe_phases(), recipe_pushes()
     result = async_projection(SYNC_RECIPE, groups, lengths_label=label, colocated_phases=phases, **kw)
     rows = {r["schedule"]: r for r in result["rows"]}

@@ -216,6 +216,33 @@ def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int, device: str,
     return out
 
 
+def beside_training(recipe: Recipe, d: ModelDims, b: int, adapter: int | None) -> tuple[dict[str, float], list[str]]:
+    """What shares a training GPU with the step: the KL reference model, and colocated, what the
+    released SGLang servers keep."""
+    parts: dict[str, float] = {}
+    notes: list[str] = []
+    p = d.params()
+    if stage_of(recipe) == "rl" and recipe.rl.kl_coef > 0:
+        if adapter is None:
+            # train/reference.py: every rank holds the whole frozen copy, not a ZeRO part of it; its
+            # no-grad forward runs between updates, inside the room the activations leave then
+            parts["reference model"] = b * p
+            notes.append(f"rl.kl_coef > 0: a whole reference model on every rank ({b * p / GIB:.1f} GiB)")
+        else:
+            notes.append("rl.kl_coef > 0: the reference is the trainer's base with the adapter off, no second model")
+    if colocated(recipe):
+        parts["SGLang while released"] = SGLANG_OUTSIDE_POOL_GIB * GIB
+        if adapter is None:
+            notes.append("colocated: the training phase, beside what the released SGLang servers keep")
+        else:  # the servers release their KV cache only: their weights and adapters stay
+            weights, slots = sglang_weights(recipe, d)
+            parts["SGLang weights (kept)"] = weights
+            parts["SGLang adapter slots (kept)"] = slots
+            notes.append("colocated with LoRA: the training phase, beside the released SGLang servers, which keep "
+                         "their weights and adapters (only the KV cache is released)")
+    return parts, notes
+
+
 def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
     tr, m = recipe.trainer, recipe.model
     p, b = d.params(), BYTES[m.dtype]
@@ -256,24 +283,9 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
     parts.update(beyond_previous(step_phases(recipe, d, act_b, b, n, stage, device)))
     if deepspeed:
         parts.update(deepspeed_buffers(d, b, n, stage, device, adapter))
-    if stage_of(recipe) == "rl" and recipe.rl.kl_coef > 0:
-        if adapter is None:
-            # train/reference.py: every rank holds the whole frozen copy, not a ZeRO part of it; its
-            # no-grad forward runs between updates, inside the room the activations leave then
-            parts["reference model"] = b * p
-            notes.append(f"rl.kl_coef > 0: a whole reference model on every rank ({b * p / GIB:.1f} GiB)")
-        else:
-            notes.append("rl.kl_coef > 0: the reference is the trainer's base with the adapter off, no second model")
-    if colocated(recipe):
-        parts["SGLang while released"] = SGLANG_OUTSIDE_POOL_GIB * GIB
-        if adapter is None:
-            notes.append("colocated: the training phase, beside what the released SGLang servers keep")
-        else:  # the servers release their KV cache only: their weights and adapters stay
-            weights, slots = sglang_weights(recipe, d)
-            parts["SGLang weights (kept)"] = weights
-            parts["SGLang adapter slots (kept)"] = slots
-            notes.append("colocated with LoRA: the training phase, beside the released SGLang servers, which keep "
-                         "their weights and adapters (only the KV cache is released)")
+    beside, beside_notes = beside_training(recipe, d, b, adapter)
+    parts.update(beside)
+    notes += beside_notes
     gpu = tr.gpu_memory_gib * GIB
     parts["reserve"] = GIB + 0.05 * gpu
     return Budget("train", parts, gpu, notes)

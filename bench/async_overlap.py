@@ -11,8 +11,10 @@ one thing:
 - async: split, with `rl.async_lag` 1 (split -> async: the lag only). A split step costs about rollout
   + train; an asynchronous one about the larger of the two.
 Each arm runs `repeats` times; a run's step time is the median wall clock of its steps after the first
-(`step_wall_s`); an arm reports the median over its runs and their range. Async pays on this machine
-only if it beats the shared arm, not just the split one.
+(`step_wall_s`); an arm reports the median over its runs and their range. The arms run in paired
+rounds (one run of each per round) and each ratio is the median of the rounds' ratios, with their
+range (bench/pairing.py). Async pays on this machine only if it beats the shared arm, not just the
+split one.
 
     python -m bench.async_overlap [--repeats 3] [--steps 8]   # prints the comparison as JSON
 """
@@ -27,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 from statistics import median
+
+from bench.pairing import paired
 
 RECIPE = Path("recipes/tiny_rl.yaml")
 MODEL = Path("runs/tiny-sft/final")
@@ -87,31 +91,30 @@ def over_runs(runs: list[dict]) -> dict:
     return out
 
 
-def compare(arms: dict[str, dict]) -> dict:
-    """The ratios, each between arms that differ in one thing (or, last, async against the shared arm)."""
-    s, p, a = arms["shared"], arms["split"], arms["async"]
-    return {"placement_split_over_shared_per_step": s["step_s"] / p["step_s"],
-            "lag_async_over_split_per_step": p["step_s"] / a["step_s"],
-            "lag_async_over_split_per_trained_token": p["s_per_trained_token"] / a["s_per_trained_token"],
-            "async_vs_shared_per_step": s["step_s"] / a["step_s"],
-            "async_vs_shared_per_trained_token": s["s_per_trained_token"] / a["s_per_trained_token"],
-            # the range of a ratio: its numerator's fastest and slowest run against the other's
-            "async_vs_shared_per_step_low": s["step_s_min"] / a["step_s_max"],
-            "async_vs_shared_per_step_high": s["step_s_max"] / a["step_s_min"],
+def compare(arms: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
+    """The ratios, each between arms that differ in one thing (or, last, async against the shared arm):
+    round by round (runs[arm][i] is round i's run; bench.pairing), the median of the rounds' ratios
+    with their min and max; the split and async steps against their parts from the arms' medians."""
+    p, a = arms["split"], arms["async"]
+    return {**paired(runs, "placement_split_over_shared_per_step", "shared", "split", "step_s"),
+            **paired(runs, "lag_async_over_split_per_step", "split", "async", "step_s"),
+            **paired(runs, "lag_async_over_split_per_trained_token", "split", "async", "s_per_trained_token"),
+            **paired(runs, "async_vs_shared_per_step", "shared", "async", "step_s"),
+            **paired(runs, "async_vs_shared_per_trained_token", "shared", "async", "s_per_trained_token"),
             "split_step_over_rollout_plus_train": p["step_s"] / (p["rollout_s"] + p["train_s"]),
             "async_step_over_max_of_two": a["step_s"] / max(a["rollout_s"], a["train_s"])}
 
 
 def overlap_bench(steps: int = 8, repeats: int = 3) -> dict:
-    arms: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
-        for run in range(repeats):  # arms interleaved: a machine that drifts drifts under each
+        for run in range(repeats):  # paired rounds: a machine that drifts drifts under each arm of a round
             for arm in ARMS:
                 over, threads, prefix = arm_overrides(Path(tmp), arm, run, steps)
-                arms[arm].append(summarise(_train(Path(tmp), over, threads, prefix)))
-    summary = {arm: over_runs(runs) for arm, runs in arms.items()}
-    return {**{f"{arm}_{k}": v for arm, s in summary.items() for k, v in s.items()}, **compare(summary),
-            "wait": WAIT}
+                runs[arm].append(summarise(_train(Path(tmp), over, threads, prefix)))
+    summary = {arm: over_runs(r) for arm, r in runs.items()}
+    return {**{f"{arm}_{k}": v for arm, s in summary.items() for k, v in s.items()}, **compare(summary, runs),
+            "rounds": [{arm: runs[arm][i]["step_s"] for arm in ARMS} for i in range(repeats)], "wait": WAIT}
 
 
 if __name__ == "__main__":

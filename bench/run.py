@@ -16,6 +16,8 @@ from rich.table import Table
 from bench.async_overlap import overlap_bench
 from bench.grading import grading_bench
 from bench.inputs import DATA, MODEL, console, ensure_inputs
+from bench.load import LoadMeter, warning
+from bench.pairing import paired_rounds, ratio_summary, round_ratios
 from bench.report import write as write_report
 from bench.run_c3po import (
     bench_c3po,
@@ -38,27 +40,6 @@ from rlrecipe.train.torch_engine import TorchTrainEngine
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 OUT = Path("bench/results.json")
-
-
-def paired_rounds(fns: dict, rounds: int) -> dict[str, list[float]]:
-    """Wall times of each of `fns`, taken in turn within each round (after one warm-up call each).
-    This machine drifts between speeds for minutes at a time (the same training step measured
-    0.94 s and 1.39 s on one afternoon): timing one side after the other would compare the drift,
-    so each round's ratio compares calls seconds apart."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def round_ratios(times: dict[str, list[float]], num: str, den: str) -> list[float]:
-    """Each round's `num` time over its `den` time (paired_rounds: the two taken seconds apart)."""
-    return [a / b for a, b in zip(times[num], times[den], strict=True)]
 
 
 def bench_demo_steps(end_to_end: dict, steps: int = 5) -> dict:
@@ -180,7 +161,7 @@ def bench_trainer_overhead(rounds: int = 5) -> dict:
 
     times = paired_rounds({"ours": lambda: engine.train_step(samples, sft_loss), "bare": bare}, rounds)
     return {"ours_s_per_step": median(times["ours"]), "bare_torch_s_per_step": median(times["bare"]),
-            "overhead_ratio": median(round_ratios(times, "ours", "bare"))}
+            **ratio_summary("overhead_ratio", round_ratios(times, "ours", "bare"))}
 
 
 def bench_grading() -> dict:
@@ -331,10 +312,12 @@ def bench_weight_fingerprint() -> dict:
     return run()
 
 
-# Benchmarks that start processes of their own (DeepSpeed ranks, a server beside a trainer): the
-# slowest, left to `make bench-full`. `sft_step_under_load` starts processes too (four runs of a
-# step, about a minute and a half) but stays in the fast set: it checks the wait policy every process gets.
-FULL_ONLY = ("async_vs_sync_cpu", "plan_vs_measured_deepspeed")
+# The slow ones, left to `make bench-full`: those that start processes of their own (DeepSpeed ranks, a
+# server beside a trainer, one process per plan configuration), minutes each on 2 cores (a user's
+# 2-core machine: plan_vs_measured 876 s, async_vs_sync_cpu 880 s, colocated_phases_cpu 406 s).
+# `sft_step_under_load` starts processes too (four runs of a step, about a minute and a half) but stays
+# in the fast set: it checks the wait policy every process gets. docs/performance.md: what each took.
+FULL_ONLY = ("async_vs_sync_cpu", "plan_vs_measured", "plan_vs_measured_deepspeed", "colocated_phases_cpu")
 
 
 def benchmarks(results: dict) -> list[tuple[str, object]]:
@@ -352,38 +335,76 @@ def benchmarks(results: dict) -> list[tuple[str, object]]:
             ("colocated_projection_7b", bench_colocated_projection), ("fp8_kv_projection_7b", bench_fp8_kv_projection)]
 
 
+def timed(name: str, fn, results: dict, seconds: dict, loads: dict) -> None:
+    """Run one benchmark under a LoadMeter: its result, wall seconds and load recorded, its time printed,
+    and a warning when it ran on a busy machine (its result then carries busy: true)."""
+    console.print(f"[bold]bench[/] {name} ...")
+    with LoadMeter() as meter:
+        out = fn()
+    rec = meter.record
+    results[name], seconds[name], loads[name] = {**out, "busy": rec["busy"]}, rec["wall_s"], rec
+    console.print(f"[bold]bench[/] {name}: {rec['wall_s']:.1f} s (1-min load {rec['load1']:.1f}, run queue "
+                  f"{rec['run_queue_median']:g}, others {rec['others_cpu_cores']:.2f} cores, steal "
+                  f"{rec['steal_share']:.1%})", highlight=False)
+    if rec["busy"]:
+        console.print(f"[bold red]{warning(name, rec)}[/]", highlight=False)
+
+
+def time_table(seconds: dict, loads: dict, total_s: float) -> Table:
+    """How long each part took, and the load it ran under."""
+    table = Table(title=f"bench: {total_s / 60:.1f} minutes in all")
+    for col in ("benchmark", "seconds", "1-min load", "run queue", "others' cores", "steal", "busy"):
+        table.add_column(col, justify="left" if col == "benchmark" else "right")
+    for name, s in seconds.items():
+        rec = loads.get(name)
+        if rec is None:  # the inputs (the demo's model and data), not measured
+            table.add_row(name, f"{s:.1f}", *["-"] * 5)
+            continue
+        table.add_row(name, f"{s:.1f}", f"{rec['load1']:.1f}", f"{rec['run_queue_median']:g}",
+                      f"{rec['others_cpu_cores']:.2f}", f"{rec['steal_share']:.1%}", "BUSY" if rec["busy"] else "")
+    return table
+
+
 def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--full", action="store_true", help=f"also {', '.join(FULL_ONLY)}")
     full = parser.parse_args().full
+    t_start = time.perf_counter()
     ensure_inputs()
     results: dict = {}
-    seconds: dict[str, float] = {}
+    seconds: dict[str, float] = {"inputs": round(time.perf_counter() - t_start, 1)}
+    loads: dict[str, dict] = {}
     for name, fn in benchmarks(results):
         if name in FULL_ONLY and not full:
             continue
-        console.print(f"[bold]bench[/] {name} ...")
-        t0 = time.perf_counter()
-        results[name] = fn()
-        seconds[name] = round(time.perf_counter() - t0, 1)
+        timed(name, fn, results, seconds, loads)
     results["c3po_projection"] = bench_projection(results["c3po_vs_sync"], results["c3po_vs_sync_end_to_end"])
-    console.print("[bold]bench[/] c3po_recipe_projection ...")
-    t0 = time.perf_counter()
-    results["c3po_recipe_projection"] = bench_recipe_projection()
-    seconds["c3po_recipe_projection"] = round(time.perf_counter() - t0, 1)
-    results["bench_seconds"] = {**seconds, "mode_full": float(full)}  # what each benchmark took, this run
+    timed("c3po_recipe_projection", bench_recipe_projection, results, seconds, loads)
+    total_s = time.perf_counter() - t_start
+    # what each benchmark took, this run, and the load it ran under
+    results["bench_seconds"] = {**seconds, "total": round(total_s, 1), "mode_full": float(full)}
+    results["bench_load"] = loads
     results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "time": time.time(),
                       "cpu": cpu_record()["model"]}
     OUT.write_text(json.dumps(results, indent=2))
     write_report(OUT)
+    print_tables(results, full)
+    console.print(time_table(seconds, loads, total_s))
+    busy = [name for name, rec in loads.items() if rec["busy"]]
+    if busy:
+        console.print(f"[bold red]WARNING taken on a busy machine, not findings: {', '.join(busy)}[/]", highlight=False)
+    console.print(f"written to {OUT}")
+
+
+def print_tables(results: dict, full: bool) -> None:
     table = Table(title="rlrecipe bench (ratios from one run, same machine)")
     table.add_column("benchmark")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for name, vals in results.items():
-        if name in ("env", "c3po_projection"):
+        if name in ("env", "c3po_projection", "bench_load"):
             continue
         for k, v in vals.items():
             if isinstance(v, (dict, list)):
@@ -391,9 +412,6 @@ def main() -> None:
             table.add_row(name, k, f"{v:.3f}" if isinstance(v, float) else str(v))
     console.print(table)
     console.print(c3po_table(results))
-    from bench.plan_vs_measured import table as plan_table
-
-    console.print(plan_table(results["plan_vs_measured"]["rows"]))
     from bench.projection.colocated import markdown as colocated_table
 
     console.print(colocated_table(results["colocated_projection_7b"]), highlight=False)
@@ -401,10 +419,11 @@ def main() -> None:
 
     console.print(fp8_table(results["fp8_kv_projection_7b"]), highlight=False)
     if full:
+        from bench.plan_vs_measured import table as plan_table
         from bench.plan_vs_measured_ds import table as plan_ds_table
 
+        console.print(plan_table(results["plan_vs_measured"]["rows"]))
         console.print(plan_ds_table(results["plan_vs_measured_deepspeed"]["rows"]))
-    console.print(f"written to {OUT}")
 
 
 if __name__ == "__main__":

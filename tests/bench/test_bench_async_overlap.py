@@ -16,18 +16,24 @@ def test_a_runs_step_is_its_wall_clock_after_the_first_step():
     assert s["s_per_trained_token"] == pytest.approx(16.5 / 300)
 
 
-def test_arms_over_repeats_and_their_ratios_by_hand():
+def test_arms_over_repeats_and_their_paired_ratios_by_hand():
     def run(step):
         return {"step_s": step, "rollout_s": 2.0, "train_s": 2.0, "wait_s": 1.0, "s_per_trained_token": step / 100}
 
     shared = over_runs([run(4.0), run(5.0), run(6.0)])
     assert (shared["step_s"], shared["step_s_min"], shared["step_s_max"], shared["runs"]) == (5.0, 4.0, 6.0, 3)
-    out = compare({"shared": shared, "split": over_runs([run(8.0)] * 3),
-                   "async": over_runs([run(2.0), run(2.5), run(3.0)])})
-    assert out["placement_split_over_shared_per_step"] == 5.0 / 8.0
-    assert out["lag_async_over_split_per_step"] == 8.0 / 2.5
-    assert out["async_vs_shared_per_step"] == 5.0 / 2.5
-    assert (out["async_vs_shared_per_step_low"], out["async_vs_shared_per_step_high"]) == (4.0 / 3.0, 6.0 / 2.0)
+    # round by round: shared 4, 5, 6 against async 2, 2.5, 4 -> 2.0, 2.0, 1.5 (not the arms' medians 5 / 2.5,
+    # nor the fastest against the slowest)
+    runs = {"shared": [run(4.0), run(5.0), run(6.0)], "split": [run(8.0), run(8.0), run(12.0)],
+            "async": [run(2.0), run(2.5), run(4.0)]}
+    out = compare({arm: over_runs(r) for arm, r in runs.items()}, runs)
+    assert (out["async_vs_shared_per_step"], out["async_vs_shared_per_step_min"],
+            out["async_vs_shared_per_step_max"], out["async_vs_shared_per_step_rounds"]) == (2.0, 1.5, 2.0, 3)
+    assert out["async_vs_shared_per_trained_token"] == 2.0
+    # split over async per round: 4, 3.2, 3 -> median 3.2; shared over split: 0.5, 0.625, 0.5
+    assert (out["lag_async_over_split_per_step"], out["lag_async_over_split_per_step_min"],
+            out["lag_async_over_split_per_step_max"]) == (3.2, 3.0, 4.0)
+    assert out["placement_split_over_shared_per_step"] == 0.5
     assert out["split_step_over_rollout_plus_train"] == 2.0 and out["async_step_over_max_of_two"] == 2.5 / 2.0
 
 

@@ -86,9 +86,10 @@ fp8-study: $(STAMP)
 lora-study: $(STAMP)
 	$(BIN)/python -m scripts.lora_study --steps $(STEPS)
 
-# The fast set a developer runs before a change (the thread-wait check included); bench-full adds the
-# slowest benchmarks that start processes of their own (async overlap, DeepSpeed plan check). Both
-# write bench/results.json.
+# The fast set a developer runs before a change (the thread-wait check included; about 6 minutes on
+# a quiet 2-core machine, 15 at most); bench-full adds the slowest, which start processes of their own
+# (async overlap, colocated phases, the plan checks). Both print each benchmark's wall time and load,
+# warn of a busy machine, and write bench/results.json.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 

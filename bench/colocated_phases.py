@@ -76,8 +76,8 @@ def compare(arms: dict[str, list[dict]]) -> dict:
     summary = {arm: {k: median(r[k] for r in runs) for k in runs[0]} for arm, runs in arms.items()}
     c = summary["colocated"]
     hand_over = hand_over_s(c)
-    rounds = [{"colocated_step_s": co["step_s"], "shared_step_s": sh["step_s"], "colocated_update_s": co["update_s"],
-               "shared_train_s": sh["train_s"], "colocated_hand_over_s": hand_over_s(co),
+    rounds = [{"colocated_step_s": co["step_s"], "shared_step_s": sh["step_s"], "shared_train_s": sh["train_s"],
+               **{f"colocated_{p}": co[p] for p in PHASES}, "colocated_hand_over_s": hand_over_s(co),
                "colocated_step_over_shared": co["step_s"] / sh["step_s"]}
               for co, sh in zip(arms["colocated"], arms["shared"], strict=True)]
     return {**{f"{arm}_{k}": v for arm, vals in summary.items() for k, v in vals.items()},

@@ -57,7 +57,7 @@ LAYERS = [
     {"checks"},
     {"rollout"},
     {"serve", "rl", "eval"},
-    {"stages"},
+    {"stages", "cluster"},
     {"cli"},
 ]
 

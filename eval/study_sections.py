@@ -275,7 +275,8 @@ def lora_section(study: dict[str, Any]) -> str:
         f"{', '.join(map(str, plan.get('seeds', []))) or '-'}. Held-out: the final avg@8 on tiny-arith eval, percent "
         "(± sd across seeds, min-max). Final train accuracy: the mean of the last steps. Bytes per push: what one "
         "push to SGLang carries (the adapter under LoRA, the whole model otherwise; the in-process engine the "
-        "study ran on takes merged weights). Seconds per step: the RL loop's, mean over steps and seeds."
+        "study ran on takes merged weights). Seconds per step: the RL loop's, the median of each run's steps, mean over seeds (taken on a machine "
+        "running other work: compare within a row's seeds with care)."
         + (f" Partial: {'; '.join(missing)}. The rows are not the full study's." if missing else "")
         + (f" Note: {plan['note']}." if plan.get("note") else "")
         + " `make lora-study` reruns it.")

@@ -7,7 +7,7 @@ methods get both rates), 3 seeds: recipes/tiny_rl.yaml run with the `rlrecipe rl
 type, `--set` the arm. --steps sets rl.steps and enters the run names.
 
 Per run: the held-out avg@8 at the end, train accuracy per step (the reward curve), seconds per step,
-and the bytes one push to SGLang would carry: the adapter (final/adapter) under LoRA, the whole model
+(the median over the run's steps) and the bytes one push to SGLang would carry: the adapter (final/adapter) under LoRA, the whole model
 (final/model.safetensors) otherwise. Finished runs are kept, so a killed study reruns only what is
 missing; --no-new-runs summarises the runs there are. Writes runs/lora-study/study.json, the figure
 results/lora-study.png and results/lora-study.json, from which RESULTS.md's "LoRA study" is rendered.
@@ -19,6 +19,7 @@ results/lora-study.png and results/lora-study.json, from which RESULTS.md's "LoR
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def summarise_run(run_dir: Path, arm: str, scale: int, seed: int, status: str) -
     if rows:
         row.update({"accuracy_first": _mean([r["accuracy"] for r in rows[:WINDOW]]),
                     "accuracy_final": _mean([r["accuracy"] for r in rows[-WINDOW:]]),
-                    "step_s": _mean([r["step_wall_s"] for r in rows]),
+                    # the median: a step stalled by something else on the machine does not move it
+                    "step_s": statistics.median(r["step_wall_s"] for r in rows),
                     "curve": {"step": [r["step"] for r in rows], "accuracy": [r["accuracy"] for r in rows]}})
     return finish_row(row, run_dir, collapsed)
 

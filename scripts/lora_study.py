@@ -6,9 +6,9 @@ Without Regret", Thinking Machines 2025, found LoRA's best rate about 10x full f
 methods get both rates), 3 seeds: recipes/tiny_rl.yaml run with the `rlrecipe rl` command a user would
 type, `--set` the arm. --steps sets rl.steps and enters the run names.
 
-Per run: the held-out avg@8 at the end, train accuracy per step (the reward curve), seconds per step,
-(the median over the run's steps) and the bytes one push to SGLang would carry: the adapter (final/adapter) under LoRA, the whole model
-(final/model.safetensors) otherwise. Finished runs are kept, so a killed study reruns only what is
+Per run: the held-out avg@8 at the end, train accuracy per step (the reward curve), seconds per step
+(the median over the run's steps) and the bytes one push to SGLang would carry: the adapter
+(final/adapter) under LoRA, the whole model (final/model.safetensors) otherwise. Finished runs are kept, so a killed study reruns only what is
 missing; --no-new-runs summarises the runs there are. Writes runs/lora-study/study.json, the figure
 results/lora-study.png and results/lora-study.json, from which RESULTS.md's "LoRA study" is rendered.
 

@@ -25,13 +25,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from rlrecipe.cluster.layout import BOTH, ROLLOUT, JobLayout, job_layout
 from rlrecipe.cluster.nodelist import expand_nodelist
 from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import LoadedRecipe
+from rlrecipe.rollout.sglang.node_servers import read_urls
 
 PORT_ENV = "RLRECIPE_MASTER_PORT"
 URLS_FILE = "rollout_urls.yaml"
@@ -66,19 +65,11 @@ def urls_path(loaded: LoadedRecipe) -> Path:
     return loaded.recipe.run.dir / URLS_FILE
 
 
-def listed_urls(path: Path) -> list[str]:
-    try:
-        urls = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return []
-    return [str(u) for u in urls] if isinstance(urls, list) else []
-
-
 def wait_for_urls(path: Path, expected: int, timeout_s: float) -> list[str]:
     """The full server list once the rollout nodes have written it, or one line saying what is missing."""
     deadline = time.monotonic() + timeout_s
     while True:
-        urls = listed_urls(path)
+        urls = read_urls(path)  # rollout-servers writes it whole (atomic), under its lock
         if len(urls) >= expected:
             return urls
         if time.monotonic() > deadline:

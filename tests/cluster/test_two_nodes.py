@@ -111,7 +111,7 @@ def test_split_job_one_training_node_one_rollout_node(tmp_path, tiny_model_dir):
     assert "node 0 of 2 (127.0.0.1): train" in _log(recipe, 0) and "node 1 of 2 (127.0.0.1): rollout" in _log(recipe, 1)
     served = (run / "rollout_node0" / "sglang_server_0.log").read_text()
     assert "weight_version=2" in served  # the training node pushed its weights to the rollout node's server
-    assert node_module.listed_urls(run / node_module.URLS_FILE) == []  # stopped: its URL taken out again
+    assert node_module.read_urls(run / node_module.URLS_FILE) == []  # stopped: its URL taken out again
 
 
 def test_colocated_job_two_nodes_each_training_and_serving(tmp_path, tiny_model_dir):

@@ -50,7 +50,8 @@ weight_version as they were (SGLang reloads its original weights after a failed 
 Modules: `adapters` (LoRA adapters, applied to the weights per chunk), `memory` (released memory and garbage weights of a colocated server), `tensors` (the
 tensor-update body), `protocol` (request parsing and validation, response bodies), `scheduler` (batches
 requests onto the in-process engine, applies aborts and weight updates), `weights` (the update
-group and session, the weights read back), `http_server` (the endpoints, the server, `serve_forever`).
+group and session, the weights read back), `routes` (what each endpoint does and answers), `http_server`
+(requests read and replies written, /generate and its stream, the server, `serve_forever`).
 """
 
 from rlrecipe.core.threads import threaded_wait_policy

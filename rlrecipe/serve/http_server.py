@@ -13,25 +13,22 @@ from pathlib import Path
 from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.sglang.api_key import is_authorized
 from rlrecipe.rollout.sglang.versions import LOWEST, NEWEST, Dialect, parse_version
-from rlrecipe.serve.adapters import TENSOR_PATH
-from rlrecipe.serve.memory import Fatal, MemoryRefused
+from rlrecipe.serve import routes
 from rlrecipe.serve.protocol import (
     BadRequest,
     GenRequest,
     ServerError,
+    TooLarge,
     UnknownField,
     build_requests,
-    health_probe,
-    max_input_len,
     response_body,
 )
+from rlrecipe.serve.routes import Reply
 from rlrecipe.serve.scheduler import JOIN_TIMEOUT_S, Scheduler, log
-from rlrecipe.serve.tensors import BadTensors, read_adapter_tensors
 
 # An older SGLang version whose rules to follow instead of the newest's (tests of the client
 # against both ends of the pin): its version, e.g. 0.5.1, in this environment variable.
 RULES_ENV = "RLRECIPE_SERVE_SGLANG"
-HEALTH_GENERATE_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT: a probe not answered by then is a 503
 # A request body larger than this is refused with 413 before any of it is read; a weight push by
 # value carries a whole bucket (weight_sync_bucket_mb, 512 MB by default, base64 and once per
 # tensor-parallel rank), which SGLang takes whatever its size: that route gets a larger bound.
@@ -40,12 +37,9 @@ MAX_TENSOR_BODY_BYTES = 8 * 1024 * 1024 * 1024
 TENSOR_ROUTES = ("/update_weights_from_tensor", "/load_lora_adapter_from_tensors")
 
 
-class TooLarge(Exception):
-    pass
-
-
 class Handler(BaseHTTPRequestHandler):
-    """SGLang's HTTP endpoints over `sched`; make_handler binds a scheduler and an API key to it."""
+    """SGLang's HTTP endpoints over `sched` (what each does: serve/routes.py); make_handler binds a
+    scheduler and an API key to it."""
 
     protocol_version = "HTTP/1.1"  # keep-alive for the engine's sessions
     server_version = "rlrecipe-serve"
@@ -76,13 +70,15 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _reply(self, result: dict) -> None:
-        """A control endpoint's {success, message, ...}: HTTP 400 when it did not succeed, as SGLang."""
-        self._send(200 if result["success"] else 400, result)
+    def _answer(self, reply: Reply | None) -> None:
+        if reply is None:  # the server is going down (the scheduler died): nothing to send
+            return
+        if reply.close:
+            self.close_connection = True
+        self._send(reply.code, reply.body)
 
     def _error(self, code: int, msg: str) -> None:
-        # SGLang 0.5.23's body for a refused request; an unknown route gets FastAPI's 404 body
-        self._send(code, {"detail": "Not Found"} if code == 404 else {"error": {"message": msg}})
+        self._answer(routes.error(code, msg))
 
     def _body(self) -> dict:
         try:
@@ -114,38 +110,54 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         if self._refused(path):
             return
-        if path in ("/health", "/health_generate") and not self.sched.healthy:
-            self._send(503)  # as SGLang while it warms up or shuts down
-        elif path == "/health":
-            self._send(200)  # as SGLang: no generation (that is /health_generate)
-        elif path == "/health_generate" and self.sched.memory.refusal():
-            self._send(503)  # nothing it could generate with: memory released, or weights not pushed since
-        elif path == "/health_generate":
-            probe = health_probe()
-            self.sched.submit([probe])
-            self._send(200 if probe.done.wait(HEALTH_GENERATE_S) and probe.finish.get("type") != "abort" else 503)
-        elif path in ("/model_info", "/get_model_info"):
-            self._send(200, {"model_path": self.sched.model_path, "tokenizer_path": self.sched.model_path,
-                             "served_model_name": self.sched.model_path, "is_generation": True,
-                             "preferred_sampling_params": None, "weight_version": self.sched.weight_version})
-        elif path in ("/server_info", "/get_server_info"):
-            self._send(200, {"model_path": self.sched.model_path, "context_length": self.sched.stated_context_length,
-                             "max_req_input_len": max_input_len(self.sched.context_len), "tp_size": 1, "dp_size": 1,
-                             "version": self.sched.rules.label(), "frontend": "rlrecipe-serve",
-                             "device": "cpu", "dtype": self.sched.dtype,
-                             "kv_cache_dtype": getattr(self.sched.engine, "kv_cache_dtype", "auto")})
-        elif path == "/get_weight_version":
-            self._send(200, {"weight_version": self.sched.weight_version})
-        elif path == "/flush_cache":
-            self._flush()
-        elif path == "/get_weights_by_name":  # SGLang takes its JSON body on GET as on POST
-            self._weights_by_name()
-        elif path == "/weights_checker" and self.sched.rules.weights_checksum:
-            self._weights_checker()
-        elif path in ("/release_memory_occupation", "/resume_memory_occupation"):  # SGLang routes GET too
-            self._memory(path, self._body())
-        else:
-            self._error(404, f"no route GET {path}")
+        self._answer(routes.answer_get(self.sched, path, self._body))
+
+    def do_POST(self):  # noqa: N802 - stdlib naming
+        path = self.path.split("?")[0]
+        if self._refused(path):
+            return
+        try:
+            body = self._body()
+            if path in ("/generate", "/generate/"):
+                self._generate(body)
+                return
+            handler = routes.post_routes(self.sched).get(path)
+            if handler is None:
+                self._error(404, f"no route POST {path}")
+            else:
+                self._answer(handler(body))
+        except ServerError as err:
+            self._error(500, str(err))
+        except UnknownField as err:
+            self._send(400, {"error": str(err)})  # SGLang's contract gate answers in this shape
+        except BadRequest as err:
+            self._error(400, str(err))
+        except TooLarge as err:
+            self._answer(routes.error(413, str(err), close=True))
+        except RecursionError:
+            self._error(400, "bad request: JSON nested too deeply")
+        except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                OverflowError) as err:
+            self._error(400, f"bad request: {err!r}")
+
+    def do_PUT(self):  # noqa: N802 - SGLang accepts PUT on /generate
+        self.do_POST()
+
+    def _generate(self, body: dict) -> None:
+        if self.sched.memory.refusal():
+            self._error(400, self.sched.memory.refusal() or "")
+            return
+        reqs, batch = build_requests(body, self.sched)
+        if body.get("stream") and (batch or len(reqs) != 1):
+            raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
+        self.sched.submit(reqs)
+        if body.get("stream"):
+            self._stream(reqs[0])
+            return
+        for r in reqs:
+            r.done.wait()
+        outs = [response_body(r, self.sched.tokenizer, self.sched.weight_version) for r in reqs]
+        self._send(200, outs if batch else outs[0])
 
     def _stream(self, r: GenRequest) -> None:
         """Server-sent events as SGLang sends them by default: each event holds the whole output
@@ -174,168 +186,6 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             self.sched.abort(r.rid)
-
-    def _weights_by_name(self, body: dict | None = None) -> None:
-        """SGLang's /get_weights_by_name: {name, truncate_size} -> the parameter's first truncate_size
-        rows (dim 0) as float32 nested lists; a name the model lacks is a 400 {"error": {"message"}}."""
-        try:
-            body = self._body() if body is None else body
-            rows = self.sched.weights.weights_by_name(str(body.get("name", "")), int(body.get("truncate_size", 100)))
-        except TooLarge as err:
-            self.close_connection = True
-            self._error(413, str(err))
-            return
-        except (BadRequest, ValueError, TypeError, OverflowError, RecursionError) as err:  # JSONDecodeError is a ValueError
-            self._send(400, {"error": {"message": f"bad request: {err}"}})
-            return
-        if rows is None:
-            self._send(400, {"error": {"message": "Get parameter by name failed"}})
-        else:
-            self._send(200, rows)
-
-    def _weights_checker(self, body: dict | None = None) -> None:
-        """SGLang's /weights_checker: action checksum only (snapshot/compare are not served here)."""
-        body = self._body() if body is None else body
-        action = body.get("action", "checksum")
-        if action != "checksum":
-            self._send(400, {"success": False, "message": f"Unsupported action={action!r} in rlrecipe serve"})
-        else:
-            self._send(200, self.sched.weights.checksums())
-
-    def _memory(self, path: str, body: dict) -> None:
-        """/release_memory_occupation and /resume_memory_occupation (serve/memory.py): 200 with SGLang's
-        body (the endpoint returns nothing: JSON null), 400 {"error": {"message"}} when refused, and
-        the process gone where SGLang's scheduler dies."""
-        try:
-            if path == "/release_memory_occupation":
-                self.sched.memory.release(body, self.sched.busy())
-            else:
-                self.sched.memory.resume(body)
-        except MemoryRefused as err:
-            self._error(400, str(err))
-            return
-        except Fatal as err:
-            self.sched.die(str(err))
-            return
-        log(f"{path.strip('/')} {body.get('tags') or 'all'}")
-        self._send(200, b"null")
-
-    def _adapter(self, path: str, body: dict) -> None:
-        """SGLang's LoRA endpoints (serve/adapters.py): 200 or 400 with its body; a tensor payload it
-        cannot unpickle ends the server, as it ends SGLang's scheduler."""
-        adapters, name = self.sched.adapters, body.get("lora_name")
-        if not isinstance(name, str) or not name:
-            raise BadRequest("lora_name must be a non-empty string")
-        if path == "/unload_lora_adapter":
-            self.sched.wait_unused(name)  # as SGLang: the requests using it finish first
-            result = adapters.unload(name)
-        elif path == "/load_lora_adapter":
-            result = adapters.load_dir(name, str(body.get("lora_path") or ""))
-        elif not adapters.enabled:
-            result = adapters.load(name, {}, {}, TENSOR_PATH)
-        else:
-            try:
-                tensors = read_adapter_tensors(body)
-            except BadTensors as err:
-                self.sched.die(f"load_lora_adapter_from_tensors: {err}")
-                return
-            result = adapters.load(name, body.get("config_dict") or {}, tensors, TENSOR_PATH)
-        log(f"{path.strip('/')} {name}: {'ok' if result['success'] else result['error_message']}")
-        self._send(200 if result["success"] else 400, result)
-
-    def _flush(self):
-        self._send(200, "Cache flushed.\nPlease check backend logs for more details. "
-                        "(When there are running or waiting requests, the operation will not be performed.)\n")
-
-    def do_POST(self):  # noqa: N802 - stdlib naming
-        path = self.path.split("?")[0]
-        if self._refused(path):
-            return
-        try:
-            body = self._body()
-            if path in ("/generate", "/generate/"):
-                self._generate(body)
-                return
-            handler = self._post_routes().get(path)
-            if handler is None:
-                self._error(404, f"no route POST {path}")
-            else:
-                handler(body)
-        except ServerError as err:
-            self._error(500, str(err))
-        except UnknownField as err:
-            self._send(400, {"error": str(err)})  # SGLang's contract gate answers in this shape
-        except BadRequest as err:
-            self._error(400, str(err))
-        except TooLarge as err:
-            self.close_connection = True  # the body stays unread: the connection cannot carry another
-            self._error(413, str(err))
-        except RecursionError:
-            self._error(400, "bad request: JSON nested too deeply")
-        except (json.JSONDecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError,
-                OverflowError) as err:
-            self._error(400, f"bad request: {err!r}")
-
-    def _post_routes(self) -> dict:
-        """POST path -> handler of the body; the routes an older SGLang lacks only under its rules."""
-        rules, weights = self.sched.rules, self.sched.weights
-        routes = {
-            "/abort_request": self._abort,
-            "/update_weights_from_disk": self._update_from_disk,
-            "/update_weights_from_tensor": self._update_from_tensor,
-            "/init_weights_update_group": lambda body: self._reply(weights.init_group(body)),
-            "/update_weights_from_distributed": lambda body: self._reply(weights.update_weights_from_distributed(body)),
-            "/flush_cache": lambda body: self._flush(),
-            "/get_weights_by_name": self._weights_by_name,
-        }
-        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-            routes[path] = lambda body, path=path: self._memory(path, body)
-        for path in ("/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter"):
-            routes[path] = lambda body, path=path: self._adapter(path, body)
-        if rules.weight_update_session:
-            routes["/begin_weight_update"] = lambda body: self._reply(weights.begin_session())
-            routes["/end_weight_update"] = lambda body: self._reply(weights.end_session())
-        if rules.weights_checksum:
-            routes["/weights_checker"] = self._weights_checker
-        if rules.destroy_group:
-            routes["/destroy_weights_update_group"] = lambda body: self._reply(weights.destroy_group(body))
-        return routes
-
-    def _generate(self, body: dict) -> None:
-        if self.sched.memory.refusal():
-            self._error(400, self.sched.memory.refusal() or "")
-            return
-        reqs, batch = build_requests(body, self.sched)
-        if body.get("stream") and (batch or len(reqs) != 1):
-            raise BadRequest("stream=true takes one prompt with n = 1 in rlrecipe serve")
-        self.sched.submit(reqs)
-        if body.get("stream"):
-            self._stream(reqs[0])
-            return
-        for r in reqs:
-            r.done.wait()
-        outs = [response_body(r, self.sched.tokenizer, self.sched.weight_version) for r in reqs]
-        self._send(200, outs if batch else outs[0])
-
-    def _abort(self, body: dict) -> None:
-        n = self.sched.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
-        if n:
-            log(f"abort {body.get('rid') or 'all'}: {n} request(s)")
-        self._send(200)
-
-    def _update_from_disk(self, body: dict) -> None:
-        if not body.get("model_path"):
-            raise BadRequest("model_path is required")
-        log(f"update_weights_from_disk {body['model_path']}")
-        self._reply(self.sched.update_weights(str(body["model_path"]), body.get("weight_version")))
-
-    def _update_from_tensor(self, body: dict) -> None:
-        log(f"update_weights_from_tensor ({len(body.get('serialized_named_tensors') or [])} rank payload(s))")
-        self._reply(self.sched.weights.update_weights_from_tensor(body))
-
-    def do_PUT(self):  # noqa: N802 - SGLang accepts PUT on /generate
-        self.do_POST()
-
 
 
 def make_handler(sched: Scheduler, api_key: str | None = None, access_log: bool = False) -> type[Handler]:

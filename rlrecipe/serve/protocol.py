@@ -46,6 +46,10 @@ class BadRequest(Exception):
     pass
 
 
+class TooLarge(Exception):
+    """A request body over the route's bound: 413, its body left unread."""
+
+
 def _integer(sp: dict, key: str, default: int) -> int:
     """An integer sampling parameter (an integral float such as 16.0 too); 400 for anything else,
     1e400 (infinity) and NaN included."""

@@ -269,6 +269,34 @@ def part_handover_test(dry: bool) -> dict:
             **counts, "output_tail": proc.stdout[-2500:]}
 
 
+def _decode_point(eng, trajs, batch: int, params, rates, spec: dict, cuda: bool) -> dict:
+    """One batch of `batch` rows decoded: its wall time and median decoding step, against the rates."""
+    import torch
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rows = trajs(batch)
+    eng.events = []  # each decoding step: its sampling (which waits for the step before) and forward
+    t = time.perf_counter()
+    eng.generate(rows, params)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    steps = [e for e in eng.events if e[0] == "decode"][1:] or [e for e in eng.events if e[0] == "decode"]
+    eng.events = None
+    step_s = statistics.median(e[1] for e in steps)  # the first waited for the prefill: left out
+    cells = statistics.median(e[2]["decode_cells"] for e in steps)
+    predicted = rates.step_s + rates.row_s * batch + rates.ctx_s * cells
+    generated = sum(len(r.response_ids) for r in rows)
+    return {"batch": batch, "kv_cache_dtype": eng.kv_cache_dtype, "prompt_tokens": spec["prompt"],
+            "new_tokens": spec["new_tokens"], "generated_tokens": generated, "wall_s": wall,
+            "tokens_s": generated / wall, "decode_steps": len(steps) + 1, "step_s": step_s,
+            "decode_tokens_s": batch / step_s, "us_per_token": step_s / batch * 1e6,
+            "cells_per_step": cells, "predicted_step_s_h100_rates": predicted,
+            "measured_over_predicted": step_s / predicted,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+
+
 def _decode(kv_cache_dtype: str, dry: bool) -> dict:
     import torch
 
@@ -283,7 +311,6 @@ def _decode(kv_cache_dtype: str, dry: bool) -> dict:
     h, inter, layers, heads, kv, vocab, *_ = spec["cfg"]
     if cuda:  # the engine makes its tensors without a device: the default device puts them on the GPU
         torch.set_default_device("cuda")
-    points = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(spec["cfg"], Path(tmp) / "model", dtype=spec["dtype"])
         t = time.perf_counter()
@@ -303,29 +330,7 @@ def _decode(kv_cache_dtype: str, dry: bool) -> dict:
         eng.generate(trajs(min(spec["batches"])), SamplingParams(max_new_tokens=4, greedy=True))  # warm-up
         dims = ModelDims(vocab=vocab, hidden=h, intermediate=inter, layers=layers, heads=heads, kv_heads=kv, tied=False)
         rates = Rates.of(dims, "bfloat16", False, kv_bytes=1 if kv_cache_dtype.startswith("fp8") else None)
-        for batch in spec["batches"]:
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            rows = trajs(batch)
-            eng.events = []  # each decoding step: its sampling (which waits for the step before) and forward
-            t = time.perf_counter()
-            eng.generate(rows, params)
-            if cuda:
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t
-            steps = [e for e in eng.events if e[0] == "decode"][1:] or [e for e in eng.events if e[0] == "decode"]
-            eng.events = None
-            step_s = statistics.median(e[1] for e in steps)  # the first waited for the prefill: left out
-            cells = statistics.median(e[2]["decode_cells"] for e in steps)
-            predicted = rates.step_s + rates.row_s * batch + rates.ctx_s * cells
-            generated = sum(len(r.response_ids) for r in rows)
-            points.append({"batch": batch, "kv_cache_dtype": kv_cache_dtype, "prompt_tokens": spec["prompt"],
-                           "new_tokens": spec["new_tokens"], "generated_tokens": generated, "wall_s": wall,
-                           "tokens_s": generated / wall, "decode_steps": len(steps) + 1, "step_s": step_s,
-                           "decode_tokens_s": batch / step_s, "us_per_token": step_s / batch * 1e6,
-                           "cells_per_step": cells, "predicted_step_s_h100_rates": predicted,
-                           "measured_over_predicted": step_s / predicted,
-                           "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None})
+        points = [_decode_point(eng, trajs, batch, params, rates, spec, cuda) for batch in spec["batches"]]
     return {"model": {"hidden": h, "intermediate": inter, "layers": layers, "heads": heads, "kv_heads": kv,
                       "vocab": vocab, "params": dims.params(), "dtype": spec["dtype"]},
             "device": "cuda" if cuda else "cpu", "load_s": loaded, "kv_cache_dtype": kv_cache_dtype,

@@ -68,107 +68,135 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-# Long on purpose: the checks the module docstring numbers, in that order, on one live server; each
-# reads what the one before left (the engine's version, the partial trajectories, the changed weights).
-def main(argv: list[str] | None = None) -> dict:
-    args = _parser().parse_args(argv)
+def _fresh(tok, n_per: int, tag: str) -> list:
+    """`n_per` new trajectories of each question, prompted through the model's chat template."""
+    from rlrecipe.trajectory.record import Trajectory
 
+    out = []
+    for q_i, q in enumerate(QUESTIONS):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out += [Trajectory(uid=f"{tag}{q_i}#{j}", group_id=f"{tag}{q_i}", prompt_ids=list(ids)) for j in range(n_per)]
+    return out
+
+
+def _gaps(hf, trajs, temperature: float):
+    """|logp_sglang - logp_transformers| of every response token, in one tensor."""
+    import torch
+
+    ref = recompute_logprobs(hf, trajs, temperature, "cuda")
+    return torch.cat([(r - torch.tensor(t.logp_infer)).abs() for r, t in zip(ref, trajs, strict=True)])
+
+
+def check_logprobs(engine, tok, args, summary: dict, failures: list[str]):
+    """Step 2: sampled log-probs against a float32 transformers recompute. Returns that model, which
+    step 5 changes and pushes."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from rlrecipe.trajectory.record import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    t1 = time.time()
+    trajs = engine.generate(_fresh(tok, args.samples, "a"), params)
+    summary["generate_s"] = round(time.time() - t1, 2)
+    summary["tokens"] = sum(len(t.response_ids) for t in trajs)
+    if not all(t.done for t in trajs):
+        failures.append("some trajectories not done after an unbudgeted call")
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to("cuda").eval()
+    gaps = _gaps(hf, trajs, args.temperature)
+    summary["mean_abs_dlogp"] = float(gaps.mean())
+    summary["max_abs_dlogp"] = float(gaps.max())
+    print(f"SGLang ({args.dtype}) vs transformers (float32): mean |dlogp| {gaps.mean():.3e}, "
+          f"max {gaps.max():.3e} over {gaps.numel()} tokens", flush=True)
+    if summary["mean_abs_dlogp"] > args.max_mean_gap:
+        failures.append(f"mean |dlogp| {summary['mean_abs_dlogp']:.3e} > {args.max_mean_gap}")
+    return hf
+
+
+def check_budget_and_reload(engine, tok, args, summary: dict, failures: list[str]) -> None:
+    """Steps 3 and 4: a budgeted call leaves partial trajectories, which resume after a weight reload
+    (same weights, new version) with the new version on their new tokens only."""
+    from rlrecipe.trajectory.record import SamplingParams, Status
+
+    long = SamplingParams(temperature=args.temperature, max_new_tokens=max(args.max_new_tokens, 512))
+    pool = _fresh(tok, args.samples, "b")
+    engine.generate(pool, long, token_budget=1)
+    partial = [t for t in pool if t.status == Status.RUNNING and t.response_ids]
+    summary["budget_done"] = sum(t.done for t in pool)
+    summary["budget_partial"] = len(partial)
+    cut = {t.uid: len(t.response_ids) for t in partial}
+
+    engine.update_weights_from_disk(args.model, 1)
+    engine.generate(pool, long)
+    summary["server_weight_version"] = engine.model_info(0).get("weight_version")
+    if summary["server_weight_version"] != "1":  # the engine also checks every response against it
+        failures.append(f"server reports weight_version {summary['server_weight_version']!r} after the update")
+    summary["resumed_all_done"] = all(t.done for t in pool)
+    summary["versions_ok"] = all(set(t.versions[:cut[t.uid]]) == {0} and set(t.versions[cut[t.uid]:]) <= {1}
+                                 for t in partial)
+    if not partial:
+        failures.append("the budgeted call left no partial trajectory")
+    if not summary["resumed_all_done"] or not summary["versions_ok"]:
+        failures.append("resume after the weight update went wrong")
+
+
+def check_broadcast(engine, cfg, hf, tok, args, summary: dict, failures: list[str]) -> None:
+    """Step 5: halve every MLP output projection of `hf`, broadcast it into the server, and check that
+    new samples follow it."""
+    import torch
+
+    from rlrecipe.rollout.weights.transport import weight_transport
+    from rlrecipe.trajectory.record import SamplingParams
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "mlp.down_proj" in name:
+                p.mul_(0.5)
+    engine.cfg = cfg.model_copy(update={"weight_sync": "distributed", "weight_sync_backend": args.sync_backend,
+                                        "weight_sync_port": args.port + 50})
+    engine.transport = weight_transport("sglang", engine.cfg)  # decided at construction: decided again
+    dtype = getattr(torch, args.dtype)
+    state = {k: v.to("cpu" if args.sync_backend == "gloo" else "cuda", dtype) for k, v in hf.state_dict().items()}
+    t2 = time.time()
+    engine.update_weights_from_state(state, 2)
+    summary["broadcast_update_s"] = round(time.time() - t2, 2)
+    # the check after each push (rollout/weights/check.py): a mismatch raised already; here, which
+    # exact checks this SGLang answers for the model (checksums, rows), and what it cost
+    check = engine.weights.check
+    summary["sglang_version"] = engine.fleet.dialect(0).label()
+    summary["weight_check_s"] = round(engine.weight_check_s, 3)
+    summary["weight_checksums"] = 0 not in check.no_checksum
+    summary["weight_rows"] = 0 not in check.no_rows
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    after = engine.generate(_fresh(tok, 1, "c"), params)
+    gaps = _gaps(hf, after, args.temperature)
+    summary["broadcast_mean_abs_dlogp"] = float(gaps.mean())
+    if summary["broadcast_mean_abs_dlogp"] > args.max_mean_gap or any(set(t.versions) != {2} for t in after):
+        failures.append(f"after the broadcast update, samples do not follow the new weights "
+                        f"(mean |dlogp| {summary['broadcast_mean_abs_dlogp']:.3e})")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
 
     from rlrecipe.modeling import load_tokenizer
     from rlrecipe.recipe.systems import SGLangServer
     from rlrecipe.rollout.sglang.engine import SGLangEngine
-    from rlrecipe.rollout.weights.transport import weight_transport
-    from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu-smoke-sglang-"))
     tok = load_tokenizer(args.model)
-
-    def fresh(n_per: int, tag: str) -> list[Trajectory]:
-        out = []
-        for q_i, q in enumerate(QUESTIONS):
-            ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            out += [Trajectory(uid=f"{tag}{q_i}#{j}", group_id=f"{tag}{q_i}", prompt_ids=list(ids)) for j in range(n_per)]
-        return out
-
     cfg = SGLangServer(base_port=args.port, mem_fraction_static=args.mem_fraction, startup_timeout_s=900)
     t0 = time.time()
     engine = SGLangEngine.launch(args.model, cfg=cfg, dtype=args.dtype, run_dir=run_dir, eos_token_id=tok.eos_token_id)
     summary: dict = {"model": args.model, "dtype": args.dtype, "startup_s": round(time.time() - t0, 1),
                      "log": str(run_dir / "sglang_server_0.log")}
     failures: list[str] = []
-    try:
-        # 1. log-probs vs a transformers recompute
-        params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-        t1 = time.time()
-        trajs = engine.generate(fresh(args.samples, "a"), params)
-        summary["generate_s"] = round(time.time() - t1, 2)
-        summary["tokens"] = sum(len(t.response_ids) for t in trajs)
-        if not all(t.done for t in trajs):
-            failures.append("some trajectories not done after an unbudgeted call")
-        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to("cuda").eval()
-        ref = recompute_logprobs(hf, trajs, args.temperature, "cuda")
-        gaps = torch.cat([(r - torch.tensor(t.logp_infer)).abs() for r, t in zip(ref, trajs, strict=True)])
-        summary["mean_abs_dlogp"] = float(gaps.mean())
-        summary["max_abs_dlogp"] = float(gaps.max())
-        print(f"SGLang ({args.dtype}) vs transformers (float32): mean |dlogp| {gaps.mean():.3e}, "
-              f"max {gaps.max():.3e} over {gaps.numel()} tokens", flush=True)
-        if summary["mean_abs_dlogp"] > args.max_mean_gap:
-            failures.append(f"mean |dlogp| {summary['mean_abs_dlogp']:.3e} > {args.max_mean_gap}")
-
-        # 2. token budget: in-flight requests are aborted and come back partial; then resumed
-        long = SamplingParams(temperature=args.temperature, max_new_tokens=max(args.max_new_tokens, 512))
-        pool = fresh(args.samples, "b")
-        engine.generate(pool, long, token_budget=1)
-        partial = [t for t in pool if t.status == Status.RUNNING and t.response_ids]
-        summary["budget_done"] = sum(t.done for t in pool)
-        summary["budget_partial"] = len(partial)
-        cut = {t.uid: len(t.response_ids) for t in partial}
-
-        # 3. weight reload (same weights, new version) and resume
-        engine.update_weights_from_disk(args.model, 1)
-        engine.generate(pool, long)
-        summary["server_weight_version"] = engine.model_info(0).get("weight_version")
-        if summary["server_weight_version"] != "1":  # the engine also checks every response against it
-            failures.append(f"server reports weight_version {summary['server_weight_version']!r} after the update")
-        summary["resumed_all_done"] = all(t.done for t in pool)
-        summary["versions_ok"] = all(set(t.versions[:cut[t.uid]]) == {0} and set(t.versions[cut[t.uid]:]) <= {1}
-                                     for t in partial)
-        if not partial:
-            failures.append("the budgeted call left no partial trajectory")
-        if not summary["resumed_all_done"] or not summary["versions_ok"]:
-            failures.append("resume after the weight update went wrong")
-
-        # 5. broadcast weight sync: halve every MLP output projection, send, sample, recompute
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if "mlp.down_proj" in name:
-                    p.mul_(0.5)
-        engine.cfg = cfg.model_copy(update={"weight_sync": "distributed", "weight_sync_backend": args.sync_backend,
-                                            "weight_sync_port": args.port + 50})
-        engine.transport = weight_transport("sglang", engine.cfg)  # decided at construction: decided again
-        dtype = getattr(torch, args.dtype)
-        state = {k: v.to("cpu" if args.sync_backend == "gloo" else "cuda", dtype) for k, v in hf.state_dict().items()}
-        t2 = time.time()
-        engine.update_weights_from_state(state, 2)
-        summary["broadcast_update_s"] = round(time.time() - t2, 2)
-        # the check after each push (rollout/weights/check.py): a mismatch raised already; here, which
-        # exact checks this SGLang answers for the model (checksums, rows), and what it cost
-        check = engine.weights.check
-        summary["sglang_version"] = engine.fleet.dialect(0).label()
-        summary["weight_check_s"] = round(engine.weight_check_s, 3)
-        summary["weight_checksums"] = 0 not in check.no_checksum
-        summary["weight_rows"] = 0 not in check.no_rows
-        after = engine.generate(fresh(1, "c"), params)
-        ref = recompute_logprobs(hf, after, args.temperature, "cuda")
-        gaps = torch.cat([(r - torch.tensor(t.logp_infer)).abs() for r, t in zip(ref, after, strict=True)])
-        summary["broadcast_mean_abs_dlogp"] = float(gaps.mean())
-        if summary["broadcast_mean_abs_dlogp"] > args.max_mean_gap or any(set(t.versions) != {2} for t in after):
-            failures.append(f"after the broadcast update, samples do not follow the new weights "
-                            f"(mean |dlogp| {summary['broadcast_mean_abs_dlogp']:.3e})")
+    try:  # in order on one live server: each step reads what the one before left
+        hf = check_logprobs(engine, tok, args, summary, failures)
+        check_budget_and_reload(engine, tok, args, summary, failures)
+        check_broadcast(engine, cfg, hf, tok, args, summary, failures)
     finally:
         engine.close()
     summary["failures"] = failures

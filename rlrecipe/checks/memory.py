@@ -12,7 +12,7 @@ from __future__ import annotations
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
 from rlrecipe.recipe.schema import Recipe
 
-# DeepSpeed's defaults the engine leaves (train/deepspeed_engine.py sets none of these): elements
+# DeepSpeed's defaults the engine leaves (train/deepspeed_setup.py sets none of these): elements
 DS_REDUCE_BUCKET = 500_000_000
 DS_PREFETCH_BUCKET = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000

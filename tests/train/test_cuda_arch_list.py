@@ -4,7 +4,7 @@ builds, and the variable is as it was after."""
 
 import os
 
-from rlrecipe.train.deepspeed_engine import plain_cuda_arch_list
+from rlrecipe.train.deepspeed_setup import plain_cuda_arch_list
 
 
 def test_arch_suffixes_are_dropped_while_an_op_builds(monkeypatch):

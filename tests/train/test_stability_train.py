@@ -159,7 +159,7 @@ def test_float16_weights_are_refused_by_the_torch_engine(tiny_model_dir):
 
 
 def test_deepspeed_fp16_block_uses_areals_loss_scaling():
-    from rlrecipe.train.deepspeed_engine import build_ds_config
+    from rlrecipe.train.deepspeed_setup import build_ds_config
 
     cfg = build_ds_config(TrainerSection(engine="deepspeed"), "float16", world=2)
     assert cfg["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 32, "loss_scale_window": 5,

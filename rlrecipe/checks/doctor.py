@@ -17,6 +17,8 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
+from packaging.version import Version
+
 from rlrecipe.checks.check import FAIL, GIB, OK, UNKNOWN, Check
 from rlrecipe.checks.host_checks import check_disk, check_host_memory, check_shared_export, check_writable
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
@@ -129,9 +131,11 @@ def check_sglang(recipe: Recipe) -> list[Check]:
     if s.router:
         rv = _version("sglang-router")
         launched = not s.router_launch_cmd
-        rows.append(Check("sglang-router", "sglang-router >= 0.2" if launched else "rollout.sglang.router_launch_cmd",
+        # 0.3 brought the /workers API the client keeps the router's list of servers with
+        recent = rv is not None and Version(rv) >= Version("0.3")
+        rows.append(Check("sglang-router", "sglang-router >= 0.3" if launched else "rollout.sglang.router_launch_cmd",
                           f"sglang-router {rv}" if rv else "not installed",
-                          OK if rv or not launched else FAIL, fatal=launched))
+                          OK if recent or not launched else FAIL, fatal=launched))
     return rows
 
 

@@ -79,10 +79,7 @@ class SGLangServer(Section):
     router_launch_cmd: list[str] = []
 
     @model_validator(mode="after")
-    def _router_retries_itself(self) -> SGLangServer:
-        if self.router and self.retry_on_other_servers:
-            raise ValueError("retry_on_other_servers and router exclude each other: behind the router, "
-                             "requests are spread and retried across the servers by the router itself")
+    def _restarts_need_retries(self) -> SGLangServer:
         if self.max_restarts and not self.retry_on_other_servers:
             raise ValueError("max_restarts needs retry_on_other_servers: without it a run stops at a server's "
                              "first failure, before a restarted one could be taken back")

@@ -144,3 +144,12 @@ def test_doctor_command_prints_the_table_and_exits_by_its_verdict(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     if not doctor.flash_attn_state()[0]:
         assert bad.returncode == 1 and "check(s) failed: attention" in bad.stderr
+
+
+@pytest.mark.parametrize(("installed", "status"), [("0.3.2", doctor.OK), ("0.2.4", doctor.FAIL), (None, doctor.FAIL)])
+def test_the_router_needs_sglang_router_0_3_for_its_workers_api(installed, status, monkeypatch):
+    monkeypatch.setattr(doctor, "_version", lambda dist: installed if dist == "sglang-router" else "0.5.23")
+    recipe = recipe_from_dict({"run": {"name": "t"}, "model": {"path": "m"},
+                               "rollout": {"engine": "sglang", "sglang": {"router": True}}})
+    row = next(c for c in doctor.check_sglang(recipe) if c.name == "sglang-router")
+    assert row.status == status and row.need == "sglang-router >= 0.3"

@@ -158,14 +158,57 @@ def test_router_command_line_lists_every_server(monkeypatch):
     cfg = SGLangServer(router=True, router_port=31500, router_policy="round_robin",
                        router_extra_args=["--log-level", "warn"])
     monkeypatch.delenv("SGLANG_API_KEY", raising=False)
-    assert router_launch_cmd(["http://10.0.0.1:30000", "http://10.0.0.2:30000"], cfg) == [
+    assert router_launch_cmd(["http://10.0.0.1:30000", "http://10.0.0.2:30000"], cfg, 31999) == [
         sys.executable, "-m", "sglang_router.launch_router",
         "--worker-urls", "http://10.0.0.1:30000", "http://10.0.0.2:30000",
         "--host", "127.0.0.1", "--port", "31500", "--policy", "round_robin",
-        "--request-timeout-secs", "86400", "--log-level", "warn"]
+        "--request-timeout-secs", "86400", "--prometheus-host", "127.0.0.1", "--prometheus-port", "31999",
+        "--log-level", "warn"]
     monkeypatch.setenv("SGLANG_API_KEY", "k3y")
-    cmd = router_launch_cmd(["http://10.0.0.1:30000"], cfg)
+    cmd = router_launch_cmd(["http://10.0.0.1:30000"], cfg, 31999)
     assert cmd[cmd.index("--api-key") + 1] == "k3y" and cmd[-2:] == ["--log-level", "warn"]
+
+
+class AlwaysHealthy:
+    """An HTTP server in this process answering 200 {} to everything: a server the router can list."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # noqa: N802 - stdlib naming
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_two_routers_start_side_by_side_on_one_machine(tmp_path):
+    """Each gets its own metrics port: with the default, the second exits at start (29000 taken)."""
+    pytest.importorskip("sglang_router")
+    worker, routers = AlwaysHealthy(), []
+    try:
+        for k in range(2):
+            cfg = SGLangServer(router=True, router_port=free_port(), startup_timeout_s=BOOT_TIMEOUT_S)
+            routers.append(start_router([worker.url], cfg, tmp_path / f"r{k}"))
+        for router in routers:
+            assert router.alive()
+            assert requests.get(router.url + "/health", timeout=10).status_code == 200
+    finally:
+        for router in routers:
+            router.stop()
+        worker.close()
 
 
 def test_the_router_never_ends_a_generation_the_client_still_waits_for():
@@ -197,10 +240,10 @@ def test_servers_needing_more_gpus_than_the_node_has_are_refused():
         check_gpus(SGLangServer(), visible=0)
 
 
-def test_router_and_retry_on_other_servers_exclude_each_other():
-    rollout = {"engine": "sglang", "sglang": {"router": True, "retry_on_other_servers": True}}
-    with pytest.raises(RecipeError, match="rollout.sglang: .*retry_on_other_servers and router"):
-        recipe_from_dict({"run": {"name": "t"}, "model": {"path": "m"}, "rollout": rollout})
+def test_behind_the_router_servers_may_be_left_out_and_restarted():
+    rollout = {"engine": "sglang", "sglang": {"router": True, "retry_on_other_servers": True, "max_restarts": 1}}
+    sglang = recipe_from_dict({"run": {"name": "t"}, "model": {"path": "m"}, "rollout": rollout}).rollout.sglang
+    assert sglang.router and sglang.retry_on_other_servers and sglang.max_restarts == 1
 
 
 # -- health --------------------------------------------------------------------------------------------

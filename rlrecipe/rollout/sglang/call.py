@@ -43,6 +43,7 @@ class Request:
     rid: str
     post: Post | None = None
     lost: bool = False  # its server was left out before it answered: send it again elsewhere
+    left_outs_at_send: int = 0  # the fleet's servers left out so far, when it was sent
 
 
 def apply_answer(fleet: ServerFleet, t: Trajectory, out: dict, params: SamplingParams, version: int,
@@ -129,9 +130,10 @@ class GenerateCall:
             elif req.lost and not self.stopping:
                 # its server was left out: the same request, from the start, on another
                 live = self.fleet.live
-                req.endpoint = live[hash(req.rid) % len(live)]
+                req.endpoint = 0 if self.fleet.router is not None else live[hash(req.rid) % len(live)]
                 req.payload = {**req.payload, "rid": uuid.uuid4().hex}
                 req.rid, req.lost = req.payload["rid"], False
+                self.fleet.resent += 1
                 self._send([req])
         return ended
 
@@ -183,6 +185,7 @@ class GenerateCall:
     def _submit(self, req: Request) -> Future:
         eng = self.fleet
         max_new = req.payload["sampling_params"]["max_new_tokens"]
+        req.left_outs_at_send = eng.left_out_count
         req.post = Post(req.endpoint, eng.gen_urls[req.endpoint] + "/generate", req.payload,
                         self.read_timeout(max_new))
         return eng.http.submit(req.post)
@@ -202,7 +205,9 @@ class GenerateCall:
                         "times the turns a request may queue for the KV cache)")
             else:
                 what = "failed during /generate"
-            if eng.router is not None:  # nothing to retry on here: the router spreads and retries itself
+            if self._behind_router_a_server_was_down(req):
+                return None
+            if eng.router is not None:
                 raise eng.down_error(0, err, f"{what}; servers behind it: {', '.join(eng.urls)}",
                                       may_exit=not err.timed_out, server=eng.router) from None
             eng.leave_out(req.endpoint, eng.down_error(req.endpoint, err, what, may_exit=not err.timed_out))
@@ -211,9 +216,22 @@ class GenerateCall:
         if result is None:
             return None
         status, text = result
+        if status >= 500 and self._behind_router_a_server_was_down(req):
+            return None
         if status != 200:
             raise UserError(f"SGLang server {eng.gen_urls[req.endpoint]} /generate: HTTP {status}: {text[:500]}")
         return json.loads(text)
+
+    def _behind_router_a_server_was_down(self, req: Request) -> bool:
+        """Behind the router, with retry_on_other_servers: a /generate that failed while a server was
+        down (found now, or left out since it was sent) is marked lost, to be sent again."""
+        eng = self.fleet
+        if eng.router is None or not eng.cfg.retry_on_other_servers:
+            return False
+        if eng.leave_out_down() or eng.left_out_count > req.left_outs_at_send:
+            req.lost = True
+            return True
+        return False
 
     def _abort(self, reqs: Sequence[Request], all_on_own_servers: bool = False) -> None:
         """Abort these requests by rid; with `all_on_own_servers`, servers this engine launched

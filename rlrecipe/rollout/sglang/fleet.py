@@ -26,12 +26,13 @@ from rlrecipe.rollout.sglang.api import context_length
 from rlrecipe.rollout.sglang.api_key import client_headers, give_back_key, launch_key
 from rlrecipe.rollout.sglang.http_pool import HttpPool
 from rlrecipe.rollout.sglang.recovery import ServerRecovery
-from rlrecipe.rollout.sglang.router import start_router
+from rlrecipe.rollout.sglang.router import RouterWorkers, start_router
 from rlrecipe.rollout.sglang.server import ServerProcess, launch_servers, wait_until_healthy
 from rlrecipe.rollout.sglang.versions import NEWEST, Dialect, dialect_of
 
 # a /server_info that fails is asked this often in all, this far apart, before an error names the server
 SERVER_INFO_TRIES, SERVER_INFO_PAUSE_S = 3, 1.0
+DOWN_PROBE_S = 5.0  # behind the router: a server not answering /health within this is taken as down
 
 
 class ServerFleet:
@@ -45,11 +46,15 @@ class ServerFleet:
         self.cfg = cfg or SGLangServer()
         self.servers: list[ServerProcess] = list(servers or [])
         self.router = router  # sglang-router in front of the servers: every /generate goes to it
+        self.routed = RouterWorkers(router, self.session) if router is not None else None
+        self.unrouted: set[int] = set()  # left out, so off the router's list until a push reaches them
         self.gen_urls = [router.url] if router is not None else self.urls
         # every /generate goes through one asyncio thread, at most max_concurrency open per server
         self.http = HttpPool(len(self.gen_urls), max_concurrency * (len(self.urls) if router else 1))
         self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
         self.failed: set[int] = set()  # servers that died or hung under this engine (until taken back)
+        self.left_out_count = 0  # times a server was left out (behind the router: which requests it cut)
+        self.resent = 0  # requests sent again, from the start, after their server was left out
         self.recovery = ServerRecovery(self.servers, self.cfg.max_restarts)
         self.server_infos: dict[int, dict] = {}  # answers only: a failed /server_info is asked again
         self._unversioned: set[int] = set()  # servers already warned of for stating no version
@@ -72,7 +77,7 @@ class ServerFleet:
         wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
         router = start_router(urls, ro.sglang, run_dir) if ro.sglang.router else None
         try:
-            return cls(urls, cfg=ro.sglang, max_concurrency=ro.sglang.max_concurrency, router=router)
+            return cls(urls, cfg=ro.sglang, max_concurrency=ro.sglang.max_concurrency, router=router).checked()
         except BaseException:
             if router is not None:
                 router.stop()
@@ -97,7 +102,7 @@ class ServerFleet:
             if cfg.router:
                 router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env)
             fleet = cls([s.url for s in servers], cfg=cfg, max_concurrency=cfg.max_concurrency, servers=servers,
-                        router=router)
+                        router=router).checked()
         except BaseException:
             for s in [router, *servers]:
                 if s is not None:
@@ -106,6 +111,14 @@ class ServerFleet:
             raise
         fleet.holds_key = True
         return fleet
+
+    def checked(self) -> ServerFleet:
+        """Where servers may be left out behind the router, the router must let its list be changed:
+        asked now, so a router without the API stops the run at start rather than at a failure. The
+        router registers the servers it was started with in the background: waited for."""
+        if self.routed is not None and self.cfg.retry_on_other_servers:
+            self.routed.wait_for(self.urls)
+        return self
 
     # -- health ----------------------------------------------------------------------------------
     def server(self, i: int) -> ServerProcess | None:
@@ -127,9 +140,14 @@ class ServerFleet:
         if i not in self.live:
             return  # left out already (its other requests fail the same way)
         self.live.remove(i)
-        self.http.mark_down(i)
+        self.left_out_count += 1
+        if self.routed is None:
+            self.http.mark_down(i)
         if not self.live:
             raise UserError(f"{error}; no SGLang server left to retry on") from None
+        if self.routed is not None:
+            self.routed.remove(self.urls[i])
+            self.unrouted.add(i)
         console.print(f"[yellow]warning[/]: {error}; its requests go to the {len(self.live)} other servers, "
                       "and it is left out until it answers again")
         if self.on_members_changed is not None:
@@ -142,7 +160,8 @@ class ServerFleet:
         back = self.recovery.answering(sorted(self.failed - set(self.live)), self.urls)
         for i in back:
             self.failed.discard(i)
-            self.http.mark_up(i)
+            if self.routed is None:
+                self.http.mark_up(i)
             self.server_infos.pop(i, None)  # a restarted server is asked again
             self._unversioned.discard(i)
             console.print(f"SGLang server {i} ({self.urls[i]}) answers again: taken back with the weights of "
@@ -152,6 +171,34 @@ class ServerFleet:
             if self.on_members_changed is not None:
                 self.on_members_changed()
         return back
+
+    def pushed(self, version: int) -> None:
+        """A push of `version` reached every live server: new tokens carry it, and servers taken back
+        at this push go back on the router's list (none before: the router would sample from them)."""
+        self.version = version
+        for i in sorted(self.unrouted & set(self.live)):
+            self.routed.add(self.urls[i])
+            self.unrouted.discard(i)
+
+    def leave_out_down(self) -> bool:
+        """Behind the router a failed /generate does not say which server failed: a launched server
+        that exited, or any live one not answering /health, is left out. True when one was."""
+        down: list[tuple[int, UserError]] = []
+        for i in list(self.live):
+            server = self.server(i)
+            if server is not None and server.proc is not None and not server.alive():
+                down.append((i, server.crash_error()))
+                continue
+            try:
+                r = self.session().get(self.urls[i] + "/health", timeout=(DOWN_PROBE_S, DOWN_PROBE_S))
+                why = None if r.status_code == 200 else f"HTTP {r.status_code}"
+            except requests.RequestException as err:
+                why = type(err).__name__
+            if why is not None:
+                down.append((i, self.down_error(i, why, "failed a /generate sent through the router", False)))
+        for i, error in down:
+            self.leave_out(i, error)
+        return bool(down)
 
     def down_error(self, i: int, err: Exception, what: str, may_exit: bool = True,
                    server: ServerProcess | None = None) -> UserError:
@@ -168,9 +215,11 @@ class ServerFleet:
         return UserError(f"SGLang server {self.urls[i]} {what}: {err} (is it running? rollout.urls)")
 
     def metrics(self) -> dict[str, float]:
-        """Servers in use and the restarts spent so far: a run losing servers shows in its metrics."""
+        """Servers in use, the restarts spent and the requests sent again so far: a run losing servers
+        shows in its metrics."""
         spent = sum(self.cfg.max_restarts - left for left in self.recovery.restarts_left.values())
-        return {"rollout_servers_live": float(len(self.live)), "rollout_server_restarts": float(spent)}
+        return {"rollout_servers_live": float(len(self.live)), "rollout_server_restarts": float(spent),
+                "rollout_requests_resent": float(self.resent)}
 
     # -- requests to one server ------------------------------------------------------------------
     def session(self) -> requests.Session:

@@ -127,7 +127,7 @@ class WeightPusher:
                         if i not in back:
                             raise
                         fleet.leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
-        fleet.version = version
+        fleet.pushed(version)
         if verify:
             self.verify_export(model_dir, version)
 
@@ -151,7 +151,7 @@ class WeightPusher:
         self.broadcast.push(state_dict, version)
         for i in fleet.live:
             fleet.weight_version[i] = str(version)
-        fleet.version = version
+        fleet.pushed(version)
         self.verify(version, state=state_dict)
 
     def update_from_tensor(self, state_dict: dict, version: int, verify: bool = True) -> None:
@@ -166,7 +166,7 @@ class WeightPusher:
         push_tensors(fleet, state_dict, version)
         for i in fleet.live:
             fleet.weight_version[i] = str(version)
-        fleet.version = version
+        fleet.pushed(version)
         if verify:
             self.verify(version, state=state_dict)
 
@@ -185,7 +185,7 @@ class WeightPusher:
             yield send
         for i in fleet.live:
             fleet.weight_version[i] = str(version)
-        fleet.version = version
+        fleet.pushed(version)
 
     def update_adapter(self, adapter, version: int, verify: bool = True) -> None:
         """Every live server loads `adapter` (weights/adapter.py: by value, or from its directory) as
@@ -200,7 +200,8 @@ class WeightPusher:
         name, old = lora.adapter_name(version), fleet.adapter
         for i in list(fleet.live):
             lora.load(fleet, i, name, adapter, 1 if adapter.path is not None else tp_size(fleet, i))
-        fleet.adapter, fleet.version = name, version
+        fleet.adapter = name
+        fleet.pushed(version)
         if verify:
             self.verify_adapter(version)
         if old is not None and old != name:

@@ -179,3 +179,19 @@ def serve_process(model_dir: Path, log: Path, *flags: str, timeout_s: float = 12
                 return proc, url
         except requests.RequestException:
             time.sleep(0.2)
+
+
+def resume_after_training(engine, version: int, *, state_dict: dict | None = None, model_dir=None) -> None:
+    """What a colocated step (rl/colocate.py's push) asks of a released SGLang engine, without the
+    trainer in between: weights allocated again, the push (by tensors, or the export from disk), the
+    prefix cache flushed, the KV cache and CUDA graphs back, and only then the check (its probe
+    generates)."""
+    assert (state_dict is None) != (model_dir is None)
+    engine.resume_memory(["weights"])
+    if state_dict is not None:
+        engine.update_weights_from_tensor(state_dict, version, verify=False)
+    else:
+        engine.update_weights_from_disk(model_dir, version, verify=False)
+    engine.flush_cache()
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    engine.verify_push(version, state_dict=state_dict, model_dir=model_dir)

@@ -77,3 +77,9 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release servers or memory."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -21,6 +21,7 @@ from rlrecipe.modeling import distinct_tensors, load_tokenizer
 from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.rollout.sglang.tensor_push import tensor_bodies
 from rlrecipe.rollout.weights.handle_push import push_by_handles
+from tests.helpers import resume_after_training
 from tests.live.test_live_engine import PROMPT, _generate, _hf_logprobs
 from tests.rollout.test_weight_handles import shared_files
 
@@ -61,13 +62,13 @@ def test_a_colocated_step_serves_the_pushed_weights(sglang_server, demo_model_di
     with SGLangEngine([url], eos_token_id=tok.eos_token_id, served_dtype="float32") as eng:
         try:
             eng.release_memory()
-            eng.resume_after_training(1, state_dict=_weights(demo_model_perturbed))  # checksums verified inside
+            resume_after_training(eng, 1, state_dict=_weights(demo_model_perturbed))  # checksums verified inside
             assert eng.weights.check.no_checksum == set()
             assert _served_logprobs_match(url, demo_model_perturbed) < 1e-4
             assert _served_logprobs_match(url, demo_model_dir) > 1e-3  # the two models are told apart
         finally:  # the shared server goes back to the weights it started with
             eng.release_memory()
-            eng.resume_after_training(2, state_dict=_weights(demo_model_dir))
+            resume_after_training(eng, 2, state_dict=_weights(demo_model_dir))
     assert _served_logprobs_match(url, demo_model_dir) < 1e-4
 
 
@@ -98,5 +99,5 @@ def test_a_push_by_handle_serves_the_pushed_weights(sglang_server, demo_model_di
             assert _served_logprobs_match(url, demo_model_dir) > 1e-3
         finally:
             eng.release_memory()
-            eng.resume_after_training(2, state_dict=_weights(demo_model_dir))
+            resume_after_training(eng, 2, state_dict=_weights(demo_model_dir))
     assert _served_logprobs_match(url, demo_model_dir) < 1e-4

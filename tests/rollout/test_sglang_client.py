@@ -330,7 +330,7 @@ def test_weight_update_mid_run(engine, tok, tiny_model_dir, other_model_dir, ser
 
 
 def test_requests_fit_the_context_and_a_full_context_truncates(engine, tok, server):
-    ctx = engine.context_len(0)
+    ctx = engine.fleet.context_len(0)
     assert ctx == 256  # the tiny model's max_position_embeddings, from /server_info
     params = SamplingParams(max_new_tokens=300)
     near, full = prompts(tok, 2)
@@ -715,4 +715,4 @@ def test_without_a_stated_context_the_client_keeps_to_the_input_limit(tiny_model
         url = f"http://127.0.0.1:{port}"
         served = requests.get(url + "/server_info", timeout=10).json()
         assert (served["context_length"], served["max_req_input_len"]) == (None, 250)
-        assert SGLangEngine([url]).context_len(0) == 251
+        assert SGLangEngine([url]).fleet.context_len(0) == 251

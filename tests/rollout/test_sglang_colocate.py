@@ -19,7 +19,7 @@ from rlrecipe.rollout.sglang.http_pool import Post
 from rlrecipe.rollout.sglang.server import server_specs, sglang_launch_cmd
 from rlrecipe.rollout.weights.check import WeightMismatch
 from rlrecipe.rollout.weights.transport import WeightTransport, weight_transport
-from tests.helpers import serve_process
+from tests.helpers import resume_after_training, serve_process
 from tests.rollout.test_sglang_client import stop_process
 
 
@@ -46,7 +46,7 @@ def _state(model_dir) -> dict:
 def test_a_colocated_step_pushes_tensors_and_verifies_them(engine, colocated, tiny_model_dir, other_model_dir):
     assert engine.transport is WeightTransport.TENSOR
     engine.release_memory()
-    engine.resume_after_training(1, state_dict=_state(other_model_dir))
+    resume_after_training(engine, 1, state_dict=_state(other_model_dir))
     assert engine.weights.check.no_checksum == set()  # the checksums were compared
     r = requests.post(colocated["url"] + "/generate", json={"input_ids": [5, 6], "sampling_params": {
         "max_new_tokens": 2}}, timeout=60)
@@ -60,9 +60,9 @@ def test_a_colocated_step_pushes_tensors_and_verifies_them(engine, colocated, ti
 
 def test_a_colocated_step_by_disk_verifies_after_the_kv_cache_is_back(engine, tiny_model_dir, other_model_dir):
     engine.release_memory()
-    engine.resume_after_training(3, model_dir=other_model_dir)
+    resume_after_training(engine, 3, model_dir=other_model_dir)
     engine.release_memory()
-    engine.resume_after_training(4, model_dir=tiny_model_dir)
+    resume_after_training(engine, 4, model_dir=tiny_model_dir)
     with pytest.raises(WeightMismatch):
         engine.verify_export(other_model_dir, 4)  # the check can tell the two apart
 
@@ -78,7 +78,7 @@ def test_release_is_refused_by_the_client_while_a_request_is_in_flight(engine, c
     assert fut.result(timeout=120)[0] == 200  # never sent: the server lives on
     assert colocated["proc"].poll() is None
     engine.release_memory()  # idle now
-    engine.resume_after_training(5, model_dir=engine.fleet.model_info(0)["model_path"])
+    resume_after_training(engine, 5, model_dir=engine.fleet.model_info(0)["model_path"])
 
 
 def test_a_server_without_the_flag_is_named_with_the_hint(tiny_model_dir, tmp_path):

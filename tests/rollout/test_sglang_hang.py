@@ -132,7 +132,7 @@ def test_a_server_that_accepts_and_never_answers_fails_its_request_by_the_read_t
     eng = SGLangEngine([url], eos_token_id=1, cfg=cfg)
     try:
         eng.fleet.server_infos[0] = {}  # the silent server would not answer /server_info either
-        assert eng.read_timeout(50) == pytest.approx(2.0)  # 1 s floor + 50 tokens x 0.02 s
+        assert eng.gen.read_timeout(50) == pytest.approx(2.0)  # 1 s floor + 50 tokens x 0.02 s
         with pytest.raises(UserError) as err:
             within_guard(lambda: eng.generate(trajs(3), SamplingParams(max_new_tokens=50)))
         msg = str(err.value)

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_without_the_plan_a_request_gets_one_turn():
     eng = SGLangEngine(["http://127.0.0.1:9"], eos_token_id=1, max_concurrency=512)
     try:
-        assert eng.queue_turns(32768) == 1
-        assert eng.read_timeout(32768) == 300 + 0.05 * 32768
+        assert eng.gen.queue_turns(32768) == 1
+        assert eng.gen.read_timeout(32768) == 300 + 0.05 * 32768
     finally:
         eng.close()
 
@@ -28,16 +28,16 @@ def test_the_32b_evaluation_allows_every_turn_its_512_open_requests_take(tmp_pat
     shutil.copy(SHIPPED_CONFIGS / "deepseek-ai__DeepSeek-R1-Distill-Qwen-32B.json", model / "config.json")
     eng = SGLangEngine(["http://127.0.0.1:9"], eos_token_id=1, max_concurrency=ld.recipe.rollout.sglang.max_concurrency)
     try:
-        eng.size_queue_allowance(ld.recipe, model)
+        eng.gen.size_queue_allowance(ld.recipe, model)
         assert eng.kv_tokens == kv_cache_tokens(ld)  # what `rlrecipe plan` says one tp-8 server holds
         seq = ld.recipe.data.max_prompt_tokens + ld.recipe.eval.max_new_tokens
         fit = kv_cache_tokens(ld) // seq
         assert 40 <= fit <= 120  # the "about 53-120 sequences of that length"
         turns = math.ceil(512 / fit)
-        assert eng.queue_turns(ld.recipe.eval.max_new_tokens) == turns > 1
-        assert eng.read_timeout(ld.recipe.eval.max_new_tokens) == 300 + 0.05 * ld.recipe.eval.max_new_tokens * turns
+        assert eng.gen.queue_turns(ld.recipe.eval.max_new_tokens) == turns > 1
+        assert eng.gen.read_timeout(ld.recipe.eval.max_new_tokens) == 300 + 0.05 * ld.recipe.eval.max_new_tokens * turns
         # short requests fit more at once: fewer turns
-        assert eng.queue_turns(1024) < turns
+        assert eng.gen.queue_turns(1024) < turns
     finally:
         eng.close()
     err = capsys.readouterr().err

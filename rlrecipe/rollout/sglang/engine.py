@@ -96,13 +96,13 @@ class SGLangEngine(RolloutEngine):
                                 lora=recipe.trainer.lora if lora else None)
         try:
             if ro.urls:
-                engine.ensure_model(model_dir, version)
+                engine.weights.ensure_model(model_dir, version)
             # a server started from another checkpoint answers /model_info with the right path too
             engine.verify_export(model_dir, version, when=f"at start, where it should serve {model_arg(model_dir)}")
         except BaseException:
             engine.close()
             raise
-        engine.size_queue_allowance(recipe, model_dir)
+        engine.gen.size_queue_allowance(recipe, model_dir)
         return engine
 
     @classmethod
@@ -130,29 +130,14 @@ class SGLangEngine(RolloutEngine):
             raise RuntimeError("SGLangEngine is closed")
         return self.gen.generate(trajs, params, token_budget, refill)
 
-    def read_timeout(self, max_new_tokens: int) -> float:
-        return self.gen.read_timeout(max_new_tokens)
-
-    def queue_turns(self, max_new_tokens: int) -> int:
-        return self.gen.queue_turns(max_new_tokens)
-
-    def size_queue_allowance(self, recipe: Recipe, model_dir: str | Path) -> None:
-        self.gen.size_queue_allowance(recipe, model_dir)
-
     # -- servers ---------------------------------------------------------------------------------
     def model_info(self, i: int = 0) -> dict:
         return self.fleet.model_info(i)
-
-    def context_len(self, i: int) -> int | None:
-        return self.fleet.context_len(i)
 
     def fleet_metrics(self) -> dict[str, float]:
         return {**self.fleet.metrics(), "weight_check_s": self.weights.weight_check_s}
 
     # -- weights ---------------------------------------------------------------------------------
-    def ensure_model(self, model_dir: str | Path, version: int) -> None:
-        self.weights.ensure_model(model_dir, version)
-
     def update_weights_from_disk(self, model_dir: str | Path, version: int, verify: bool = True) -> None:
         self.weights.update_from_disk(model_dir, version, verify)
 
@@ -205,23 +190,6 @@ class SGLangEngine(RolloutEngine):
         requests run)."""
         flush(self.fleet)
 
-    def resume_after_training(self, version: int, *, state_dict: dict | None = None,
-                              model_dir: str | Path | None = None) -> None:
-        """A colocated step's way back, after `release_memory`: weights allocated again (garbage until
-        the push), the trainer's weights pushed (`state_dict` by /update_weights_from_tensor, or the
-        HF export `model_dir` from disk), the prefix cache flushed, the KV cache and CUDA graphs
-        allocated again, and only then the push verified (the probe generates)."""
-        if (state_dict is None) == (model_dir is None):
-            raise ValueError("resume_after_training takes one of state_dict or model_dir")
-        self.resume_memory(["weights"])
-        if state_dict is not None:
-            self.weights.update_from_tensor(state_dict, version, verify=False)
-        else:
-            self.weights.update_from_disk(model_dir, version, verify=False)
-        self.flush_cache()
-        self.resume_memory(["kv_cache", "cuda_graph"])
-        self.verify_push(version, state_dict=state_dict, model_dir=model_dir)
-
     def verify_push(self, version: int, *, state_dict: dict | None = None,
                     model_dir: str | Path | None = None, adapter=None) -> None:
         """The check of a push made with `verify=False`: every live server holds `state_dict` (or the
@@ -246,9 +214,3 @@ class SGLangEngine(RolloutEngine):
         self.fleet.recovery.close()  # no restart starts while the broadcast group is left
         self.weights.close()
         self.fleet.close()
-
-    def __enter__(self) -> SGLangEngine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -19,7 +19,7 @@ from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import load_model, load_tokenizer
 from rlrecipe.recipe.schema import recipe_from_dict
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang.api import sglang_sampling_params
+from rlrecipe.rollout.sglang.api import context_length, sglang_sampling_params
 from rlrecipe.rollout.sglang.call import apply_answer, to_least_loaded
 from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.rollout.sglang.server import probe_health
@@ -330,7 +330,7 @@ def test_weight_update_mid_run(engine, tok, tiny_model_dir, other_model_dir, ser
 
 
 def test_requests_fit_the_context_and_a_full_context_truncates(engine, tok, server):
-    ctx = engine.fleet.context_len(0)
+    ctx = context_length(engine.fleet.server_info(0))
     assert ctx == 256  # the tiny model's max_position_embeddings, from /server_info
     params = SamplingParams(max_new_tokens=300)
     near, full = prompts(tok, 2)
@@ -715,4 +715,4 @@ def test_without_a_stated_context_the_client_keeps_to_the_input_limit(tiny_model
         url = f"http://127.0.0.1:{port}"
         served = requests.get(url + "/server_info", timeout=10).json()
         assert (served["context_length"], served["max_req_input_len"]) == (None, 250)
-        assert SGLangEngine([url]).fleet.context_len(0) == 251
+        assert context_length(SGLangEngine([url]).fleet.server_info(0)) == 251

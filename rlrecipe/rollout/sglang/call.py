@@ -26,10 +26,10 @@ import requests
 from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.base import SEED_KEY, Refill
 from rlrecipe.rollout.c3po_budget import TokenBudget
-from rlrecipe.rollout.sglang.api import apply_output, generate_payload, sglang_sampling_params
+from rlrecipe.rollout.sglang.api import apply_output, context_length, generate_payload, sglang_sampling_params
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.http_pool import Post, PostFailed
-from rlrecipe.rollout.sglang.versions import room
+from rlrecipe.rollout.sglang.versions import NEWEST, Dialect, room
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 
 ABORT_RESEND_S = 1.0
@@ -56,6 +56,17 @@ def apply_answer(fleet: ServerFleet, t: Trajectory, out: dict, params: SamplingP
                         f"engine last set {expected!r}: someone else updated its weights (rollout.urls "
                         "servers must serve this run only)")
     apply_output(t, out, params, version)
+
+
+def request_limits(fleet: ServerFleet, e: int) -> tuple[Dialect, int | None, int | None]:
+    """What a request sent to endpoint e must respect: the dialect, the context length and
+    max_req_input_len (None: not stated). Behind the router, the strictest of the live servers."""
+    servers = [e] if fleet.router is None else list(fleet.live)
+    dialects = [fleet.dialect(i) for i in servers]
+    contexts = [c for c in (context_length(fleet.server_info(i)) for i in servers) if c is not None]
+    inputs = [m for m in (fleet.server_info(i).get("max_req_input_len") for i in servers) if isinstance(m, int)]
+    strict = min(dialects, key=lambda d: d.version or NEWEST)  # the oldest rules where versions differ
+    return strict, (min(contexts) if contexts else None), (min(inputs) if inputs else None)
 
 
 def to_least_loaded(live: list[int], fresh: list[Trajectory], busy: list[int], groups: dict[str, int]) -> None:
@@ -162,7 +173,7 @@ class GenerateCall:
             input_ids = list(t.prompt_ids) + list(t.response_ids)
             max_new = params.max_new_tokens - len(t.response_ids)
             if endpoint not in self.limits:
-                self.limits[endpoint] = eng.endpoint_limits(endpoint)
+                self.limits[endpoint] = request_limits(eng, endpoint)
             dialect, ctx, max_input = self.limits[endpoint]
             left = room(dialect, ctx, max_input, len(input_ids))
             if left is not None:

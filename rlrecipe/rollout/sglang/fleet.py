@@ -22,7 +22,6 @@ import requests
 from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import RolloutSection, SGLangServer
-from rlrecipe.rollout.sglang.api import context_length
 from rlrecipe.rollout.sglang.api_key import client_headers, give_back_key, launch_key
 from rlrecipe.rollout.sglang.http_pool import HttpPool
 from rlrecipe.rollout.sglang.recovery import ServerRecovery
@@ -67,6 +66,10 @@ class ServerFleet:
         self._sessions: list[requests.Session] = []
         self._sessions_lock = threading.Lock()
         self.holds_key = False  # launched with a key drawn for its servers (api_key.launch_key)
+        if self.routed is not None and self.cfg.retry_on_other_servers:
+            # servers may be left out: the router must let its list be changed (asked now, so a router
+            # without the API stops the run at start), once it registered its servers (in the background)
+            self.routed.wait_for(self.urls)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -77,7 +80,7 @@ class ServerFleet:
         wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
         router = start_router(urls, ro.sglang, run_dir) if ro.sglang.router else None
         try:
-            return cls(urls, cfg=ro.sglang, max_concurrency=ro.sglang.max_concurrency, router=router).checked()
+            return cls(urls, cfg=ro.sglang, max_concurrency=ro.sglang.max_concurrency, router=router)
         except BaseException:
             if router is not None:
                 router.stop()
@@ -102,7 +105,7 @@ class ServerFleet:
             if cfg.router:
                 router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env)
             fleet = cls([s.url for s in servers], cfg=cfg, max_concurrency=cfg.max_concurrency, servers=servers,
-                        router=router).checked()
+                        router=router)
         except BaseException:
             for s in [router, *servers]:
                 if s is not None:
@@ -111,14 +114,6 @@ class ServerFleet:
             raise
         fleet.holds_key = True
         return fleet
-
-    def checked(self) -> ServerFleet:
-        """Where servers may be left out behind the router, the router must let its list be changed:
-        asked now, so a router without the API stops the run at start rather than at a failure. The
-        router registers the servers it was started with in the background: waited for."""
-        if self.routed is not None and self.cfg.retry_on_other_servers:
-            self.routed.wait_for(self.urls)
-        return self
 
     # -- health ----------------------------------------------------------------------------------
     def server(self, i: int) -> ServerProcess | None:
@@ -282,10 +277,6 @@ class ServerFleet:
         raise self.down_error(i, failure, f"/server_info failed {SERVER_INFO_TRIES} times (its SGLang version "
                                           "decides what a request may carry, so it is not guessed)")
 
-    def context_len(self, i: int) -> int | None:
-        """Server i's context length; None where /server_info does not say."""
-        return context_length(self.server_info(i))
-
     def dialect(self, i: int) -> Dialect:
         """The rules of server i's SGLang version (from its /server_info). One that answers without a
         version it states is spoken to as the newest of the pin (sglang/versions.py), and told so once."""
@@ -297,16 +288,6 @@ class ServerFleet:
                           f"{'.'.join(map(str, NEWEST))}, the newest the client was checked against, with the "
                           "stricter context edge", highlight=False, soft_wrap=True)
         return dialect
-
-    def endpoint_limits(self, e: int) -> tuple[Dialect, int | None, int | None]:
-        """What a request sent to endpoint e must respect: the dialect, the context length and
-        max_req_input_len (None: not stated). Behind the router, the strictest of the live servers."""
-        servers = [e] if self.router is None else list(self.live)
-        dialects = [self.dialect(i) for i in servers]
-        contexts = [c for c in (self.context_len(i) for i in servers) if c is not None]
-        inputs = [m for m in (self.server_info(i).get("max_req_input_len") for i in servers) if isinstance(m, int)]
-        strict = min(dialects, key=lambda d: d.version or NEWEST)  # the oldest rules where versions differ
-        return strict, (min(contexts) if contexts else None), (min(inputs) if inputs else None)
 
     def expected_version(self, e: int) -> str | None:
         """The weight_version answers from endpoint e must carry (None: not set by this engine)."""

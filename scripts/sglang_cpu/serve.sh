@@ -22,7 +22,9 @@ key=()
 # LoRA (--enable-lora) on a CPU: SGLang's default LoRA kernels are Triton's; torch_native runs here
 lora=()
 case " $* " in *" --enable-lora "*) case " $* " in *" --lora-backend"*) ;; *) lora=(--lora-backend torch_native) ;; esac ;; esac
-# float32 is passed as such: SGLang's "auto" would serve a float32 checkpoint in float16
+# float32 is passed as such: SGLang's "auto" would serve a float32 checkpoint in float16.
+# --sleep-on-idle: an idle scheduler otherwise polls without pause and takes a whole core from the
+# trainer it shares the CPU with (10 s of CPU in 10 s idle, 0.2 s with it); a request still wakes it at once
 exec "$venv/bin/python" -m sglang.launch_server --model-path "$model" --host "$host" --port "$port" \
   --dtype "$dtype" --random-seed "$seed" --device cpu --disable-overlap-schedule \
-  --attention-backend torch_native "${key[@]}" "${lora[@]}" "$@"
+  --attention-backend torch_native --sleep-on-idle "${key[@]}" "${lora[@]}" "$@"

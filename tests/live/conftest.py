@@ -111,8 +111,8 @@ def demo_model_perturbed(demo_model_dir, tmp_path_factory):
     return perturbed_copy(demo_model_dir, tmp_path_factory.mktemp("demo-other") / "model", seed=7)
 
 
-# package scope: the servers stop once tests/live is done (SGLang's scheduler spins a core while it
-# waits for requests, which the rest of the suite would run beside)
+# package scope: the servers stop once tests/live is done (an idle one sleeps, serve.sh's --sleep-on-idle,
+# but keeps its memory, and without that flag SGLang's scheduler spins a core while it waits for requests)
 @pytest.fixture(scope="package")
 def sglang_server(demo_model_dir, tmp_path_factory):
     """One real SGLang server on the demo-shaped model in float32, shared by the tests that leave

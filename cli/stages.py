@@ -72,11 +72,12 @@ def validate(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML fil
 def sft(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: OverwriteOpt = False,
         adopt_checkpoint: AdoptOpt = False) -> None:
     """Supervised fine-tuning (distillation), loss on response tokens only."""
-    from rlrecipe.stages.sft import run_sft
-
     loaded = _load(recipe, set_)
     _adopt(adopt_checkpoint)
     _relaunch("sft", loaded, resume, overwrite)
+    # imported after the relaunch: a command that only starts torchrun never loads the stage (torch, DeepSpeed)
+    from rlrecipe.stages.sft import run_sft
+
     run_sft(loaded, resume=resume, overwrite=overwrite)
 
 
@@ -88,10 +89,11 @@ def rl(recipe: Path, set_: SetOpt = None, resume: ResumeOpt = False, overwrite: 
         from rlrecipe.core.threads import threaded_wait_policy
 
         threaded_wait_policy("an SGLang client beside the kernels")
-    from rlrecipe.stages.rl import run_rl
-
     _adopt(adopt_checkpoint)
     _relaunch("rl", loaded, resume, overwrite)
+    # imported after the relaunch: a command that only starts torchrun never loads the stage (torch, DeepSpeed)
+    from rlrecipe.stages.rl import run_rl
+
     run_rl(loaded, resume=resume, overwrite=overwrite)
 
 

@@ -24,7 +24,7 @@ from rlrecipe.cluster import node as node_module
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import load_recipe
 from tests.helpers import rl_recipe, write_recipe, write_tiny_data
-from tests.rollout.test_sglang_client import free_port
+from tests.rollout.test_sglang_client import free_port, free_ports
 
 pytestmark = pytest.mark.slow
 STANDIN = ["rlrecipe", "serve", "{model}", "--host", "{host}", "--port", "{port}", "--dtype", "{dtype}"]
@@ -117,7 +117,7 @@ def test_split_job_one_training_node_one_rollout_node(tmp_path, tiny_model_dir):
 def test_colocated_job_two_nodes_each_training_and_serving(tmp_path, tiny_model_dir):
     data = write_tiny_data(tmp_path / "data")
     recipe = _recipe(tmp_path / "job", data, tiny_model_dir, trainer={"nproc": 1, "nodes": 2},
-                     rollout={**_sglang(free_port(), nodes=2, servers=2, flags=["--enable-memory-saver"]),
+                     rollout={**_sglang(free_ports(2), nodes=2, servers=2, flags=["--enable-memory-saver"]),
                               "colocate": True})
     procs = start_nodes(recipe, 2, gpus_per_node=1, port=free_port())
     try:

@@ -76,7 +76,7 @@ class Server:
             if time.time() > deadline:
                 self.stop()
                 raise RuntimeError(f"server not healthy after {START_TIMEOUT_S}s: {log.read_text()[-3000:]}")
-            time.sleep(1.0)
+            time.sleep(0.25)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

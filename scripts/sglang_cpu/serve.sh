@@ -15,6 +15,10 @@ fi
 model=$1 host=$2 port=$3 dtype=$4 seed=$5
 shift 5
 export SGLANG_USE_CPU_ENGINE=1
+# When its scheduler ends (a stop: SIGTERM to the process group) SGLang waits 5 s for crash diagnostics, a py-spy
+# dump (not installed here) and a CUDA core dump (no CUDA): nothing on this CPU, so the stop does not wait (unless set)
+export SGLANG_PYSPY_DUMP_BEFORE_CRASH=${SGLANG_PYSPY_DUMP_BEFORE_CRASH:-0}
+export SGLANG_CUDA_COREDUMP_BEFORE_CRASH=${SGLANG_CUDA_COREDUMP_BEFORE_CRASH:-0}
 export PYTHONPATH="$here/shims"
 # the key a run launching this server draws for it (or the user's): the server then refuses other clients
 key=()

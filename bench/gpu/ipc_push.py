@@ -34,7 +34,8 @@ WEIGHTS = Path(__file__).resolve().parents[2] / "rlrecipe" / "rollout" / "weight
 DEVICE_ARG = 6  # rebuild_cuda_tensor's argument naming the device (handles.DEVICE_ARG)
 # Qwen2.5-7B (DeepSeek-R1-Distill-Qwen-7B): hidden, intermediate, layers, kv dim, vocab; untied head
 HIDDEN, INTER, LAYERS, KV, VOCAB = 3584, 18944, 28, 512, 152064
-SMALL = dict(layers=2, vocab=1024)  # --small: a smoke test of the script itself (on a CPU too)
+# --small: a smoke test of the script itself (on a CPU too): 7B's tensors by name, at a toy width
+SMALL = dict(layers=2, vocab=1024, hidden=256, inter=1024, kv=64)
 
 
 def sync() -> None:
@@ -42,19 +43,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def shapes_7b(layers: int = LAYERS, vocab: int = VOCAB) -> list[tuple[str, tuple[int, ...]]]:
-    out = [("model.embed_tokens.weight", (vocab, HIDDEN))]
+def shapes_7b(layers: int = LAYERS, vocab: int = VOCAB, hidden: int = HIDDEN, inter: int = INTER,
+              kv: int = KV) -> list[tuple[str, tuple[int, ...]]]:
+    out = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (HIDDEN,)),
-                (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)), (p + "self_attn.q_proj.bias", (HIDDEN,)),
-                (p + "self_attn.k_proj.weight", (KV, HIDDEN)), (p + "self_attn.k_proj.bias", (KV,)),
-                (p + "self_attn.v_proj.weight", (KV, HIDDEN)), (p + "self_attn.v_proj.bias", (KV,)),
-                (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-                (p + "post_attention_layernorm.weight", (HIDDEN,)),
-                (p + "mlp.gate_proj.weight", (INTER, HIDDEN)), (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
-                (p + "mlp.down_proj.weight", (HIDDEN, INTER))]
-    return out + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (vocab, HIDDEN))]
+        out += [(p + "input_layernorm.weight", (hidden,)),
+                (p + "self_attn.q_proj.weight", (hidden, hidden)), (p + "self_attn.q_proj.bias", (hidden,)),
+                (p + "self_attn.k_proj.weight", (kv, hidden)), (p + "self_attn.k_proj.bias", (kv,)),
+                (p + "self_attn.v_proj.weight", (kv, hidden)), (p + "self_attn.v_proj.bias", (kv,)),
+                (p + "self_attn.o_proj.weight", (hidden, hidden)),
+                (p + "post_attention_layernorm.weight", (hidden,)),
+                (p + "mlp.gate_proj.weight", (inter, hidden)), (p + "mlp.up_proj.weight", (inter, hidden)),
+                (p + "mlp.down_proj.weight", (hidden, inter))]
+    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
 
 
 def fingerprint(t: torch.Tensor) -> int:
@@ -161,7 +163,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--small", action="store_true", help="2 layers, a 1024-token vocabulary")
+    ap.add_argument("--small", action="store_true", help="2 layers, a 1024-token vocabulary, hidden size 256")
     ap.add_argument("--layers", type=int, help=f"7B's shapes with this many layers (default {LAYERS}; "
                                                "make gpu-quick: 4, 4.0 GB)")
     args = ap.parse_args()

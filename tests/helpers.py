@@ -72,6 +72,32 @@ def kill_once_checkpointed(cmd: list[str], env: dict, checkpoint: Path, limit_s:
         proc.wait(timeout=60)
 
 
+@contextlib.contextmanager
+def beside(cmd: list[str], log: Path, timeout_s: float = 600, **popen):
+    """`cmd` runs in the background while the block runs (its output in `log`); on leaving the block
+    it is waited for and must have exited 0.
+
+    For a kill-and-resume test's uninterrupted reference: each run takes one core (OMP_NUM_THREADS=1),
+    so the reference beside the killed run and its resume takes the time of the longer, not of both."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
+    try:
+        yield proc
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"timed out after {timeout_s}s: {cmd}\n{log.read_text(errors='replace')[-4000:]}")
+        assert code == 0, f"failed ({code}): {cmd}\n{log.read_text(errors='replace')[-4000:]}"
+    finally:
+        if proc.poll() is None:  # the block failed: the run goes too (SIGTERM first: it stops its servers)
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
 def flat_recipe(name: str) -> dict:
     """A shipped recipe (recipes/NAME), resolved, as {"dotted.field": value}."""
     from rlrecipe.recipe.schema import load_recipe

@@ -20,7 +20,7 @@ from rlrecipe.reward import Grader
 from rlrecipe.rollout.base import SEED_KEY
 from rlrecipe.rollout.inprocess import InProcessEngine
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
-from tests.helpers import write_recipe, write_tiny_data
+from tests.helpers import beside, write_recipe, write_tiny_data
 
 # the numbers a resumed eval must reproduce (timing, dates and resume counts may differ)
 SAME = ("avg", "stderr", "n", "num_problems", "num_samples", "num_correct", "pass_at_k", "per_problem",
@@ -148,27 +148,27 @@ def test_killed_eval_resumes_to_the_uninterrupted_numbers(tmp_path, tiny_model_d
     whole = write_recipe(tmp_path / "whole.yaml", _recipe(tmp_path, data, tiny_model_dir, "runs_whole", **settings))
     samples = tmp_path / "runs_killed/ev/eval/tiny/samples.jsonl"
 
-    proc = subprocess.Popen(_eval_cmd(killed, tiny_model_dir), cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 300
-        while not (samples.exists() and samples.read_text().count("\n") >= 3):
-            assert proc.poll() is None, f"eval ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-            assert time.monotonic() < deadline, "no samples written in 300 s"
-            time.sleep(0.02)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    text = samples.read_text()
-    kept = text[:text.rfind("\n") + 1].splitlines()  # the complete lines
-    assert 3 <= len(kept) < 32
-    assert not (samples.parent / "summary.json").exists()
-    with open(samples, "a") as f:
-        f.write('{"id": "0", "sample": "0#')  # and a line the kill cut short
+    with beside(_eval_cmd(whole, tiny_model_dir), tmp_path / "whole.log", cwd=tmp_path, env=env):  # uninterrupted
+        proc = subprocess.Popen(_eval_cmd(killed, tiny_model_dir), cwd=tmp_path, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 300
+            while not (samples.exists() and samples.read_text().count("\n") >= 3):
+                assert proc.poll() is None, f"eval ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+                assert time.monotonic() < deadline, "no samples written in 300 s"
+                time.sleep(0.02)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        text = samples.read_text()
+        kept = text[:text.rfind("\n") + 1].splitlines()  # the complete lines
+        assert 3 <= len(kept) < 32
+        assert not (samples.parent / "summary.json").exists()
+        with open(samples, "a") as f:
+            f.write('{"id": "0", "sample": "0#')  # and a line the kill cut short
 
-    for recipe in (killed, whole):
-        out = subprocess.run(_eval_cmd(recipe, tiny_model_dir), cwd=tmp_path, env=env, capture_output=True,
+        out = subprocess.run(_eval_cmd(killed, tiny_model_dir), cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
     resumed = json.loads((samples.parent / "summary.json").read_text())

@@ -22,7 +22,7 @@ from rlrecipe.stages.rl import run_rl
 from rlrecipe.trajectory.arrays import TrajectoryBatch
 from rlrecipe.trajectory.record import Status, Trajectory
 from tests.conftest import REPO
-from tests.helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
+from tests.helpers import beside, kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 
 TIMING = {"rollout_s", "train_s", "gen_tokens_per_s", "grade_s", "rollout_collect_s", "rollout_wait_s", "overlap_s",
           "weight_check_s", "step_wall_s", "validation_s", "validation_drain_s"}
@@ -204,11 +204,11 @@ def test_a_killed_async_run_resumes_to_the_same_metrics_and_weights(tmp_path, ti
 
     ref = write_recipe(tmp_path / "a.yaml", spec(tmp_path / "a"))
     cmd = [sys.executable, "-m", "rlrecipe.cli.app", "rl"]
-    subprocess.run([*cmd, str(ref)], check=True, env=env, timeout=600, capture_output=True)
     other = write_recipe(tmp_path / "b.yaml", spec(tmp_path / "b"))
     run = tmp_path / "b" / "runs" / "rl"
-    kill_once_checkpointed([*cmd, str(other)], env, run / "checkpoints" / "step_0000002")
-    subprocess.run([*cmd, str(other), "--resume"], check=True, env=env, timeout=600, capture_output=True)
+    with beside([*cmd, str(ref)], tmp_path / "a.log", env=env):  # the uninterrupted reference
+        kill_once_checkpointed([*cmd, str(other)], env, run / "checkpoints" / "step_0000002")
+        subprocess.run([*cmd, str(other), "--resume"], check=True, env=env, timeout=600, capture_output=True)
     assert _untimed(_rows(run)) == _untimed(_rows(tmp_path / "a" / "runs" / "rl"))
     a = load_file(str(tmp_path / "a" / "runs" / "rl" / "final" / "model.safetensors"))
     b = load_file(str(run / "final" / "model.safetensors"))

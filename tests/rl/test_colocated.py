@@ -180,14 +180,25 @@ def test_colocated_through_rlrecipe_serve_trains_evaluates_and_resumes_after_a_k
     import subprocess
     import sys
 
-    from tests.helpers import kill_once_checkpointed, write_recipe
+    from tests.helpers import beside, kill_once_checkpointed, write_recipe
     from tests.rollout.test_sglang_client import free_port
 
     data = write_tiny_data(tmp_path / "data")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rlrecipe.cli.app", "rl"]
-    ref = write_recipe(tmp_path / "a.yaml", _served(tmp_path / "a", data, tiny_model_dir, free_port()))
-    subprocess.run([*cmd, str(ref)], check=True, env=env, timeout=600, capture_output=True)
+    port_a = free_port()
+    port_b = next(p for p in iter(free_port, None) if p != port_a)  # the two runs' servers are up together
+    ref = write_recipe(tmp_path / "a.yaml", _served(tmp_path / "a", data, tiny_model_dir, port_a))
+    other = write_recipe(tmp_path / "b.yaml", _served(tmp_path / "b", data, tiny_model_dir, port_b))
+    run = tmp_path / "b" / "runs" / "rl"
+    with beside([*cmd, str(ref)], tmp_path / "a.log", env=env):  # the uninterrupted run, beside the killed one
+        # killed once step 2's checkpoint exists, then resumed: a server samples from its own seed stream
+        # (and C3PO++'s aborts land where HTTP timing puts them), so the same run to the bit is the
+        # in-process tests' (above); here the resumed run starts from the checkpoint and completes
+        kill_once_checkpointed([*cmd, str(other)], env, run / "checkpoints" / "step_0000002")
+        kept = _rows(tmp_path / "b")[:2]
+        out = subprocess.run([*cmd, str(other), "--resume"], check=True, env=env, timeout=600, capture_output=True,
+                             text=True)
     rows = _rows(tmp_path / "a")
     assert len(rows) == 4 and "val/tiny/avg" in rows[1] and "val/tiny/avg" in rows[3]
     assert all(r[f"colocate/{p}"] > 0 for r in rows for p in PHASES)
@@ -201,15 +212,6 @@ def test_colocated_through_rlrecipe_serve_trains_evaluates_and_resumes_after_a_k
     assert all(f"weight_version={v}" in log for v in (1, 2, 3, 4))
     assert (tmp_path / "a" / "runs" / "rl" / "eval" / "tiny" / "summary.json").exists()
 
-    # killed once step 2's checkpoint exists, then resumed: a server samples from its own seed stream
-    # (and C3PO++'s aborts land where HTTP timing puts them), so the same run to the bit is the
-    # in-process tests' (above); here the resumed run starts from the checkpoint and completes
-    other = write_recipe(tmp_path / "b.yaml", _served(tmp_path / "b", data, tiny_model_dir, free_port()))
-    run = tmp_path / "b" / "runs" / "rl"
-    kill_once_checkpointed([*cmd, str(other)], env, run / "checkpoints" / "step_0000002")
-    kept = _rows(tmp_path / "b")[:2]
-    out = subprocess.run([*cmd, str(other), "--resume"], check=True, env=env, timeout=600, capture_output=True,
-                         text=True)
     assert "resumed from" in out.stderr + out.stdout and "step_0000002" in out.stderr + out.stdout
     resumed = _rows(tmp_path / "b")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[:2] == kept

@@ -20,7 +20,7 @@ from rlrecipe.algo.columns import TokenColumns
 from rlrecipe.recipe.systems import TrainerSection
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
-from tests.helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
+from tests.helpers import beside, kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 from tests.stages.test_sft import sft_recipe
 
 pytestmark = pytest.mark.slow  # subprocess-heavy: `make test-fast` leaves it out
@@ -87,21 +87,21 @@ def test_nothing_of_an_earlier_run_is_lost_to_a_second_launch(tmp_path, tiny_mod
 def test_a_killed_run_resumes_past_a_damaged_checkpoint_to_the_same_weights(tmp_path):
     data = write_tiny_data(tmp_path / "data", n=48)
     ref = write_recipe(tmp_path / "ref.yaml", _recipe(tmp_path, data, "ref"))
-    subprocess.run([*CLI, "sft", str(ref)], check=True, env=ENV, timeout=600, capture_output=True)
-
     rec = write_recipe(tmp_path / "killed.yaml", _recipe(tmp_path, data, "killed"))
     run = tmp_path / "runs" / "killed"
-    kill_once_checkpointed([*CLI, "sft", str(rec)], env=ENV, checkpoint=run / "checkpoints" / "step_0000004")
-    assert not (run / "final").exists()
-    complete = sorted(p for p in (run / "checkpoints").glob("step_???????") if (p / "manifest.json").exists())
-    assert len(complete) >= 2
-    newest, fallback = complete[-1], complete[-2]
-    weights = newest / "model" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
-    with (run / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 99, "loss"')  # and a metrics line cut short
+    with beside([*CLI, "sft", str(ref)], tmp_path / "ref.log", env=ENV):  # the uninterrupted reference
+        kill_once_checkpointed([*CLI, "sft", str(rec)], env=ENV, checkpoint=run / "checkpoints" / "step_0000004")
+        assert not (run / "final").exists()
+        complete = sorted(p for p in (run / "checkpoints").glob("step_???????") if (p / "manifest.json").exists())
+        assert len(complete) >= 2
+        newest, fallback = complete[-1], complete[-2]
+        weights = newest / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
+        with (run / "metrics.jsonl").open("a") as f:
+            f.write('{"step": 99, "loss"')  # and a metrics line cut short
 
-    out = subprocess.run([*CLI, "sft", str(rec), "--resume"], env=ENV, timeout=600, capture_output=True, text=True)
+        out = subprocess.run([*CLI, "sft", str(rec), "--resume"], env=ENV, timeout=600, capture_output=True,
+                             text=True)
     said = " ".join(out.stderr.split())
     assert out.returncode == 0, said
     assert f"{newest.name}: damaged or incomplete (model/model.safetensors has" in said

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
+from tests.helpers import beside, kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 
 TIMING = {"rollout_s", "train_s", "gen_tokens_per_s", "grade_s", "step_wall_s"}
 REQUIRED = {"reward_mean", "accuracy", "response_len_mean", "response_len_max", "truncated_frac", "tokens_trained",
@@ -26,20 +26,18 @@ def _rl(recipe, *extra):
 def test_rl_runs_logs_everything_and_resumes_after_a_kill_identically(tmp_path, tiny_model_dir):
     data = write_tiny_data(tmp_path / "data")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # uninterrupted reference
     ref = write_recipe(tmp_path / "ref.yaml", rl_recipe(tmp_path / "a", data, str(tiny_model_dir)))
-    subprocess.run(_rl(ref), check=True, env=env, timeout=600, capture_output=True)
+    run = tmp_path / "b" / "runs" / "rl"
+    rec = write_recipe(tmp_path / "b.yaml", rl_recipe(tmp_path / "b", data, str(tiny_model_dir)))
+    with beside(_rl(ref), tmp_path / "ref.log", env=env):  # the uninterrupted reference
+        # the same run, killed once its second checkpoint exists, then resumed
+        kill_once_checkpointed(_rl(rec), env, run / "checkpoints" / "step_0000002")
+        subprocess.run(_rl(rec, "--resume"), check=True, env=env, timeout=600, capture_output=True)
     ref_metrics = _metrics(tmp_path / "a" / "runs" / "rl")
     assert len(ref_metrics) == 4 and REQUIRED - TIMING <= set(ref_metrics[0])
     assert ref_metrics[0]["mismatch_abs_logp"] > 0  # bf16 rollout vs fp32 trainer
     summary = json.loads((tmp_path / "a" / "runs" / "rl" / "eval" / "tiny" / "summary.json").read_text())
     assert summary["n"] == 2 and summary["num_problems"] == 8
-
-    # the same run, killed once its second checkpoint exists, then resumed
-    run = tmp_path / "b" / "runs" / "rl"
-    rec = write_recipe(tmp_path / "b.yaml", rl_recipe(tmp_path / "b", data, str(tiny_model_dir)))
-    kill_once_checkpointed(_rl(rec), env, run / "checkpoints" / "step_0000002")
-    subprocess.run(_rl(rec, "--resume"), check=True, env=env, timeout=600, capture_output=True)
     assert _metrics(run) == ref_metrics
 
 

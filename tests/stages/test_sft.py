@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from rlrecipe.data.templates import prompt_token_ids
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.stages.sft import batch_for_step, build_sft_samples
-from tests.helpers import TINY_MODEL, kill_once_checkpointed, write_recipe, write_tiny_data
+from tests.helpers import TINY_MODEL, beside, kill_once_checkpointed, write_recipe, write_tiny_data
 
 
 def sft_recipe(tmp, data, name):
@@ -46,13 +46,12 @@ def test_killed_sft_resumes_to_the_same_final_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rlrecipe.cli.app", "sft"]
     ref = write_recipe(tmp_path / "ref.yaml", sft_recipe(tmp_path, data, "ref"))
-    subprocess.run([*cmd, str(ref)], check=True, env=env, timeout=600, capture_output=True)
-
     rec = write_recipe(tmp_path / "killed.yaml", sft_recipe(tmp_path, data, "killed"))
     run = tmp_path / "runs" / "killed"
-    kill_once_checkpointed([*cmd, str(rec)], env, run / "checkpoints" / "step_0000002")
-    assert not (run / "final").exists()
-    subprocess.run([*cmd, str(rec), "--resume"], check=True, env=env, timeout=600, capture_output=True)
+    with beside([*cmd, str(ref)], tmp_path / "ref.log", env=env):  # the uninterrupted reference
+        kill_once_checkpointed([*cmd, str(rec)], env, run / "checkpoints" / "step_0000002")
+        assert not (run / "final").exists()
+        subprocess.run([*cmd, str(rec), "--resume"], check=True, env=env, timeout=600, capture_output=True)
     a = load_file(tmp_path / "runs" / "ref" / "final" / "model.safetensors")
     b = load_file(run / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -20,7 +20,7 @@ from rlrecipe.recipe.systems import LoraSection, TrainerSection
 from rlrecipe.train import lora
 from rlrecipe.train.base import TrainSample
 from rlrecipe.train.torch_engine import TorchTrainEngine
-from tests.helpers import kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
+from tests.helpers import beside, kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
 
 TRAINER = dict(lr=1e-2, max_tokens_per_microbatch=64)
 
@@ -159,7 +159,11 @@ def test_lora_rl_trains_exports_merged_and_resumes_after_a_kill_identically(tmp_
         out = subprocess.run([*cmd, *args], env=env, timeout=600, capture_output=True, text=True)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
-    run_rl(str(spec(tmp_path / "a")))
+    other = tmp_path / "b" / "runs" / "rl"
+    recipe = spec(tmp_path / "b")
+    with beside([*cmd, str(spec(tmp_path / "a"))], tmp_path / "a.log", env=env):  # the uninterrupted reference
+        kill_once_checkpointed([*cmd, str(recipe)], env, other / "checkpoints" / "step_0000002")
+        run_rl(str(recipe), "--resume")
     run = tmp_path / "a" / "runs" / "rl"
     reference = rows(run)
     assert len(reference) == 4 and all(r["kl_ref"] >= 0 for r in reference) and reference[-1]["kl_ref"] > 0
@@ -171,11 +175,6 @@ def test_lora_rl_trains_exports_merged_and_resumes_after_a_kill_identically(tmp_
     assert set(merged) == set(base) and (final / "adapter" / "adapter_model.safetensors").exists()
     assert not torch.equal(merged["model.layers.0.mlp.down_proj.weight"], base["model.layers.0.mlp.down_proj.weight"])
     assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
-
-    other = tmp_path / "b" / "runs" / "rl"
-    recipe = spec(tmp_path / "b")
-    kill_once_checkpointed([*cmd, str(recipe)], env, other / "checkpoints" / "step_0000002")
-    run_rl(str(recipe), "--resume")
     assert rows(other) == reference
 
 

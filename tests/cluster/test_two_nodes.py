@@ -5,7 +5,7 @@ the batch script exports it: CPU, gloo, DeepSpeed ZeRO-2, `rlrecipe serve` serve
 - split: node 0 trains (2 ranks), node 1 serves; the job's status is the trainer's.
 - colocated: both nodes train (one rank each, ZeRO-2 across the nodes) and serve.
 - a node's trainer killed mid-run, then the job resubmitted with --resume: the same metrics as an
-  uninterrupted job (in-process rollouts, so sampling is the trainer's own and repeats exactly).
+  uninterrupted job run beside it (in-process rollouts, so sampling is the trainer's own and repeats exactly).
 - a rollout node that never comes up: the training node stops in one line, never hangs."""
 
 from __future__ import annotations
@@ -137,27 +137,34 @@ def test_a_node_killed_mid_run_then_the_job_resubmitted_resumes_as_if_uninterrup
     trainer = {"nproc": 1, "nodes": 2}
     # long enough that the kill at step 2's checkpoint lands while both nodes still train
     whole = _recipe(tmp_path / "whole", data, tiny_model_dir, trainer=trainer, rollout={}, steps=12)
-    procs = start_nodes(whole, 2, gpus_per_node=1, port=free_port())
-    assert [p.wait(timeout=600) for p in procs] == [0, 0], _log(whole, 0)[-3000:]
-    reference = _rows(tmp_path / "whole" / "runs" / "rl")
-
     cut = _recipe(tmp_path / "cut", data, tiny_model_dir, trainer=trainer, rollout={}, steps=12)
     run = tmp_path / "cut" / "runs" / "rl"
-    procs = start_nodes(cut, 2, gpus_per_node=1, port=free_port())
-    deadline = time.monotonic() + 600
-    while not (run / "checkpoints" / "step_0000002").exists():
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), _log(cut, 0)[-3000:]
-        time.sleep(0.05)
-    node_dies(procs[1])  # node 1: its cluster-node, stage, torchrun and rank, SIGKILL
-    assert not (run / "checkpoints" / "step_0000012").exists()  # mid-run
-    # node 0 does not hang on its lost peer: its collective fails and the node exits on its own
-    t0 = time.monotonic()
-    assert procs[0].wait(timeout=300) != 0
-    print(f"node 0 exited {time.monotonic() - t0:.1f}s after node 1 was killed")
-    stop(procs)
-    procs = start_nodes(cut, 2, 1, free_port(), "--resume")  # resubmitted: a new port
-    assert [p.wait(timeout=600) for p in procs] == [0, 0], _log(cut, 0)[-3000:]
-    assert _rows(run) == reference
+    ports = []  # the uninterrupted job's, the cut job's and the resubmitted job's, all told apart
+    for port in iter(free_port, None):
+        ports += [port] if port not in ports else []
+        if len(ports) == 3:
+            break
+    # the uninterrupted job runs beside the cut one (a node's rank takes about one core)
+    reference = start_nodes(whole, 2, gpus_per_node=1, port=ports[0])
+    try:
+        procs = start_nodes(cut, 2, gpus_per_node=1, port=ports[1])
+        deadline = time.monotonic() + 600
+        while not (run / "checkpoints" / "step_0000002").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), _log(cut, 0)[-3000:]
+            time.sleep(0.05)
+        node_dies(procs[1])  # node 1: its cluster-node, stage, torchrun and rank, SIGKILL
+        assert not (run / "checkpoints" / "step_0000012").exists()  # mid-run
+        # node 0 does not hang on its lost peer: its collective fails and the node exits on its own
+        t0 = time.monotonic()
+        assert procs[0].wait(timeout=300) != 0
+        print(f"node 0 exited {time.monotonic() - t0:.1f}s after node 1 was killed")
+        stop(procs)
+        procs = start_nodes(cut, 2, 1, ports[2], "--resume")  # resubmitted: a new port
+        assert [p.wait(timeout=600) for p in procs] == [0, 0], _log(cut, 0)[-3000:]
+        assert [p.wait(timeout=600) for p in reference] == [0, 0], _log(whole, 0)[-3000:]
+    finally:
+        stop(reference)
+    assert _rows(run) == _rows(tmp_path / "whole" / "runs" / "rl")
 
 
 def test_a_rollout_node_that_never_comes_up_stops_the_training_node_in_one_line(tmp_path, tiny_model_dir,

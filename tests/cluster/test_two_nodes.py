@@ -46,10 +46,12 @@ def _sglang(port: int, nodes: int, servers: int, **extra) -> dict:
         "launch_cmd": STANDIN + extra.pop("flags", []), **extra}}
 
 
-def start_nodes(recipe: Path, nodes: int, gpus_per_node: int, port: int, *extra: str) -> list[subprocess.Popen]:
-    """One `rlrecipe cluster-node` per node, as srun starts it: each in its own process group."""
+def start_nodes(recipe: Path, nodes: int, gpus_per_node: int, port: int, *extra: str,
+                only: int | None = None) -> list[subprocess.Popen]:
+    """One `rlrecipe cluster-node` per node (`only`: that node alone), as srun starts it: each in its
+    own process group."""
     procs = []
-    for n in range(nodes):
+    for n in range(nodes) if only is None else [only]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "4242", "SLURM_NODEID": str(n),
                "SLURM_PROCID": str(n), "SLURM_JOB_NODELIST": ",".join(["127.0.0.1"] * nodes),
                node_module.PORT_ENV: str(port)}

@@ -27,6 +27,7 @@ from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.base import SEED_KEY, Refill
 from rlrecipe.rollout.c3po_budget import TokenBudget
 from rlrecipe.rollout.sglang.api import apply_output, context_length, generate_payload, sglang_sampling_params
+from rlrecipe.rollout.sglang.down import leave_out_down
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.http_pool import Post, PostFailed
 from rlrecipe.rollout.sglang.versions import NEWEST, Dialect, room
@@ -239,7 +240,7 @@ class GenerateCall:
         eng = self.fleet
         if eng.router is None or not eng.cfg.retry_on_other_servers:
             return False
-        if eng.leave_out_down() or eng.left_out_count > req.left_outs_at_send:
+        if leave_out_down(eng) or eng.left_out_count > req.left_outs_at_send:
             req.lost = True
             return True
         return False

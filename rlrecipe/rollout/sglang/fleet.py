@@ -31,7 +31,6 @@ from rlrecipe.rollout.sglang.versions import NEWEST, Dialect, dialect_of
 
 # a /server_info that fails is asked this often in all, this far apart, before an error names the server
 SERVER_INFO_TRIES, SERVER_INFO_PAUSE_S = 3, 1.0
-DOWN_PROBE_S = 5.0  # behind the router: a server not answering /health within this is taken as down
 
 
 class ServerFleet:
@@ -174,26 +173,6 @@ class ServerFleet:
         for i in sorted(self.unrouted & set(self.live)):
             self.routed.add(self.urls[i])
             self.unrouted.discard(i)
-
-    def leave_out_down(self) -> bool:
-        """Behind the router a failed /generate does not say which server failed: a launched server
-        that exited, or any live one not answering /health, is left out. True when one was."""
-        down: list[tuple[int, UserError]] = []
-        for i in list(self.live):
-            server = self.server(i)
-            if server is not None and server.proc is not None and not server.alive():
-                down.append((i, server.crash_error()))
-                continue
-            try:
-                r = self.session().get(self.urls[i] + "/health", timeout=(DOWN_PROBE_S, DOWN_PROBE_S))
-                why = None if r.status_code == 200 else f"HTTP {r.status_code}"
-            except requests.RequestException as err:
-                why = type(err).__name__
-            if why is not None:
-                down.append((i, self.down_error(i, why, "failed a /generate sent through the router", False)))
-        for i, error in down:
-            self.leave_out(i, error)
-        return bool(down)
 
     def down_error(self, i: int, err: Exception, what: str, may_exit: bool = True,
                    server: ServerProcess | None = None) -> UserError:

@@ -25,6 +25,7 @@ SESSION_LEFT_OPEN = "session is already open"
 
 class SessionServers(Protocol):
     urls: list[str]
+    live: list[int]
 
     def post(self, i: int, path: str, body: dict, timeout: float | tuple | None = 30.0) -> Any: ...
 
@@ -70,7 +71,7 @@ def in_session(srv: SessionServers, servers: list[int]) -> Iterator[None]:
     except BaseException:
         session(srv, "end", opened, failing=True)
         raise
-    session(srv, "end", opened)
+    session(srv, "end", [i for i in opened if i in srv.live])  # not those left out mid-push (down)
 
 
 def begin(srv: SessionServers, i: int) -> Any:

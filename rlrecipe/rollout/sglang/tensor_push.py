@@ -33,6 +33,7 @@ import torch
 from rlrecipe.core.errors import UserError
 from rlrecipe.modeling import distinct_tensors
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
+from rlrecipe.rollout.sglang.down import failed_push
 from rlrecipe.rollout.sglang.session import in_session
 from rlrecipe.rollout.sglang.versions import Dialect
 from rlrecipe.rollout.weights.handles import ranks_read_by
@@ -89,9 +90,12 @@ def push_tensors(srv: TensorServers, state_dict: dict, version: int) -> None:
     inside its weight-update session."""
     bucket_bytes = srv.cfg.weight_sync_bucket_mb << 20
     for i in list(srv.live):
-        with in_session(srv, [i]):
-            for body in tensor_bodies(state_dict, version, bucket_bytes, tp_size(srv, i)):
-                srv.control(i, PATH, body, PUSH_S)
+        try:
+            with in_session(srv, [i]):
+                for body in tensor_bodies(state_dict, version, bucket_bytes, tp_size(srv, i)):
+                    srv.control(i, PATH, body, PUSH_S)
+        except UserError as err:
+            failed_push(srv, i, err)
 
 
 @contextmanager
@@ -119,8 +123,13 @@ def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterato
         # the servers side by side (a request carries names, not bytes: each server's own copy is the
         # work), MAX_PARALLEL_LOADS at once as the loads from disk
         with ThreadPoolExecutor(max_workers=max(1, min(len(live), MAX_PARALLEL_LOADS))) as pool:
-            for fut in [pool.submit(post, i, payloads, last) for i in live]:
+            futures = {i: pool.submit(post, i, payloads, last) for i in live}
+        for i, fut in futures.items():
+            try:
                 fut.result()
+            except UserError as err:
+                failed_push(srv, i, err)  # down, with retry: left out, the rest of the push goes on
+                live.remove(i)
 
     with in_session(srv, live):
         yield send

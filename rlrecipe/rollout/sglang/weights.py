@@ -31,6 +31,7 @@ import requests
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
+from rlrecipe.rollout.sglang.down import failed_push
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.server import model_arg
 from rlrecipe.rollout.weights.transport import WeightTransport, weight_transport
@@ -124,9 +125,10 @@ class WeightPusher:
                     try:
                         fut.result()
                     except UserError as err:
-                        if i not in back:
-                            raise
-                        fleet.leave_out(i, err)  # taken back too soon: out again (only retry takes servers back)
+                        if i in back:  # taken back too soon: out again (only retry takes servers back)
+                            fleet.leave_out(i, err)
+                        else:
+                            failed_push(fleet, i, err)
         fleet.pushed(version)
         if verify:
             self.verify_export(model_dir, version)
@@ -199,7 +201,10 @@ class WeightPusher:
         self._forget(fleet.take_back(version))
         name, old = lora.adapter_name(version), fleet.adapter
         for i in list(fleet.live):
-            lora.load(fleet, i, name, adapter, 1 if adapter.path is not None else tp_size(fleet, i))
+            try:
+                lora.load(fleet, i, name, adapter, 1 if adapter.path is not None else tp_size(fleet, i))
+            except UserError as err:
+                failed_push(fleet, i, err)
         fleet.adapter = name
         fleet.pushed(version)
         if verify:

@@ -1,0 +1,142 @@
+"""A weight push that meets a server that is down (sglang/down.py): with retry_on_other_servers it is
+left out and the push goes on to the others; without it, or when the server answered with a
+failure (weights refused), the push stops naming the server.
+
+One fake SGLang server answers /health, /server_info and every push endpoint as SGLang does (or
+refuses the weights); the other URL is a port nothing listens on (a node that is gone)."""
+
+from __future__ import annotations
+
+import json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from threading import Thread
+
+import pytest
+import torch
+
+from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.rollout.sglang.fleet import ServerFleet
+from rlrecipe.rollout.sglang.tensor_push import push_tensors
+from rlrecipe.rollout.sglang.weights import WeightPusher
+from rlrecipe.rollout.weights.adapter import Adapter
+from tests.rollout.test_sglang_client import free_port
+
+
+class FakeServer:
+    """Answers as an SGLang 0.5.4 server (no weight-update session); `refuse`: pushes fail."""
+
+    def __init__(self, refuse: bool = False):
+        self.posted: list[tuple[str, str | None]] = []  # (path, weight_version)
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, body: dict, code: int = 200):
+                out = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def do_GET(self):
+                if self.path == "/server_info":
+                    self._answer({"version": "0.5.4", "tp_size": 1})
+                else:
+                    self._answer({})  # /health
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.posted.append((self.path, body.get("weight_version")))
+                self._answer({"success": not refuse, "message": "shape mismatch" if refuse else "ok"})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fleet_of(request):
+    made = []
+
+    def make(urls: list[str], retry: bool) -> ServerFleet:
+        made.append(ServerFleet(urls, cfg=SGLangServer(retry_on_other_servers=retry)))
+        return made[-1]
+
+    yield make
+    for fleet in made:
+        fleet.close()
+
+
+PUSHES = {"disk": "/update_weights_from_disk", "tensor": "/update_weights_from_tensor",
+          "adapter": "/load_lora_adapter"}
+
+
+def _push(fleet: ServerFleet, how: str, version: int) -> None:
+    pusher = WeightPusher(fleet, fleet.cfg, None)
+    if how == "disk":
+        pusher.update_from_disk("/exports/step", version, verify=False)
+    elif how == "adapter":  # trainer.lora with weight_sync disk: the adapter's PEFT directory
+        pusher.update_adapter(Adapter({}, {}, Path(f"/exports/adapter_{version}")), version, verify=False)
+    else:
+        push_tensors(fleet, {"w": torch.arange(4.0)}, version)
+
+
+def _pushes(server: FakeServer, how: str) -> int:
+    return sum(path == PUSHES[how] for path, _ in server.posted)
+
+
+@pytest.mark.parametrize("how", PUSHES)
+def test_with_retry_a_down_server_is_left_out_and_the_push_reaches_the_others(fleet_of, how):
+    up, gone = FakeServer(), f"http://127.0.0.1:{free_port()}"
+    try:
+        fleet = fleet_of([gone, up.url], retry=True)
+        _push(fleet, how, 3)
+        assert fleet.live == [1] and fleet.failed == {0} and fleet.left_out_count == 1
+        assert fleet.metrics()["rollout_servers_live"] == 1
+        assert _pushes(up, how) >= 1  # the live server got the whole push
+        before = _pushes(up, how)
+        _push(fleet, how, 4)  # the next push goes to the live server only
+        assert fleet.live == [1] and _pushes(up, how) > before
+    finally:
+        up.close()
+
+
+@pytest.mark.parametrize("how", PUSHES)
+def test_without_retry_a_down_server_stops_the_push_naming_it(fleet_of, how):
+    up, gone = FakeServer(), f"http://127.0.0.1:{free_port()}"
+    try:
+        fleet = fleet_of([gone, up.url], retry=False)
+        with pytest.raises(UserError, match=gone):
+            _push(fleet, how, 3)
+        assert fleet.live == [0, 1]
+    finally:
+        up.close()
+
+
+@pytest.mark.parametrize("how", PUSHES)
+def test_a_server_that_refuses_the_weights_stops_the_push_even_with_retry(fleet_of, how):
+    refusing, up = FakeServer(refuse=True), FakeServer()
+    try:
+        fleet = fleet_of([refusing.url, up.url], retry=True)
+        with pytest.raises(UserError, match="shape mismatch"):
+            _push(fleet, how, 3)
+        assert fleet.live == [0, 1] and fleet.left_out_count == 0  # it answers: not taken for down
+    finally:
+        refusing.close()
+        up.close()
+
+
+def test_the_last_live_server_down_stops_the_push(fleet_of):
+    gone = f"http://127.0.0.1:{free_port()}"
+    fleet = fleet_of([gone], retry=True)
+    with pytest.raises(UserError, match="no SGLang server left to retry on"):
+        _push(fleet, "disk", 3)

@@ -79,7 +79,11 @@ def killed_and_restarted_behind_the_router(eng, prompts: list[Trajectory], new_t
     killer.join()
     # requests were cut on the killed server, and every one finished all the same: sent again by the
     # router (its retries) or by the client (the router answered an error)
-    assert cut_on(eng, url1) >= 1
+    cut = cut_on(eng, url1)
+    assert cut >= 1
+    # each one counted where it was sent again: by the router (its exporter) or by the client
+    metrics = eng.fleet_metrics()
+    assert metrics["rollout_router_retries"] + metrics["rollout_requests_resent"] >= cut
     assert all(t.status != Status.RUNNING for t in trajs)
     for t in trajs:
         assert len(t.response_ids) == len(t.logp_infer) and set(t.versions) == {now}

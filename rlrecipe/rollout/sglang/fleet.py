@@ -189,11 +189,15 @@ class ServerFleet:
         return UserError(f"SGLang server {self.urls[i]} {what}: {err} (is it running? rollout.urls)")
 
     def metrics(self) -> dict[str, float]:
-        """Servers in use, the restarts spent and the requests sent again so far: a run losing servers
-        shows in its metrics."""
+        """Servers in use, the restarts spent and the requests sent again so far (by the client, and
+        by the router where one is in front): a run losing servers shows in its metrics."""
         spent = sum(self.cfg.max_restarts - left for left in self.recovery.restarts_left.values())
-        return {"rollout_servers_live": float(len(self.live)), "rollout_server_restarts": float(spent),
-                "rollout_requests_resent": float(self.resent)}
+        out = {"rollout_servers_live": float(len(self.live)), "rollout_server_restarts": float(spent),
+               "rollout_requests_resent": float(self.resent)}
+        retries = self.routed.retries() if self.routed is not None else None
+        if retries is not None:  # behind the router, the requests it resent itself
+            out["rollout_router_retries"] = float(retries)
+        return out
 
     # -- requests to one server ------------------------------------------------------------------
     def session(self) -> requests.Session:

@@ -36,6 +36,7 @@ from rlrecipe.rollout.sglang.server import (
 ROUTER_REQUEST_TIMEOUT_S = 24 * 3600
 ROUTER_CALL_S = 10.0  # one request to the router's /workers API
 ROUTER_CHANGE_S = 30.0  # a queued change to its list of servers, until it shows
+ROUTER_RETRIES = "smg_worker_retries_total"  # its counter of requests it sent again (sglang-router >= 0.3)
 
 
 def unused_port(host: str) -> int:
@@ -67,17 +68,21 @@ def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | P
                         "sglang-router`, part of `make install-gpu`); or set rollout.sglang.router_launch_cmd")
     if not port_free(cfg.host, cfg.router_port):
         raise UserError(f"rollout.sglang.router_port: port {cfg.router_port} on {cfg.host} is already in use")
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    metrics_url = None
     if template is None:
-        cmd = router_launch_cmd(worker_urls, cfg, unused_port(cfg.host))
+        metrics_port = unused_port(cfg.host)
+        cmd = router_launch_cmd(worker_urls, cfg, metrics_port)
+        metrics_url = f"http://{host}:{metrics_port}/metrics"
     else:
         cmd = []
         for part in template:  # "{worker_urls}" stands for one argument per server
             cmd += list(worker_urls) if part == "{worker_urls}" else fill_placeholders(
                 [part], host=cfg.host, port=cfg.router_port, policy=cfg.router_policy)
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
-    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     router = ServerProcess(-1, f"http://{host}:{cfg.router_port}", cmd, run_dir / ROUTER_LOG_NAME,
-                           env={**os.environ, **key_env(), **(env or {})}, name="sglang-router")
+                           env={**os.environ, **key_env(), **(env or {})}, name="sglang-router",
+                           metrics_url=metrics_url)
     router.start()
     try:
         wait_until_healthy([(router.url, router)], cfg.startup_timeout_s)
@@ -122,6 +127,22 @@ class RouterWorkers:
         if url not in self.listed():
             self._call("POST", "/workers", json={"url": url})
         self._wait(lambda: self.listed().get(url, {}).get("is_healthy", False), f"to list {url} as healthy")
+
+    def retries(self) -> float | None:
+        """/generate requests the router sent again to another server itself (sglang-router 0.3's
+        smg_worker_retries_total): requests cut on a server it hides from the client. None where its
+        exporter is unknown (a router_launch_cmd) or does not answer."""
+        if self.router.metrics_url is None:
+            return None
+        # imported here: only a run behind the router reads it (SGLang's own images carry it)
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = self.session().get(self.router.metrics_url, timeout=ROUTER_CALL_S).text
+        except requests.RequestException:
+            return None
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == ROUTER_RETRIES and sample.labels.get("endpoint") == "generate")
 
     def _call(self, method: str, path: str, **kwargs) -> requests.Response:
         try:

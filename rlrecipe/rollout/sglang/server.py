@@ -206,6 +206,7 @@ class ServerProcess:
     log_path: Path
     env: dict[str, str] | None = None
     name: str = ""  # as errors call it; default "SGLang server <index>"
+    metrics_url: str | None = None  # its Prometheus exporter, where known (a router launched by default)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property

@@ -1,7 +1,6 @@
 """The C3PO++ vs synchronous benchmark against an SGLang-API server (here `rlrecipe serve`)."""
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -9,14 +8,13 @@ import pytest
 
 from tests.conftest import REPO
 from tests.helpers import write_tiny_data
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow  # subprocess-heavy: `make test-fast` leaves it out
 
 
 def test_c3po_bench_runs_against_a_server(tmp_path, tiny_model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     data = write_tiny_data(tmp_path / "data")
     out = tmp_path / "c3po.json"
     serve = f"{sys.executable} -m rlrecipe.cli.app serve {{model}} --host {{host}} --port {{port}} --dtype {{dtype}}"

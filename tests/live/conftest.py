@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("RLRECIPE_SGLANG_VENV", REPO / ".venv-sglang"))
@@ -43,12 +44,6 @@ def require_sglang() -> None:
     if os.environ.get("RLRECIPE_SGLANG_LIVE") == "1":
         pytest.fail(why + " (RLRECIPE_SGLANG_LIVE=1 asks for the live tests)")
     pytest.skip(why)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_cmd(model: str | Path, port: int, dtype: str = "float32", seed: int = 1) -> list[str]:

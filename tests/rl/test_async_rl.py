@@ -23,6 +23,7 @@ from rlrecipe.trajectory.arrays import TrajectoryBatch
 from rlrecipe.trajectory.record import Status, Trajectory
 from tests.conftest import REPO
 from tests.helpers import beside, kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
+from tests.ports import free_port
 
 TIMING = {"rollout_s", "train_s", "gen_tokens_per_s", "grade_s", "rollout_collect_s", "rollout_wait_s", "overlap_s",
           "weight_check_s", "step_wall_s", "validation_s", "validation_drain_s"}
@@ -219,11 +220,7 @@ def test_a_killed_async_run_resumes_to_the_same_metrics_and_weights(tmp_path, ti
 def test_async_rl_through_rlrecipe_serve_with_disk_weight_sync(tmp_path, tiny_model_dir):
     """rollout.engine sglang with a launched `rlrecipe serve`: lag 2 holds each version's weights in an
     export of its own until the worker loads it, then deletes the older ones."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     data = write_tiny_data(tmp_path / "data")
     recipe = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=5, async_lag=2, c3po={"enabled": False})
     recipe["eval"] = {}

@@ -13,6 +13,7 @@ from rlrecipe.rollout.fp8_kv import FORMATS, KVQuant, calibration_ids, dequantiz
 from rlrecipe.rollout.inprocess import InProcessEngine, cache_keyword
 from rlrecipe.rollout.kv_cache import GrowingCache
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
+from tests.ports import free_port
 
 # bits of mantissa: a value in the normal range is within 2^-(m + 1) of itself, relatively
 MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -221,15 +222,12 @@ def test_rl_trains_on_an_fp8_cache_through_the_sglang_path(tmp_path, tiny_model_
     through {kv_cache_dtype}, and its FP8 cache shows in the mismatch (the same float32 served from a
     float32 cache stays under 1e-4: tests/stages/test_rl.py's broadcast run)."""
     import os
-    import socket
     import subprocess
     import sys
 
     from tests.helpers import rl_recipe, write_recipe, write_tiny_data
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     data = write_tiny_data(tmp_path / "data")
     spec = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=2, save_every=2, c3po={"enabled": False})
     spec["eval"] = {}

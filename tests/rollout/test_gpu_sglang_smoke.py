@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
@@ -33,9 +34,7 @@ def test_real_sglang_logprobs_budget_and_weight_update(tmp_path):
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("SGLang is not installed (make install-gpu)")
     model = _model_or_skip()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spec = importlib.util.spec_from_file_location("gpu_smoke_sglang", REPO / "scripts" / "gpu_smoke_sglang.py")
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)

@@ -15,18 +15,13 @@ from rlrecipe.rollout.sglang import api_key as api_key_module
 from rlrecipe.rollout.sglang.ownership import _ip, key_proof, listening_inodes, port_owner
 from rlrecipe.rollout.sglang.server import ServerProcess, wait_until_healthy
 from tests.helpers import serving_in_thread
+from tests.ports import free_port
 
 LISTENER = """
 import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(8)
 print("listening", flush=True); time.sleep(120)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listener_process(port: int) -> subprocess.Popen:
@@ -44,7 +39,7 @@ def test_proc_net_addresses_are_read_in_host_order():
 
 
 def test_the_port_owner_is_the_group_holding_its_listening_socket():
-    port = _free_port()
+    port = free_port()
     assert port_owner("127.0.0.1", port, group=1).state == "none"
     proc = _listener_process(port)
     try:
@@ -63,7 +58,7 @@ def test_the_port_owner_is_the_group_holding_its_listening_socket():
 def test_a_taken_port_stops_the_start_before_its_holder_hears_from_us(tmp_path):
     """The launched server (a sleeping process: it would bind later) loses its port to a listener of
     another group: the wait ends at once, naming the holder, and the holder got no connection."""
-    port = _free_port()
+    port = free_port()
     holder = socket.socket()
     holder.bind(("127.0.0.1", port))
     holder.listen(8)

@@ -24,14 +24,9 @@ from rlrecipe.rollout.sglang.call import apply_answer, to_least_loaded
 from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.rollout.sglang.server import probe_health
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
+from tests.ports import free_port, free_ports, port_free
 
 BOOT_TIMEOUT_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rlrecipe_cmd() -> list[str]:
@@ -523,23 +518,6 @@ def test_unreachable_attached_server_is_a_clear_error(tok):
 
 
 # -- lifecycle: the engine launches and stops its servers ------------------------------------------
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds (TIME_WAIT is fine)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(n: int) -> int:
-    base = free_port()
-    while not all(_free(base + i) for i in range(n)):
-        base = free_port()
-    return base
-
-
 @pytest.mark.slow
 def test_launch_rlrecipe_serve_logs_and_close(tiny_model_dir, tok, tmp_path):
     base = free_ports(1)
@@ -559,7 +537,7 @@ def test_launch_rlrecipe_serve_logs_and_close(tiny_model_dir, tok, tmp_path):
         eng.close()
     assert proc.poll() is not None
     assert "shutting down" in log.read_text()  # stopped with SIGTERM, cleanly
-    assert _free(base)
+    assert port_free(base)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.rollout.sglang.server import probe_health
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
+from tests.ports import free_ports
 
 GUARD_S = 120  # only a guard against a stalled test; the assertions are on the errors
 
@@ -57,25 +58,6 @@ ThreadingHTTPServer.daemon_threads = True
 print("stand-in listening", flush=True)
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
-
-
-def free_ports(n: int) -> int:
-    """A base port with n free ports after it."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and all(_free(base + i) for i in range(n)):
-            return base
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def within_guard(fn):

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from tests.helpers import beside, kill_once_checkpointed, rl_recipe, write_recipe, write_tiny_data
+from tests.ports import free_port
 
 TIMING = {"rollout_s", "train_s", "gen_tokens_per_s", "grade_s", "step_wall_s"}
 REQUIRED = {"reward_mean", "accuracy", "response_len_mean", "response_len_max", "truncated_frac", "tokens_trained",
@@ -44,13 +45,7 @@ def test_rl_runs_logs_everything_and_resumes_after_a_kill_identically(tmp_path, 
 @pytest.mark.slow
 def test_rl_through_the_sglang_api_with_broadcast_weight_sync(tmp_path, tiny_model_dir):
     """rollout.engine sglang, servers launched as `rlrecipe serve`, weights broadcast over gloo each step."""
-    import socket
-
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]
     data = write_tiny_data(tmp_path / "data")
     recipe = rl_recipe(tmp_path, data, str(tiny_model_dir), steps=3, c3po={"enabled": False})
     recipe["eval"]["benchmarks"] = []

@@ -1,8 +1,9 @@
 """A split job of three "nodes" on this machine: node 0 trains, nodes 1 and 2 each serve one
-`rlrecipe serve` server, and the training node puts the real sglang-router in front of them
-(`rollout.sglang.router`, `retry_on_other_servers`). Node 2 is lost mid-run (every process of it
+`rlrecipe serve` server (`retry_on_other_servers`). Node 2 is lost mid-run (every process of it
 SIGKILLed), the job goes on with node 1's server; node 2 is started again, as an operator would
-with `srun --relative=2`, and the run takes its server back at a push."""
+with `srun --relative=2`, and the run takes its server back at a push. Pushed over disk with the
+real sglang-router in front (the training node launches it), by tensor, and by broadcast (a gloo
+group made again without the lost server, and again with it)."""
 
 from __future__ import annotations
 
@@ -59,14 +60,15 @@ def _wait_up_again(recipe) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("router, weight_sync", [(True, "disk"), (False, "tensor")])
+@pytest.mark.parametrize("router, weight_sync", [(True, "disk"), (False, "tensor"), (False, "distributed")])
 def test_a_rollout_node_lost_mid_run_the_job_goes_on_and_takes_it_back(router, weight_sync, tmp_path,
                                                                         tiny_model_dir):
     if router and importlib.util.find_spec("sglang_router") is None:
         pytest.skip("sglang-router is not installed")
     data = write_tiny_data(tmp_path / "data")
+    broadcast = {"weight_sync_backend": "gloo", "weight_sync_port": free_port()} if weight_sync == "distributed" else {}
     rollout = _sglang(free_ports(2), nodes=2, servers=2, router=router, router_port=free_port(),
-                      retry_on_other_servers=True, weight_sync=weight_sync)
+                      retry_on_other_servers=True, weight_sync=weight_sync, **broadcast)
     recipe = _recipe(tmp_path / "job", data, tiny_model_dir, trainer={"nproc": 1}, rollout=rollout, steps=STEPS)
     run = tmp_path / "job" / "runs" / "rl"
     procs = start_nodes(recipe, 3, gpus_per_node=1, port=free_port())

@@ -140,3 +140,40 @@ def test_the_last_live_server_down_stops_the_push(fleet_of):
     fleet = fleet_of([gone], retry=True)
     with pytest.raises(UserError, match="no SGLang server left to retry on"):
         _push(fleet, "disk", 3)
+
+
+@pytest.mark.slow
+def test_a_broadcast_push_meeting_an_attached_server_that_is_gone_is_made_again_without_it(
+        tiny_model_dir, other_model_dir, tmp_path):
+    """weight_sync distributed with retry_on_other_servers, the servers attached (the run did not
+    launch them, so it learns of a death only through a request): server 1 is killed between two
+    pushes; the second push leaves it out and reaches server 0 in a group made again without it."""
+    from rlrecipe.modeling import load_model, load_tokenizer
+    from rlrecipe.rollout.sglang.engine import SGLangEngine
+    from rlrecipe.trajectory.record import SamplingParams
+    from tests.rollout.test_sglang_client import BOOT_TIMEOUT_S, free_ports, prompts, recompute, rlrecipe_cmd
+    from tests.rollout.test_sglang_hang import within_guard
+
+    tok = load_tokenizer(tiny_model_dir)
+    launched = SGLangEngine.launch(tiny_model_dir, dtype="float32", run_dir=tmp_path, cfg=SGLangServer(
+        base_port=free_ports(2), num_servers=2, startup_timeout_s=BOOT_TIMEOUT_S,
+        launch_cmd=[*rlrecipe_cmd(), "serve", "{model}", "--host", "{host}", "--port", "{port}", "--dtype", "{dtype}"]))
+    cfg = SGLangServer(weight_sync="distributed", weight_sync_backend="gloo", weight_sync_port=free_port(),
+                       retry_on_other_servers=True)
+    eng = SGLangEngine(launched.urls, cfg=cfg, eos_token_id=tok.eos_token_id, served_dtype="float32")
+    try:
+        other = load_model(other_model_dir)
+        eng.update_weights_from_state(other.state_dict(), 1)
+        launched.servers[1].proc.kill()
+        launched.servers[1].proc.wait(timeout=30)
+        moved = {k: v * 1.05 for k, v in other.state_dict().items()}
+        within_guard(lambda: eng.update_weights_from_state(moved, 2))
+        assert eng.live == [0] and eng.fleet.left_out_count == 1
+        assert eng.model_info(0)["weight_version"] == "2"
+        pushed = load_model(other_model_dir)
+        pushed.load_state_dict(moved)
+        trajs = eng.generate(prompts(tok, 4), SamplingParams(max_new_tokens=6), seed=2)
+        assert (torch.cat([recompute(pushed, t) - torch.tensor(t.logp_infer) for t in trajs])).abs().max() < 1e-4
+    finally:
+        eng.close()
+        launched.close()

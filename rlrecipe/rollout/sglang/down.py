@@ -4,7 +4,7 @@ goes on with the others; one that answered with a failure stops the run, naming 
 
 A server is down when the fleet launched it and its process exited, or when it does not answer
 /health. A rollout node lost mid-run is found so: behind the router by the /generate the router
-failed, otherwise by the next push to it.
+failed, otherwise by the next push to it (a broadcast push is then made again without it).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def why_down(fleet: ServerFleet, i: int) -> str | None:
     return None if r.status_code == 200 else f"HTTP {r.status_code}"
 
 
-def leave_out_down(fleet: ServerFleet) -> bool:
-    """Behind the router a failed /generate does not say which server failed: every live server that
-    is down is left out. True when one was."""
+def leave_out_down(fleet: ServerFleet, what: str = "failed a /generate sent through the router") -> bool:
+    """Every live server that is down is left out (`what` failed, without saying on which server: a
+    /generate through the router, a broadcast push). True when one was."""
     down: list[tuple[int, UserError]] = []
     for i in list(fleet.live):
         why = why_down(fleet, i)
@@ -44,7 +44,7 @@ def leave_out_down(fleet: ServerFleet) -> bool:
         if why == EXITED and server is not None:
             down.append((i, server.crash_error()))
         elif why is not None:
-            down.append((i, fleet.down_error(i, why, "failed a /generate sent through the router", False)))
+            down.append((i, fleet.down_error(i, why, what, False)))
     for i, error in down:
         fleet.leave_out(i, error)
     return bool(down)

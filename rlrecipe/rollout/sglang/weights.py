@@ -31,7 +31,7 @@ import requests
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
-from rlrecipe.rollout.sglang.down import failed_push
+from rlrecipe.rollout.sglang.down import failed_push, leave_out_down
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.server import model_arg
 from rlrecipe.rollout.weights.transport import WeightTransport, weight_transport
@@ -150,7 +150,14 @@ class WeightPusher:
             from rlrecipe.rollout.sglang.broadcast import WeightBroadcast
 
             self.broadcast = WeightBroadcast(fleet)
-        self.broadcast.push(state_dict, version)
+        try:
+            self.broadcast.push(state_dict, version)
+        except (UserError, RuntimeError):  # RuntimeError: a collective that lost a member
+            # a server down (an attached one is known only so): with retry, left out and the push made
+            # again in a group without it (the failed push left the old group)
+            if not (fleet.cfg.retry_on_other_servers and leave_out_down(fleet, "failed a weight push")):
+                raise
+            self.broadcast.push(state_dict, version)
         for i in fleet.live:
             fleet.weight_version[i] = str(version)
         fleet.pushed(version)

@@ -25,9 +25,10 @@ from tests.rollout.test_sglang_client import free_port
 
 
 class FakeServer:
-    """Answers as an SGLang 0.5.4 server (no weight-update session); `refuse`: pushes fail."""
+    """Answers as an SGLang server of `version` (0.5.4: no weight-update session; from 0.5.21 one is
+    begun and ended around a push); `refuse`: pushes fail."""
 
-    def __init__(self, refuse: bool = False):
+    def __init__(self, refuse: bool = False, version: str = "0.5.4"):
         self.posted: list[tuple[str, str | None]] = []  # (path, weight_version)
         fake = self
 
@@ -45,14 +46,15 @@ class FakeServer:
 
             def do_GET(self):
                 if self.path == "/server_info":
-                    self._answer({"version": "0.5.4", "tp_size": 1})
+                    self._answer({"version": version, "tp_size": 1})
                 else:
                     self._answer({})  # /health
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.posted.append((self.path, body.get("weight_version")))
-                self._answer({"success": not refuse, "message": "shape mismatch" if refuse else "ok"})
+                session = self.path.endswith("_weight_update")  # not refused: only the weights are
+                self._answer({"success": session or not refuse, "message": "shape mismatch" if refuse else "ok"})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -77,7 +79,7 @@ def fleet_of(request):
 
 
 PUSHES = {"disk": "/update_weights_from_disk", "tensor": "/update_weights_from_tensor",
-          "adapter": "/load_lora_adapter"}
+          "adapter": "/load_lora_adapter", "handle": "/update_weights_from_tensor"}
 
 
 def _push(fleet: ServerFleet, how: str, version: int) -> None:
@@ -86,6 +88,11 @@ def _push(fleet: ServerFleet, how: str, version: int) -> None:
         pusher.update_from_disk("/exports/step", version, verify=False)
     elif how == "adapter":  # trainer.lora with weight_sync disk: the adapter's PEFT directory
         pusher.update_adapter(Adapter({}, {}, Path(f"/exports/adapter_{version}")), version, verify=False)
+    elif how == "handle":  # weight_sync ipc: rank 0 posts each bucket's handles, a trainer rank per server GPU
+        ranks = len(fleet.urls)
+        with pusher.handles_pushed(version, world_size=ranks) as send:
+            send([f"bucket-0-rank-{r}" for r in range(ranks)], False)
+            send([f"bucket-1-rank-{r}" for r in range(ranks)], True)
     else:
         push_tensors(fleet, {"w": torch.arange(4.0)}, version)
 
@@ -132,6 +139,23 @@ def test_a_server_that_refuses_the_weights_stops_the_push_even_with_retry(fleet_
         assert fleet.live == [0, 1] and fleet.left_out_count == 0  # it answers: not taken for down
     finally:
         refusing.close()
+        up.close()
+
+
+@pytest.mark.parametrize("how", ["tensor", "handle"])
+def test_a_server_gone_before_its_weight_update_session_begins_is_left_out(fleet_of, how):
+    """SGLang >= 0.5.21 pushes tensors inside a session: a node lost between two steps fails the
+    /begin_weight_update (its /server_info was known from before)."""
+    up, gone = FakeServer(version="0.5.21"), f"http://127.0.0.1:{free_port()}"
+    try:
+        fleet = fleet_of([gone, up.url], retry=True)
+        fleet.server_infos[0] = {"version": "0.5.21", "tp_size": 1}  # answered before it was lost
+        _push(fleet, how, 3)
+        assert fleet.live == [1] and fleet.left_out_count == 1
+        paths = [path for path, _ in up.posted]
+        assert paths[0] == "/begin_weight_update" and paths[-1] == "/end_weight_update"
+        assert paths.count(PUSHES[how]) >= 1 and paths.count("/begin_weight_update") == 1
+    finally:
         up.close()
 
 

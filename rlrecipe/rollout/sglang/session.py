@@ -9,7 +9,7 @@ session a killed client left open is closed and opened again, once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -41,31 +41,53 @@ def answer(r: Any) -> dict:
     return body if isinstance(body, dict) else {"message": str(body)[:300]}
 
 
-def session(srv: SessionServers, action: str, servers: list[int], failing: bool = False) -> list[int]:
+def session(srv: SessionServers, action: str, servers: list[int], failing: bool = False,
+            failed: Callable[[int, UserError], None] | None = None) -> list[int]:
     """/begin_weight_update or /end_weight_update on `servers`; those that have a session (a 404:
-    a server before 0.5.21). While a push is failing, a close that fails is not raised."""
+    a server before 0.5.21). While a push is failing, a close that fails is not raised. `failed(i,
+    error)` takes a server that failed to begin: it raises to stop the push (the sessions begun so far
+    are closed), or returns and the push goes on without that server."""
     opened = []
     for i in servers:
-        if not srv.dialect(i).weight_update_session:
-            continue
-        r = begin(srv, i) if action == "begin" else srv.post(i, "/end_weight_update", {}, timeout=(30.0, SESSION_S))
-        if r.status_code == 404:
-            continue
-        body = answer(r)
-        if (r.status_code != 200 or not body.get("success", False)) and not failing:
-            if action == "begin":
-                session(srv, "end", opened, failing=True)
-            raise UserError(f"SGLang server {srv.urls[i]} /{action}_weight_update failed: "
-                            f"{body.get('message', f'HTTP {r.status_code}')}")
-        opened.append(i)
+        try:
+            if _session_call(srv, action, i):
+                opened.append(i)
+        except UserError as err:
+            if failing:
+                continue
+            try:
+                if failed is None:
+                    raise
+                failed(i, err)
+            except BaseException:
+                if action == "begin":
+                    session(srv, "end", opened, failing=True)
+                raise
     return opened
 
 
+def _session_call(srv: SessionServers, action: str, i: int) -> bool:
+    """/<action>_weight_update on server i: True when it has a session, a UserError naming it when
+    the call failed."""
+    if not srv.dialect(i).weight_update_session:
+        return False
+    r = begin(srv, i) if action == "begin" else srv.post(i, "/end_weight_update", {}, timeout=(30.0, SESSION_S))
+    if r.status_code == 404:
+        return False
+    body = answer(r)
+    if r.status_code != 200 or not body.get("success", False):
+        raise UserError(f"SGLang server {srv.urls[i]} /{action}_weight_update failed: "
+                        f"{body.get('message', f'HTTP {r.status_code}')}")
+    return True
+
+
 @contextmanager
-def in_session(srv: SessionServers, servers: list[int]) -> Iterator[None]:
+def in_session(srv: SessionServers, servers: list[int],
+               failed: Callable[[int, UserError], None] | None = None) -> Iterator[None]:
     """A push's updates inside the weight-update session of `servers`, closed after, also when the
-    push fails (so the next push can open it again)."""
-    opened = session(srv, "begin", servers)
+    push fails (so the next push can open it again). `failed`: as session's, for a server that fails
+    to begin."""
+    opened = session(srv, "begin", servers, failed=failed)
     try:
         yield
     except BaseException:

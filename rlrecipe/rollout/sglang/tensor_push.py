@@ -104,17 +104,14 @@ def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterato
     opened; yields `send(payloads, last)`, which posts one bucket's payloads (one per trainer rank,
     in rank order) to every live server, each server rank reading its GPU's trainer rank; closed
     after, also when the push fails."""
-    live = list(srv.live)
-    reads = {}
-    for i in live:
-        dp = int(srv.server_info(i).get("dp_size", 1) or 1)
-        if dp > 1:  # every data-parallel replica would read the same entries
-            raise UserError(f"SGLang server {srv.urls[i]} runs dp_size {dp}: weight_sync ipc needs "
-                            "servers of one replica each (more servers instead), or weight_sync disk")
+    live, reads = [], {}
+    for i in list(srv.live):
         try:
-            reads[i] = ranks_read_by(i, tp_size(srv, i), world_size)
-        except ValueError as err:
-            raise UserError(f"SGLang server {srv.urls[i]}: {err}") from None
+            reads[i] = _ranks_read(srv, i, world_size)
+        except UserError as err:
+            failed_push(srv, i, err)  # down, with retry: left out, the push goes on to the others
+            continue
+        live.append(i)
 
     def post(i: int, payloads: list[str], last: bool) -> None:
         srv.control(i, PATH, _body([payloads[r] for r in reads[i]], last, version), PUSH_S)
@@ -131,5 +128,18 @@ def handle_session(srv: TensorServers, version: int, world_size: int) -> Iterato
                 failed_push(srv, i, err)  # down, with retry: left out, the rest of the push goes on
                 live.remove(i)
 
-    with in_session(srv, live):
+    with in_session(srv, live, failed=lambda i, err: failed_push(srv, i, err)):
+        live[:] = [i for i in live if i in srv.live]  # not those left out when their session began
         yield send
+
+
+def _ranks_read(srv: TensorServers, i: int, world_size: int) -> list[int]:
+    """The trainer ranks whose payloads server i's ranks read (weights/handles.py ranks_read_by)."""
+    dp = int(srv.server_info(i).get("dp_size", 1) or 1)
+    if dp > 1:  # every data-parallel replica would read the same entries
+        raise UserError(f"SGLang server {srv.urls[i]} runs dp_size {dp}: weight_sync ipc needs "
+                        "servers of one replica each (more servers instead), or weight_sync disk")
+    try:
+        return ranks_read_by(i, tp_size(srv, i), world_size)
+    except ValueError as err:
+        raise UserError(f"SGLang server {srv.urls[i]}: {err}") from None

@@ -166,17 +166,14 @@ def test_the_last_live_server_down_stops_the_push(fleet_of):
         _push(fleet, "disk", 3)
 
 
-@pytest.mark.slow
-def test_a_broadcast_push_meeting_an_attached_server_that_is_gone_is_made_again_without_it(
-        tiny_model_dir, other_model_dir, tmp_path):
-    """weight_sync distributed with retry_on_other_servers, the servers attached (the run did not
-    launch them, so it learns of a death only through a request): server 1 is killed between two
-    pushes; the second push leaves it out and reaches server 0 in a group made again without it."""
-    from rlrecipe.modeling import load_model, load_tokenizer
+@pytest.fixture
+def attached_broadcast(tiny_model_dir, tmp_path):
+    """Two `rlrecipe serve` servers launched by one engine, and an engine attached to them (the run
+    did not launch them, so it learns of a death only through a request) that pushes by broadcast
+    (gloo) with retry_on_other_servers: (launched, attached)."""
+    from rlrecipe.modeling import load_tokenizer
     from rlrecipe.rollout.sglang.engine import SGLangEngine
-    from rlrecipe.trajectory.record import SamplingParams
-    from tests.rollout.test_sglang_client import BOOT_TIMEOUT_S, free_ports, prompts, recompute, rlrecipe_cmd
-    from tests.rollout.test_sglang_hang import within_guard
+    from tests.rollout.test_sglang_client import BOOT_TIMEOUT_S, free_ports, rlrecipe_cmd
 
     tok = load_tokenizer(tiny_model_dir)
     launched = SGLangEngine.launch(tiny_model_dir, dtype="float32", run_dir=tmp_path, cfg=SGLangServer(
@@ -186,18 +183,76 @@ def test_a_broadcast_push_meeting_an_attached_server_that_is_gone_is_made_again_
                        retry_on_other_servers=True)
     eng = SGLangEngine(launched.urls, cfg=cfg, eos_token_id=tok.eos_token_id, served_dtype="float32")
     try:
-        other = load_model(other_model_dir)
-        eng.update_weights_from_state(other.state_dict(), 1)
-        launched.servers[1].proc.kill()
-        launched.servers[1].proc.wait(timeout=30)
-        moved = {k: v * 1.05 for k, v in other.state_dict().items()}
-        within_guard(lambda: eng.update_weights_from_state(moved, 2))
-        assert eng.live == [0] and eng.fleet.left_out_count == 1
-        assert eng.model_info(0)["weight_version"] == "2"
-        pushed = load_model(other_model_dir)
-        pushed.load_state_dict(moved)
-        trajs = eng.generate(prompts(tok, 4), SamplingParams(max_new_tokens=6), seed=2)
-        assert (torch.cat([recompute(pushed, t) - torch.tensor(t.logp_infer) for t in trajs])).abs().max() < 1e-4
+        yield launched, eng
     finally:
         eng.close()
         launched.close()
+
+
+def _kill(server) -> None:
+    server.proc.kill()
+    server.proc.wait(timeout=30)
+
+
+def _push_then_serves(eng, model_dir, state: dict, version: int) -> None:
+    """Push `state` as `version` (within a guard against a stalled push); server 0 is left, holds it
+    and samples with it: its log-probs are the model's own."""
+    from rlrecipe.modeling import load_model, load_tokenizer
+    from rlrecipe.trajectory.record import SamplingParams
+    from tests.rollout.test_sglang_client import prompts, recompute
+    from tests.rollout.test_sglang_hang import within_guard
+
+    within_guard(lambda: eng.update_weights_from_state(state, version))
+    assert eng.live == [0] and eng.fleet.left_out_count == 1
+    assert eng.model_info(0)["weight_version"] == str(version)
+    model = load_model(model_dir)
+    model.load_state_dict(state)
+    trajs = eng.generate(prompts(load_tokenizer(model_dir), 4), SamplingParams(max_new_tokens=6), seed=2)
+    assert (torch.cat([recompute(model, t) - torch.tensor(t.logp_infer) for t in trajs])).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_a_broadcast_push_meeting_an_attached_server_that_is_gone_is_made_again_without_it(
+        attached_broadcast, other_model_dir):
+    """Server 1 is killed between two pushes: the second leaves it out and reaches server 0 in a
+    group made again without it."""
+    from rlrecipe.modeling import load_model
+
+    launched, eng = attached_broadcast
+    other = load_model(other_model_dir)
+    eng.update_weights_from_state(other.state_dict(), 1)
+    _kill(launched.servers[1])
+    _push_then_serves(eng, other_model_dir, {k: v * 1.05 for k, v in other.state_dict().items()}, 2)
+
+
+@pytest.mark.slow
+def test_a_server_lost_in_the_middle_of_a_broadcast_stops_the_push_at_once_saying_to_resume(
+        attached_broadcast, other_model_dir, monkeypatch):
+    """Server 1 is killed once both servers took the push's /update_weights_from_distributed and
+    wait in its collective, before the trainer broadcasts. Server 0 is left waiting in that
+    collective, so the push cannot be made again without server 1 (tried: it hung until the
+    collective's timeout): it fails at once, naming server 1 and saying to resume."""
+    import time
+
+    from rlrecipe.modeling import load_model
+    from rlrecipe.rollout.sglang import broadcast as broadcast_module
+    from tests.rollout.test_sglang_hang import within_guard
+
+    launched, eng = attached_broadcast
+    other = load_model(other_model_dir)
+    eng.update_weights_from_state(other.state_dict(), 1)
+    sent, lost = broadcast_module.broadcast, []
+
+    def lose_server_1_first(group, tensors):
+        if not lost:
+            time.sleep(1.0)  # the requests are in flight: both servers are waiting in the collective
+            _kill(launched.servers[1])
+            lost.append(True)
+        return sent(group, tensors)
+
+    monkeypatch.setattr(broadcast_module, "broadcast", lose_server_1_first)
+    moved = {k: v * 1.05 for k, v in other.state_dict().items()}
+    with pytest.raises(UserError, match="stopped part-way") as cut:
+        within_guard(lambda: eng.update_weights_from_state(moved, 2))
+    assert lost and launched.urls[1] in str(cut.value) and "--resume" in str(cut.value)
+    assert eng.fleet.left_out_count == 0  # not made again without it

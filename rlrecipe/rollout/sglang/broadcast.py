@@ -4,7 +4,8 @@ The group's protocol and collectives are in `weights/sync.py`; this module drive
 engine's live servers, seen as `LiveServers` (what it needs of the engine and no more): it makes
 the group on the first push (this process rank 0, then each live server's tensor-parallel ranks),
 sends the weights in buckets, and leaves the group when a push fails (a broadcast nobody received
-would desynchronise every later one), when a server was left out or taken back (the group counts
+would desynchronise every later one; one that failed part-way, `BroadcastCut`, leaves the servers
+that joined it waiting in it, so the run stops there), when a server was left out or taken back (the group counts
 the old set: it is made again before the next push, so a server started again joins it), and on
 close.
 
@@ -32,6 +33,7 @@ from rlrecipe.rollout.sglang.session import (  # noqa: F401 - SESSION_LEFT_OPEN,
 )
 from rlrecipe.rollout.weights.sync import (
     DEFAULT_GROUP,
+    TIMEOUT,
     broadcast,
     buckets,
     dtype_name,
@@ -42,6 +44,11 @@ from rlrecipe.rollout.weights.sync import (
 if TYPE_CHECKING:
     from rlrecipe.recipe.systems import SGLangServer
     from rlrecipe.rollout.sglang.versions import Dialect
+
+class BroadcastCut(UserError):
+    """A push failed once servers had joined its collective (a server lost or refusing mid-push):
+    those still up wait in it, so no push can follow in this run."""
+
 
 class LiveServers(Protocol):
     """The servers a broadcast reaches: their settings, URLs, which are still in use, and requests to one."""
@@ -135,7 +142,13 @@ class WeightBroadcast:
 
     def _broadcast_chunks(self, chunks: list, version: int, device: str) -> None:
         with in_session(self.servers, list(self.servers.live)):
-            self._send_chunks(chunks, version, device)
+            try:
+                self._send_chunks(chunks, version, device)
+            except Exception as err:
+                raise BroadcastCut(f"{err}\nThe weight broadcast stopped part-way: the servers that took "
+                                   f"its request may wait in it until its timeout ({TIMEOUT}), so it is not "
+                                   "made again in this run; resume the run (--resume) once the rollout "
+                                   "servers answer") from err
 
     def _send_chunks(self, chunks: list, version: int, device: str) -> None:
         srv = self.servers

@@ -18,6 +18,7 @@ from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.sglang.versions import Dialect
 
 SESSION_S = 300.0  # opening or closing a session waits for the server's ranks (a barrier), not a load
+FAILING_CLOSE_S = 30.0
 # SGLang's 400 to /begin_weight_update while a session is open (0.5.21-0.5.23, scheduler_components/
 # weight_updater.py): "a weight-update session is already open; call end_weight_update() first"
 SESSION_LEFT_OPEN = "session is already open"
@@ -50,7 +51,7 @@ def session(srv: SessionServers, action: str, servers: list[int], failing: bool 
     opened = []
     for i in servers:
         try:
-            if _session_call(srv, action, i):
+            if _session_call(srv, action, i, failing):
                 opened.append(i)
         except UserError as err:
             if failing:
@@ -66,12 +67,15 @@ def session(srv: SessionServers, action: str, servers: list[int], failing: bool 
     return opened
 
 
-def _session_call(srv: SessionServers, action: str, i: int) -> bool:
+def _session_call(srv: SessionServers, action: str, i: int, failing: bool = False) -> bool:
     """/<action>_weight_update on server i: True when it has a session, a UserError naming it when
-    the call failed."""
+    the call failed. A close while the push is failing waits less: a server left waiting in a
+    collective the push cut answers no sooner than its timeout, and a session left open is closed
+    by the next push's begin."""
     if not srv.dialect(i).weight_update_session:
         return False
-    r = begin(srv, i) if action == "begin" else srv.post(i, "/end_weight_update", {}, timeout=(30.0, SESSION_S))
+    wait = FAILING_CLOSE_S if failing else SESSION_S
+    r = begin(srv, i) if action == "begin" else srv.post(i, "/end_weight_update", {}, timeout=(30.0, wait))
     if r.status_code == 404:
         return False
     body = answer(r)

@@ -145,16 +145,18 @@ class WeightPusher:
         fleet = self.fleet
         fleet.check_alive()
         self._forget(fleet.take_back(version))
-        if self.broadcast is None:
-            # imported here: the broadcast path needs torch, the HTTP client does not
-            from rlrecipe.rollout.sglang.broadcast import WeightBroadcast
+        # imported here: the broadcast path needs torch, the HTTP client does not
+        from rlrecipe.rollout.sglang.broadcast import BroadcastCut, WeightBroadcast
 
+        if self.broadcast is None:
             self.broadcast = WeightBroadcast(fleet)
         try:
             self.broadcast.push(state_dict, version)
-        except (UserError, RuntimeError):  # RuntimeError: a collective that lost a member
-            # a server down (an attached one is known only so): with retry, left out and the push made
-            # again in a group without it (the failed push left the old group)
+        except BroadcastCut:
+            raise
+        except UserError:
+            # a server down before any joined the push's collective (an attached one is known only
+            # so): with retry, left out and the push made again in a group without it
             if not (fleet.cfg.retry_on_other_servers and leave_out_down(fleet, "failed a weight push")):
                 raise
             self.broadcast.push(state_dict, version)

@@ -226,6 +226,31 @@ def test_a_broadcast_push_meeting_an_attached_server_that_is_gone_is_made_again_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("retry", [True, False])
+def test_a_server_down_when_the_broadcast_group_is_made_again_is_found_before_the_rendezvous(
+        attached_broadcast, other_model_dir, retry):
+    """The group is to be made again (a member left out or taken back since the last push) and
+    server 1 is down: the rendezvous would wait for it until its timeout. With retry it is left out
+    first and the group made without it; without, the push stops naming it."""
+    from rlrecipe.modeling import load_model
+    from tests.rollout.test_sglang_hang import within_guard
+
+    launched, eng = attached_broadcast
+    other = load_model(other_model_dir)
+    eng.update_weights_from_state(other.state_dict(), 1)
+    _kill(launched.servers[1])
+    eng.weights.broadcast.members_changed()
+    moved = {k: v * 1.05 for k, v in other.state_dict().items()}
+    if retry:
+        _push_then_serves(eng, other_model_dir, moved, 2)
+        return
+    eng.fleet.cfg.retry_on_other_servers = False
+    with pytest.raises(UserError, match="the weight update group cannot be made with it") as down:
+        within_guard(lambda: eng.update_weights_from_state(moved, 2))
+    assert launched.urls[1] in str(down.value)
+
+
+@pytest.mark.slow
 def test_a_server_lost_in_the_middle_of_a_broadcast_stops_the_push_at_once_saying_to_resume(
         attached_broadcast, other_model_dir, monkeypatch):
     """Server 1 is killed once both servers took the push's /update_weights_from_distributed and

@@ -90,6 +90,11 @@ class WeightBroadcast:
             self.close()  # a broadcast nobody received would desynchronise every later one
             raise
 
+    @property
+    def needs_group(self) -> bool:
+        """The next push makes the group (again): a rendezvous every member must join."""
+        return self.group is None or self._stale
+
     def members_changed(self) -> None:
         """A server was left out or taken back: the group counts the old set, so make it again
         before the next push."""

@@ -37,6 +37,24 @@ def why_down(fleet: ServerFleet, i: int) -> str | None:
 def leave_out_down(fleet: ServerFleet, what: str = "failed a /generate sent through the router") -> bool:
     """Every live server that is down is left out (`what` failed, without saying on which server: a
     /generate through the router, a broadcast push). True when one was."""
+    down = _down(fleet, what)
+    for i, error in down:
+        fleet.leave_out(i, error)
+    return bool(down)
+
+
+def require_up(fleet: ServerFleet, what: str) -> None:
+    """Before a rendezvous of every live server (making a broadcast group, which would wait for a
+    missing member until its timeout): one that is down is left out with retry_on_other_servers,
+    and stops the run without."""
+    for i, error in _down(fleet, what):
+        if not fleet.cfg.retry_on_other_servers:
+            raise error
+        fleet.leave_out(i, error)
+
+
+def _down(fleet: ServerFleet, what: str) -> list[tuple[int, UserError]]:
+    """The live servers that are down, each with the error that names it."""
     down: list[tuple[int, UserError]] = []
     for i in list(fleet.live):
         why = why_down(fleet, i)
@@ -45,9 +63,7 @@ def leave_out_down(fleet: ServerFleet, what: str = "failed a /generate sent thro
             down.append((i, server.crash_error()))
         elif why is not None:
             down.append((i, fleet.down_error(i, why, what, False)))
-    for i, error in down:
-        fleet.leave_out(i, error)
-    return bool(down)
+    return down
 
 
 def failed_push(fleet: ServerFleet, i: int, error: UserError) -> None:

@@ -31,7 +31,7 @@ import requests
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
-from rlrecipe.rollout.sglang.down import failed_push, leave_out_down
+from rlrecipe.rollout.sglang.down import failed_push, leave_out_down, require_up
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.server import model_arg
 from rlrecipe.rollout.weights.transport import WeightTransport, weight_transport
@@ -150,6 +150,8 @@ class WeightPusher:
 
         if self.broadcast is None:
             self.broadcast = WeightBroadcast(fleet)
+        if self.broadcast.needs_group:
+            require_up(fleet, "is down: the weight update group cannot be made with it")
         try:
             self.broadcast.push(state_dict, version)
         except BroadcastCut:

@@ -211,6 +211,41 @@ def test_two_routers_start_side_by_side_on_one_machine(tmp_path):
         worker.close()
 
 
+def test_a_router_whose_metrics_port_is_taken_before_it_binds_it_is_started_again_on_another(
+        tmp_path, monkeypatch):
+    """The Prometheus port is free when chosen and taken before the router binds it (a connection
+    handed that port meanwhile): the router exits at start; it is started again with another port."""
+    import socket
+
+    from rlrecipe.rollout.sglang import router as router_module
+
+    pytest.importorskip("sglang_router")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    chosen, free = [], router_module.unused_port
+
+    def taken_first(host: str) -> int:
+        chosen.append(free(host) if chosen else taken.getsockname()[1])
+        return chosen[-1]
+
+    monkeypatch.setattr(router_module, "unused_port", taken_first)
+    worker = AlwaysHealthy()
+    router = None
+    try:
+        cfg = SGLangServer(router=True, router_port=free_port(), startup_timeout_s=BOOT_TIMEOUT_S)
+        router = start_router([worker.url], cfg, tmp_path)
+        assert len(chosen) == 2 and router.alive()  # the taken port, then one the router bound
+        assert router.metrics_url == f"http://127.0.0.1:{chosen[1]}/metrics"
+        assert requests.get(router.metrics_url, timeout=10).status_code == 200
+        assert router_module.METRICS_PORT_TAKEN in (tmp_path / "sglang_router.log").read_text()
+    finally:
+        if router is not None:
+            router.stop()
+        worker.close()
+        taken.close()
+
+
 def test_the_router_never_ends_a_generation_the_client_still_waits_for():
     """Its request timeout outlasts the client's read timeout for the longest generation any shipped
     recipe asks (rollout or evaluation)."""

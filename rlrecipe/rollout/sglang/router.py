@@ -36,6 +36,9 @@ from rlrecipe.rollout.sglang.server import (
 ROUTER_REQUEST_TIMEOUT_S = 24 * 3600
 ROUTER_CALL_S = 10.0  # one request to the router's /workers API
 ROUTER_CHANGE_S = 30.0  # a queued change to its list of servers, until it shows
+# sglang-router's panic when its Prometheus port is taken (0.3.2): the router exits at start
+METRICS_PORT_TAKEN = "failed to install Prometheus metrics exporter"
+METRICS_PORT_TRIES = 3
 ROUTER_RETRIES = "smg_worker_retries_total"  # its counter of requests it sent again (sglang-router >= 0.3)
 
 
@@ -68,6 +71,29 @@ def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | P
                         "sglang-router`, part of `make install-gpu`); or set rollout.sglang.router_launch_cmd")
     if not port_free(cfg.host, cfg.router_port):
         raise UserError(f"rollout.sglang.router_port: port {cfg.router_port} on {cfg.host} is already in use")
+    run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
+    attempt = 1
+    while True:
+        router = _router_process(worker_urls, cfg, run_dir, env, template)
+        router.start()
+        try:
+            wait_until_healthy([(router.url, router)], cfg.startup_timeout_s)
+            return router
+        except UserError:
+            router.stop()
+            # the Prometheus port, free when chosen, taken before the router bound it: another one
+            if template is not None or attempt == METRICS_PORT_TRIES or METRICS_PORT_TAKEN not in router.log_tail(40):
+                raise
+            attempt += 1
+        except BaseException:
+            router.stop()
+            raise
+
+
+def _router_process(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: Path, env: dict[str, str] | None,
+                    template: list[str] | None) -> ServerProcess:
+    """The router's process, not started: the default command with a Prometheus port of its own,
+    or the recipe's router_launch_cmd."""
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     metrics_url = None
     if template is None:
@@ -79,17 +105,9 @@ def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | P
         for part in template:  # "{worker_urls}" stands for one argument per server
             cmd += list(worker_urls) if part == "{worker_urls}" else fill_placeholders(
                 [part], host=cfg.host, port=cfg.router_port, policy=cfg.router_policy)
-    run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
-    router = ServerProcess(-1, f"http://{host}:{cfg.router_port}", cmd, run_dir / ROUTER_LOG_NAME,
-                           env={**os.environ, **key_env(), **(env or {})}, name="sglang-router",
-                           metrics_url=metrics_url)
-    router.start()
-    try:
-        wait_until_healthy([(router.url, router)], cfg.startup_timeout_s)
-    except BaseException:
-        router.stop()
-        raise
-    return router
+    return ServerProcess(-1, f"http://{host}:{cfg.router_port}", cmd, run_dir / ROUTER_LOG_NAME,
+                         env={**os.environ, **key_env(), **(env or {})}, name="sglang-router",
+                         metrics_url=metrics_url)
 
 
 class RouterWorkers:

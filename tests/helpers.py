@@ -89,13 +89,7 @@ def beside(cmd: list[str], log: Path, timeout_s: float = 600, **popen):
             pytest.fail(f"timed out after {timeout_s}s: {cmd}\n{log.read_text(errors='replace')[-4000:]}")
         assert code == 0, f"failed ({code}): {cmd}\n{log.read_text(errors='replace')[-4000:]}"
     finally:
-        if proc.poll() is None:  # the block failed: the run goes too (SIGTERM first: it stops its servers)
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+        stop_process(proc, wait_s=30)  # the block failed: the run goes too (SIGTERM first: it stops its servers)
 
 
 def flat_recipe(name: str) -> dict:
@@ -221,3 +215,14 @@ def resume_after_training(engine, version: int, *, state_dict: dict | None = Non
     engine.flush_cache()
     engine.resume_memory(["kv_cache", "cuda_graph"])
     engine.verify_push(version, state_dict=state_dict, model_dir=model_dir)
+
+
+def stop_process(proc: subprocess.Popen, wait_s: float = 10) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `wait_s`; nothing if it already exited."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=wait_s)

@@ -24,6 +24,7 @@ from rlrecipe.rollout.sglang.call import apply_answer, to_least_loaded
 from rlrecipe.rollout.sglang.engine import SGLangEngine
 from rlrecipe.rollout.sglang.server import probe_health
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
+from tests.helpers import stop_process
 from tests.ports import free_port, free_ports, port_free
 
 BOOT_TIMEOUT_S = 90
@@ -32,16 +33,6 @@ BOOT_TIMEOUT_S = 90
 def rlrecipe_cmd() -> list[str]:
     script = Path(sys.executable).parent / "rlrecipe"
     return [str(script)] if script.exists() else [sys.executable, "-m", "rlrecipe.cli.app"]
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

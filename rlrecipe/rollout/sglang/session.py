@@ -57,14 +57,17 @@ def session(srv: SessionServers, action: str, servers: list[int], failing: bool 
             if failing:
                 continue
             try:
-                if failed is None:
-                    raise
-                failed(i, err)
+                (failed or _stop)(i, err)
             except BaseException:
                 if action == "begin":
                     session(srv, "end", opened, failing=True)
                 raise
     return opened
+
+
+def _stop(i: int, error: UserError) -> None:
+    """Without a `failed` callback, a server that fails its session call stops the push."""
+    raise error
 
 
 def _session_call(srv: SessionServers, action: str, i: int, failing: bool = False) -> bool:

@@ -8,7 +8,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install install-gpu sglang-cpu test test-fast demo mismatch-study async-study options-study fp8-study lora-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks gpu-quick gpu-carry sglang-contract lint clean
+.PHONY: install install-gpu sglang-cpu slurm-local slurm-local-stop test test-fast demo mismatch-study async-study options-study fp8-study lora-study bench bench-full bench-sglang reproduce-aime gpu-smoke gpu-checks gpu-quick gpu-carry sglang-contract lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,16 @@ $(SGLANG_VENV)/.installed: scripts/sglang_cpu/requirements.txt
 	touch $@
 
 sglang-cpu: $(SGLANG_VENV)/.installed
+
+# A real Slurm as two nodes on this machine (127.0.0.1 and 127.0.0.2) for the cluster tests
+# (tests/cluster/test_slurm_jobs.py, skipped where it is not up): Debian's slurm-wlm, installed when
+# missing (root, apt), its state and logs in .slurm-local/. `make slurm-local-stop` ends every job and daemon.
+slurm-local:
+	command -v slurmd >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client >/dev/null)
+	bash scripts/slurm_local/up.sh
+
+slurm-local-stop:
+	bash scripts/slurm_local/down.sh
 
 # Read both ends of the SGLang pin from their released wheels (needs the package index; nothing is
 # installed) into tests/data/sglang_contract.json, and check the client against them. Rerun when

@@ -22,6 +22,8 @@ def slurm(recipe: Annotated[Path, typer.Argument(help="recipe YAML, laid out for
           time: Annotated[str | None, typer.Option(help="the job's time limit, as sbatch --time")] = None,
           assume_shared: Annotated[bool, typer.Option(help="run.output_dir is on a filesystem every node "
                                                            "mounts, though it looks local here")] = False,
+          retries: Annotated[int, typer.Option(min=0, max=9, help="a failed training step runs again with --resume "
+                                                                  "in the same allocation, this many times")] = 3,
           set_: Annotated[list[str] | None, SETS] = None) -> None:
     """A Slurm batch script that starts every node of the recipe's layout: one srun per role."""
     from rlrecipe.cluster.sbatch import SlurmOptions, render
@@ -33,7 +35,7 @@ def slurm(recipe: Annotated[Path, typer.Argument(help="recipe YAML, laid out for
     loaded = load_recipe(recipe, set_ or [])
     text = render(loaded, set_ or [], SlurmOptions(gpus_per_node=gpus_per_node, stage=stage, nodes=nodes,
                                                    partition=partition, account=account, time=time,
-                                                   assume_shared=assume_shared))
+                                                   assume_shared=assume_shared, retries=retries))
     if out is None:
         typer.echo(text, nl=False)
     else:
@@ -47,7 +49,7 @@ def cluster_node(recipe: Annotated[Path, typer.Argument(help="recipe YAML")],
                  gpus_per_node: Annotated[int, typer.Option(min=1)] = 8,
                  resume: Annotated[bool, typer.Option("--resume", help="continue from the last checkpoint")] = False,
                  set_: Annotated[list[str] | None, SETS] = None) -> None:
-    """This node's part of a Slurm job (SLURM_NODEID, SLURM_JOB_NODELIST): train, serve, or both."""
+    """This node's part of a Slurm job (SLURMD_NODENAME in SLURM_JOB_NODELIST): train, serve, or both."""
     from rlrecipe.cluster.node import run_node
     from rlrecipe.recipe.schema import load_recipe
 

@@ -33,7 +33,7 @@ class JobLayout:
 
     def role(self, node: int) -> str:
         if not 0 <= node < self.nodes:
-            raise UserError(f"SLURM_NODEID={node}: this job has {self.nodes} nodes (0..{self.nodes - 1})")
+            raise UserError(f"node {node}: this job has {self.nodes} nodes (0..{self.nodes - 1})")
         if self.colocated_nodes:
             return BOTH
         return TRAIN if node < self.train_nodes else ROLLOUT

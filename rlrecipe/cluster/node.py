@@ -1,12 +1,15 @@
 """`rlrecipe cluster-node`: what one node of a Slurm job runs, decided from Slurm's variables.
 
-- **Where it is.** `SLURM_NODEID` is this node's place in the job and `SLURM_JOB_NODELIST` the
-  job's hosts; the first host holds the trainer's rendezvous, at the port the batch script chose
-  (`RLRECIPE_MASTER_PORT`).
+- **Where it is.** This node's place in the job is where its name (`SLURMD_NODENAME`) stands in
+  the job's hosts (`SLURM_JOB_NODELIST`). `SLURM_NODEID` cannot tell it: Slurm numbers the nodes
+  of each step from 0, so a rollout step started with `--relative=1` sees 0. The first host holds
+  the trainer's rendezvous, at the port the batch script chose (`RLRECIPE_MASTER_PORT`).
 - **Its role** (`cluster/layout.py`):
   - a training node runs the stage with that node rank;
   - a rollout node runs `rlrecipe rollout-servers` for its share;
   - a colocated node does both and stops its servers when training ends.
+- **Where servers listen.** Other nodes reach a node's servers by its name, so servers the recipe
+  binds to loopback (`rollout.sglang.host`, 127.0.0.1 by default) bind to that name instead.
 - **The server list.** Rollout nodes list their servers in `<run dir>/rollout_urls.yaml`, and
   training nodes wait for the whole list before starting. The wait is bounded by
   `rollout.sglang.startup_timeout_s`, and when it runs out one line says which servers never
@@ -16,6 +19,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -51,14 +55,27 @@ class Place:
 
 def place_from_env(env: Mapping[str, str], default_port: int) -> Place:
     """This node's place in the job, from the variables Slurm sets (and the batch script's port)."""
-    node = env.get("SLURM_NODEID", "").strip()
-    if not node.isdigit():
-        raise UserError(f"SLURM_NODEID={node!r}: run `rlrecipe cluster-node` inside a Slurm job step "
+    name = env.get("SLURMD_NODENAME", "").strip()
+    if not name:
+        raise UserError("SLURMD_NODENAME is not set: run `rlrecipe cluster-node` inside a Slurm job step "
                         "(srun), which sets it")
+    hosts = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
+    if name not in hosts:
+        raise UserError(f"SLURMD_NODENAME={name!r} is not among the job's hosts (SLURM_JOB_NODELIST="
+                        f"{env.get('SLURM_JOB_NODELIST')!r})")
     port = env.get(PORT_ENV, "").strip() or str(default_port)
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"{PORT_ENV}={port!r}: expected a TCP port")
-    return Place(int(node), expand_nodelist(env.get("SLURM_JOB_NODELIST", "")), int(port))
+    return Place(hosts.index(name), hosts, int(port))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def urls_path(loaded: LoadedRecipe) -> Path:
@@ -94,9 +111,12 @@ def trainer_command(loaded: LoadedRecipe, stage: str, overrides: list[str], plac
 
 def rollout_command(loaded: LoadedRecipe, overrides: list[str], layout: JobLayout, place: Place) -> list[str]:
     share = place.node if layout.colocated_nodes else place.node - layout.train_nodes
+    name = place.hosts[place.node]
+    # a server bound to loopback answers no other node, whatever name it is listed under
+    bind = [f"rollout.sglang.host={name}"] if is_loopback(loaded.recipe.rollout.sglang.host) else []
     return [*cli(), "rollout-servers", str(loaded.path), "--node", str(share), "--urls-out", str(urls_path(loaded)),
-            "--url-host", place.hosts[place.node], "--log-dir", str(loaded.recipe.run.dir / f"rollout_node{share}"),
-            *[x for s in overrides for x in ("--set", s)]]
+            "--url-host", name, "--log-dir", str(loaded.recipe.run.dir / f"rollout_node{share}"),
+            *[x for s in [*overrides, *bind] for x in ("--set", s)]]
 
 
 def run_node(loaded: LoadedRecipe, overrides: list[str], *, stage: str, gpus_per_node: int, resume: bool,

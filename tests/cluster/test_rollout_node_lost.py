@@ -1,4 +1,5 @@
-"""A split job of three "nodes" on this machine: node 0 trains, nodes 1 and 2 each serve one
+"""A split job of three "nodes" on this machine (imitated: the real Slurm here has two, and node 2 is
+started again alone as an operator would, tests/cluster/imitated_nodes.py): node 0 trains, nodes 1 and 2 each serve one
 `rlrecipe serve` server (`retry_on_other_servers`). Node 2 is lost mid-run (every process of it
 SIGKILLed), the job goes on with node 1's server; node 2 is started again, as an operator would
 with `srun --relative=2`, and the run takes its server back at a push. Pushed over disk with the
@@ -9,24 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import signal
 import time
 
 import pytest
 
-from tests.cluster.test_two_nodes import _log, _recipe, _sglang, node_dies, start_nodes, stop
+from tests.cluster.imitated_nodes import host, node_dies, start_nodes, stop
+from tests.cluster.imitated_nodes import node_log as _log
+from tests.cluster.jobs import job_recipe as _recipe
+from tests.cluster.jobs import metrics as _metrics
+from tests.cluster.jobs import sglang_servers as _sglang
 from tests.helpers import write_tiny_data
 from tests.rollout.router_recovery import ANSI
 from tests.rollout.test_sglang_client import free_port, free_ports
 
 pytestmark = pytest.mark.slow
 STEPS = 10
-
-
-def _metrics(run) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
 
 
 def _wait_for_step(run, step: int, procs, recipe) -> None:
@@ -93,7 +92,7 @@ def test_a_rollout_node_lost_mid_run_the_job_goes_on_and_takes_it_back(router, w
     assert "left out until it answers again" in trainer_log and "answers again: taken back" in trainer_log
     # the router was told: node 2's server taken off its list, put back on by the push that took it back
     if router:
-        lost = f"http://127.0.0.1:{rollout['sglang']['base_port'] + 1}"
+        lost = f"http://{host(2)}:{rollout['sglang']['base_port'] + 1}"
         router_log = ANSI.sub("", (run / "sglang_router.log").read_text(errors="replace"))
         assert "method=POST uri=/workers " in router_log[router_log.index(f"Removed worker {lost}"):]
     served = (run / "rollout_node1" / "sglang_server_1.log").read_text()

@@ -36,8 +36,11 @@ def test_a_malformed_host_list_is_one_clear_error(text):
 def _sruns(script: str) -> list[dict]:
     out = []
     for line in script.splitlines():
+        line = line.strip()
         if line.startswith("srun "):
-            flags = dict(re.findall(r"--([a-z-]+)=(\S+)", line.split(" ${RLRECIPE")[0]))
+            head = line.split(" ${RLRECIPE")[0]
+            flags = dict(re.findall(r"--([a-z-]+)=(\S+)", head))
+            assert " --whole " in head  # each step its nodes whole, whatever a task's default share
             out.append({**flags, "background": line.endswith("&")})
     return out
 
@@ -50,9 +53,12 @@ def test_the_published_7b_layout_is_sixteen_nodes_in_two_roles():
     rollout, train = _sruns(script)
     # the rollout nodes come after the training nodes, in the background; the job's status is training's
     assert rollout == {"nodes": str(recipe.rollout.sglang.nodes), "ntasks": "8", "relative": str(recipe.trainer.nodes),
-                       "kill-on-bad-exit": "0", "background": True}
-    assert train == {"nodes": str(recipe.trainer.nodes), "ntasks": "8", "relative": "0", "background": False}
-    assert script.rstrip().endswith("exit $rc") and 'kill "$servers"' in script
+                       "kill-on-bad-exit": "0", "ntasks-per-node": "1", "job-name": "rollout-servers",
+                       "background": True}
+    assert train == {"nodes": str(recipe.trainer.nodes), "ntasks": "8", "relative": "0", "kill-on-bad-exit": "1",
+                     "ntasks-per-node": "1", "background": False}
+    assert script.rstrip().endswith("exit $rc") and 'stop_step rollout-servers "$servers"' in script
+    assert "#SBATCH --requeue" in script and "python" not in script  # bash alone on the batch host
     assert "cluster-node recipes/7b_boba.yaml --stage rl --gpus-per-node 8" in script
     layout = job_layout(recipe, 8)
     assert [layout.role(n) for n in (0, 7, 8, 15)] == [TRAIN, TRAIN, ROLLOUT, ROLLOUT]

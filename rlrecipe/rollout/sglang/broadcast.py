@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
-from rlrecipe.core.errors import UserError
+from rlrecipe.core.errors import ResumableStop, UserError
 from rlrecipe.modeling import distinct_tensors
 from rlrecipe.rollout.sglang.session import (  # noqa: F401 - SESSION_LEFT_OPEN, SESSION_S kept importable here
     SESSION_LEFT_OPEN,
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from rlrecipe.recipe.systems import SGLangServer
     from rlrecipe.rollout.sglang.versions import Dialect
 
-class BroadcastCut(UserError):
+class BroadcastCut(ResumableStop):
     """A push failed once servers had joined its collective (a server lost or refusing mid-push):
     those still up wait in it, so no push can follow in this run."""
 

@@ -16,7 +16,7 @@ from rlrecipe.checks.model_check import (
 )
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.base import RecipeError
-from rlrecipe.recipe.schema import LoadedRecipe
+from rlrecipe.recipe.schema import LoadedRecipe, rl_lora_refusal
 from rlrecipe.run.record import resolve_init
 
 TRAIN_DATA = {"sft": "an SFT dataset", "rl": "an RL prompt set"}
@@ -91,6 +91,13 @@ def check_rollout_servers(loaded: LoadedRecipe, stage: str) -> None:
                           f"{loaded.path} --node N --urls-out FILE` and pass --set \"rollout.urls=$(cat FILE)\"")
 
 
+def check_rl_lora(loaded: LoadedRecipe, stage: str) -> None:
+    """What trainer.lora RL cannot take (the schema checks recipes with an rl: section already)."""
+    why = rl_lora_refusal(loaded.recipe) if stage == "rl" else None
+    if why is not None:
+        raise RecipeError(f"{loaded.path}: {why}")
+
+
 def check_machine(loaded: LoadedRecipe, stage: str) -> None:
     """What `rlrecipe doctor` can already see will stop the stage (attention that cannot load, an
     output directory it cannot write, a disk too small, ...): one line each."""
@@ -112,6 +119,7 @@ def check_stage_inputs(loaded: LoadedRecipe, stage: str) -> str | None:
     run = loaded.recipe.run
     init_from = resolve_init(run.init_from, run.output_dir)
     check_rollout_servers(loaded, stage)
+    check_rl_lora(loaded, stage)
     check_machine(loaded, stage)
     config = check_model(loaded, init_from)
     check_context(loaded, config, stage)

@@ -151,6 +151,19 @@ def ipc_refusal(*, colocated: bool, trainer_nodes: int = 1, rollout_nodes: int =
     return None
 
 
+def rl_lora_refusal(recipe: Recipe) -> str | None:
+    """Why an RL run cannot take the recipe's trainer.lora ("field: why"), None where it can."""
+    lora = recipe.trainer.lora
+    if not lora.enabled:
+        return None
+    if lora.dropout > 0:
+        # the ratio's old log-probs, the KL reference and the rollouts are taken without dropout:
+        # with it the policy trained is another one, and on-policy the ratio is no longer 1
+        return (f"trainer.lora.dropout: {lora.dropout} with RL: the old policy's, the reference's and the rollouts' "
+                "log-probs have no dropout, so the PPO ratio would be off even on-policy; set 0 (SFT may keep it)")
+    return None
+
+
 class Recipe(Section):
     run: RunSection
     model: ModelSection = ModelSection()
@@ -225,6 +238,14 @@ class Recipe(Section):
         if self.rollout.stress_logit_noise > 0 and self.rollout.engine != "inprocess":
             raise ValueError("rollout.stress_logit_noise is a stress test of the in-process engine; "
                              "set it to 0 with rollout.engine: sglang")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_for_rl(self) -> Recipe:
+        # a recipe with an rl: section is an RL one (an SFT recipe sets none); `rlrecipe rl` checks the rest
+        why = rl_lora_refusal(self) if "rl" in self.model_fields_set else None
+        if why is not None:
+            raise ValueError(why)
         return self
 
     @model_validator(mode="after")

@@ -124,3 +124,20 @@ def test_release_numbers_match_areal_v02_configs():
     assert (rl.trainer.warmup_ratio, rl.rl.steps, rl.data.max_prompt_tokens) == (0.001, 400, 1024)
     assert (rl.eval.temperature, rl.eval.top_p, rl.eval.n_samples) == (1.0, 0.95, 32)
     assert (rl.rl.early_stop_imp_ratio, rl.rl.kl_coef, rl.rl.ppo_minibatches) == (5.0, 0.0, 4)
+
+
+def test_lora_dropout_is_refused_for_rl_and_kept_for_sft():
+    # RL's ratio compares the trained policy with log-probs taken without dropout: on-policy it must be 1
+    with pytest.raises(RecipeError) as err:
+        load_recipe(REPO / "recipes" / "tiny_rl.yaml", ["trainer.lora.rank=8", "trainer.lora.dropout=0.3"])
+    assert len(str(err.value).splitlines()) == 1 and "trainer.lora.dropout: 0.3" in str(err.value)
+    load_recipe(REPO / "recipes" / "tiny_rl.yaml", ["trainer.lora.rank=8"])
+    sft = load_recipe(REPO / "recipes" / "tiny_sft.yaml", ["trainer.lora.rank=8", "trainer.lora.dropout=0.3"])
+    assert sft.recipe.trainer.lora.dropout == 0.3
+    # a recipe without an rl: section run by `rlrecipe rl` is refused before its run directory is made
+    from rlrecipe.checks.preflight import check_rl_lora
+
+    check_rl_lora(sft, "sft")
+    with pytest.raises(RecipeError, match=r"tiny_sft.yaml: trainer.lora.dropout: 0.3"):
+        check_rl_lora(sft, "rl")
+

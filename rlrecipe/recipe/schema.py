@@ -151,9 +151,12 @@ def ipc_refusal(*, colocated: bool, trainer_nodes: int = 1, rollout_nodes: int =
     return None
 
 
+LORA_ARGS = "{lora_args}"  # the launch_cmd argument that stands for SGLang's LoRA flags
+
+
 def rl_lora_refusal(recipe: Recipe) -> str | None:
     """Why an RL run cannot take the recipe's trainer.lora ("field: why"), None where it can."""
-    lora = recipe.trainer.lora
+    lora, ro = recipe.trainer.lora, recipe.rollout
     if not lora.enabled:
         return None
     if lora.dropout > 0:
@@ -161,6 +164,10 @@ def rl_lora_refusal(recipe: Recipe) -> str | None:
         # with it the policy trained is another one, and on-policy the ratio is no longer 1
         return (f"trainer.lora.dropout: {lora.dropout} with RL: the old policy's, the reference's and the rollouts' "
                 "log-probs have no dropout, so the PPO ratio would be off even on-policy; set 0 (SFT may keep it)")
+    if ro.engine == "sglang" and ro.sglang.launch_cmd and LORA_ARGS not in ro.sglang.launch_cmd:
+        # a server started without --enable-lora refuses the first adapter pushed to it
+        return (f"rollout.sglang.launch_cmd: no \"{LORA_ARGS}\" argument, so the servers it starts take no adapter "
+                f"(--enable-lora) under trainer.lora; add the argument \"{LORA_ARGS}\" (nothing without LoRA)")
     return None
 
 

@@ -141,3 +141,29 @@ def test_lora_dropout_is_refused_for_rl_and_kept_for_sft():
     with pytest.raises(RecipeError, match=r"tiny_sft.yaml: trainer.lora.dropout: 0.3"):
         check_rl_lora(sft, "rl")
 
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if "launch_cmd" in p.read_text()], ids=lambda p: p.name)
+def test_shipped_launch_cmds_take_the_lora_flags_and_none_without_lora(path):
+    from rlrecipe.recipe.systems import LoraSection
+    from rlrecipe.rollout.sglang.lora import launch_args
+    from rlrecipe.rollout.sglang.server import server_specs
+
+    def cmd(overrides):
+        ro = load_recipe(path, overrides).recipe
+        return server_specs("m", ro.rollout.sglang, [0], dtype="float32", seed=0,
+                            template=ro.rollout.sglang.launch_cmd, lora_args=launch_args(ro.trainer.lora))[0].cmd
+
+    lora = cmd(["trainer.lora.rank=8", "rollout.sglang.weight_sync=disk"])
+    assert lora[lora.index("--enable-lora"):][:3] == ["--enable-lora", "--max-lora-rank", "8"]
+    plain = cmd([])
+    assert "--enable-lora" not in plain and not any("{" in a for a in plain)
+    assert [a for a in lora if a not in launch_args(LoraSection(rank=8))] == plain
+
+
+def test_a_lora_rl_launch_cmd_without_its_placeholder_is_refused(tmp_path):
+    sglang = ("rollout: {engine: sglang, sglang: {launch_cmd: [rlrecipe, serve, '{model}', --port, '{port}']}}\n")
+    p = write(tmp_path, BASE + "rl: {steps: 5}\n" + sglang)
+    load_recipe(p)  # without LoRA nothing is missing
+    with pytest.raises(RecipeError) as err:
+        load_recipe(p, ["trainer.lora.rank=8"])
+    assert len(str(err.value).splitlines()) == 1 and "rollout.sglang.launch_cmd: no \"{lora_args}\"" in str(err.value)

@@ -77,7 +77,13 @@ def test_the_merge_equals_peft_merging_into_a_copy_and_leaves_the_base_alone(tin
 
 def test_only_the_adapter_trains_and_the_merged_export_is_the_policy_the_trainer_scores(tiny_model_dir, tmp_path):
     eng = _engine(tiny_model_dir)
-    adapter = sum(p.numel() for p in eng.trainable())
+    # what the optimizer holds, not what has gradients: AdamW skips a parameter without one, so a
+    # frozen weight handed to it would stay unchanged as well
+    held = [p for group in eng.optimizer.param_groups for p in group["params"]]
+    lora_params = {id(p) for n, p in eng.model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    assert all(id(p) in lora_params for p in held)
+    assert len({id(p) for p in held}) == len(lora_params) == 2 * 7 * 2  # A and B of 7 linears in 2 layers
+    adapter = sum(p.numel() for p in held)
     # rank 4 on every linear of 2 layers: (in + out) x 4 each; hidden 64, intermediate 128, kv 2 x 16
     per_layer = 4 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 128) * 2 + (128 + 64))
     assert adapter == 2 * per_layer

@@ -43,30 +43,39 @@ def slurm_env() -> dict:
     return env
 
 
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
 class Job:
-    """A job submitted with `sbatch --wait` from its script's folder: its id at once, its exit status at
-    the end (sbatch --wait returns the job's)."""
+    """A job submitted with `sbatch` from its script's folder, followed with scontrol: its id at once,
+    its exit status once finished (polled every 0.25 s: `sbatch --wait` polls ever more slowly, up to
+    half a minute past the job's end)."""
 
     def __init__(self, script: Path, env: dict, *args: str):
         self.env = env
-        self.proc = subprocess.Popen(["sbatch", "--parsable", "--wait", str(script), *args], cwd=script.parent,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if not line.strip():
-            raise AssertionError(f"sbatch {script}: {self.proc.stderr.read()}")
-        self.id = int(line.strip().split(";")[0])
+        done = subprocess.run(["sbatch", "--parsable", str(script), *args], cwd=script.parent, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout.strip(), f"sbatch {script}: {done.stderr}"
+        self.id = int(done.stdout.strip().split(";")[0])
+
+    def _show(self) -> dict:
+        out = subprocess.run(["scontrol", "show", "job", "-o", str(self.id)], env=self.env, capture_output=True,
+                             text=True, timeout=60).stdout
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
     def wait(self, timeout_s: float = 900) -> int:
+        """The batch script's exit status (a signal that ended it: 128 + its number)."""
         try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+            wait_until(lambda: self._show().get("JobState") in FINISHED, timeout_s, f"job {self.id}", poll_s=0.25)
+        except AssertionError:
             self.cancel()
             raise
-        return self.proc.returncode
+        status, _, signal = self._show()["ExitCode"].partition(":")
+        return int(status) or (128 + int(signal) if int(signal or 0) else 0)
 
     def cancel(self) -> None:
         subprocess.run(["scancel", str(self.id)], env=self.env, timeout=60)
-        self.proc.wait(timeout=120)
+        wait_until(lambda: self._show().get("JobState") in FINISHED, 120, f"job {self.id} cancelled", poll_s=0.25)
 
     def requeue(self) -> None:
         """Back to the queue, as Slurm does with a job on a failed node; started again at once (Slurm

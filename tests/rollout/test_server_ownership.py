@@ -6,12 +6,16 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.rollout.sglang import api_key as api_key_module
+from rlrecipe.rollout.sglang import ownership
+from rlrecipe.rollout.sglang import server as server_module
 from rlrecipe.rollout.sglang.ownership import _ip, key_proof, listening_inodes, port_owner
 from rlrecipe.rollout.sglang.server import ServerProcess, wait_until_healthy
 from tests.helpers import serving_in_thread
@@ -80,6 +84,56 @@ def test_a_taken_port_stops_the_start_before_its_holder_hears_from_us(tmp_path):
     finally:
         launched.stop()
         holder.close()
+
+
+class Stranger:
+    """Another process's server on `port` (here, a thread): 200 to everything, and what it was sent."""
+
+    def __init__(self, port: int):
+        heard = self.heard = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # noqa: N802 - stdlib naming
+                heard.append((self.path, dict(self.headers)))
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_process_binding_the_port_after_its_check_never_hears_the_key(tmp_path, monkeypatch):
+    """The port was free when checked, and a stranger binds it before the health probe: the probe
+    reaches it, but without the key, and the proof then refuses it before the key is sent."""
+    monkeypatch.setenv("SGLANG_API_KEY", "the-runs-key")
+    monkeypatch.setattr(server_module, "foreign_holder", lambda url, pid: None)  # checked before it bound
+    port = free_port()
+    launched = ServerProcess(0, f"http://127.0.0.1:{port}", [sys.executable, "-c", "import time; time.sleep(60)"],
+                             tmp_path / "server.log")
+    stranger = Stranger(port)
+    launched.start()
+    try:
+        with pytest.raises(UserError, match="held by another process"):
+            wait_until_healthy([(launched.url, launched)], timeout=60)
+        assert [path for path, _ in stranger.heard] == ["/health_generate"]
+        # no /proc to see the socket by: the proof asks without the key, and the stranger answers
+        monkeypatch.setattr(ownership, "listening_inodes", lambda host, port: None)
+        with pytest.raises(UserError, match="answers without the API key"):
+            wait_until_healthy([(launched.url, launched)], timeout=60)
+        assert [path for path, _ in stranger.heard][1:] == ["/health_generate", "/rlrecipe_ownership_proof"]
+        assert all("Authorization" not in headers for _, headers in stranger.heard)
+    finally:
+        launched.stop()
+        stranger.close()
 
 
 def test_the_key_proves_a_server_and_a_stranger_is_refused(tiny_model_dir, monkeypatch):

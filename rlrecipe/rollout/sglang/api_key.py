@@ -54,10 +54,15 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def anonymous_headers() -> dict[str, str]:
+    """Which process sent a request (a server's access log can tell one run's requests from
+    another's), and no key: what goes to a server not yet proven the run's own."""
+    return {"User-Agent": f"rlrecipe pid/{os.getpid()}"}
+
+
 def client_headers() -> dict[str, str]:
-    """What every request of this client carries: the key, and which process sent it (a server's
-    access log can tell one run's requests from another's)."""
-    return {**auth_headers(), "User-Agent": f"rlrecipe pid/{os.getpid()}"}
+    """What every request of this client carries: the key, and which process sent it."""
+    return {**auth_headers(), **anonymous_headers()}
 
 
 def is_authorized(path: str, authorization: str | None, key: str | None) -> bool:

@@ -10,6 +10,9 @@ start and at every restart:
 - where it was given an API key (`api_key.launch_key`), it refuses a request without the key and
   takes one with it: only the process we gave the key to can do both.
 
+Until then it hears no key: its health probe goes without one, and so does the first request of
+the proof, which a server taking any client fails.
+
 A port held by another process ends the start-up in one line naming that process. Attached servers
 (`rollout.urls`) are not checked: the user chose them.
 """
@@ -26,7 +29,7 @@ from urllib.parse import urlsplit
 import requests
 
 from rlrecipe.core.errors import UserError
-from rlrecipe.rollout.sglang.api_key import api_key, client_headers
+from rlrecipe.rollout.sglang.api_key import anonymous_headers, api_key, client_headers
 
 PROC_NET = ("/proc/net/tcp", "/proc/net/tcp6")
 TCP_LISTEN = "0A"
@@ -158,16 +161,15 @@ def key_proof(url: str, owned: bool) -> str | None:
     key = api_key()
     if key is None:
         return None if owned else "no API key to prove it by and no /proc to see its socket"
-    anonymous = {k: v for k, v in client_headers().items() if k != "Authorization"}
     try:
-        bare = requests.get(url + PROOF_PATH, headers=anonymous, timeout=PROOF_TIMEOUT_S).status_code
+        bare = requests.get(url + PROOF_PATH, headers=anonymous_headers(), timeout=PROOF_TIMEOUT_S).status_code
+        if bare != 401 and not owned:  # a stranger that takes any client: refused before it hears the key
+            return "it answers without the API key this run gave its server"
         keyed = requests.get(url + PROOF_PATH, headers=client_headers(), timeout=PROOF_TIMEOUT_S).status_code
     except requests.RequestException as err:
         return f"{PROOF_PATH} failed: {type(err).__name__}"
     if keyed == 401:
         return "it refuses this run's API key (another server, started with a key of its own)"
-    if bare != 401 and not owned:
-        return "it answers without the API key this run gave its server"
     return None
 
 

@@ -45,7 +45,7 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.sglang.api_key import ENV as API_KEY_ENV
-from rlrecipe.rollout.sglang.api_key import api_key, client_headers, key_env
+from rlrecipe.rollout.sglang.api_key import anonymous_headers, api_key, key_env
 from rlrecipe.rollout.sglang.lora import PLACEHOLDER as LORA_PLACEHOLDER
 from rlrecipe.rollout.sglang.ownership import foreign_holder, prove_ours, taken_error
 
@@ -399,9 +399,11 @@ def check_gpus(cfg: SGLangServer, visible: int, trainer_gpus: int = 0) -> None:
 
 # -- health ----------------------------------------------------------------------------------------
 def probe_health(url: str, time_left: float) -> str | None:
-    """None when `url` answers GET /health_generate with 200 within the time left, else what it did."""
+    """None when `url` answers GET /health_generate with 200 within the time left, else what it did.
+    Sent without the key: it may reach a process that took a launched server's port after its
+    check, and health paths need no key (SGLang, `rlrecipe serve`)."""
     try:
-        r = requests.get(url + HEALTH_PATH, headers=client_headers(),
+        r = requests.get(url + HEALTH_PATH, headers=anonymous_headers(),
                          timeout=(min(5.0, time_left), min(PROBE_TIMEOUT_S, time_left)))
     except requests.RequestException as err:
         return type(err).__name__

@@ -53,7 +53,8 @@ def test_rl_with_lora_pushes_the_adapter_from_tensors_into_sglang(tmp_path, demo
     log = (run / "sglang_server_0.log").read_text()
     assert "--enable-lora" in log and "Using torch_native as backend of LoRA kernels" in log  # serve.sh added it
     assert log.count("POST /load_lora_adapter_from_tensors HTTP/1.1\" 200") == 3  # steps 1..3 pushed
-    assert log.count("POST /unload_lora_adapter HTTP/1.1\" 200") == 2  # v1 and v2, each once replaced
+    # an adapter goes one push after it was replaced (an unload waits for requests using it): v1 at step 3
+    assert log.count("POST /unload_lora_adapter HTTP/1.1\" 200") == 1
     assert "update_weights_from" not in log  # the base never moved
 
 
@@ -64,7 +65,7 @@ def test_sglang_log_probs_under_an_adapter_are_the_merged_models(sglang_lora_ser
         eng.expect_logprobs(_scores(1, model))
         eng.update_adapter(Adapter(config, tensors), 1)  # verified by the probe (no earlier push to tell apart)
         got = [eng.fleet.post(0, "/generate", {
-            "input_ids": seq, "return_logprob": True, "logprob_start_len": 0, "lora_path": "policy-v1",
+            "input_ids": seq, "return_logprob": True, "logprob_start_len": 0, "lora_path": eng.fleet.adapter,
             "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]["input_token_logprobs"][1:] for seq in PROBE]
     finally:
         eng.close()
@@ -79,17 +80,20 @@ def test_sglang_log_probs_under_an_adapter_are_the_merged_models(sglang_lora_ser
 
 
 def test_a_server_keeping_the_old_adapter_is_stopped_at_the_push(sglang_lora_server, demo_model_dir):
-    """A front answers the load of policy-v2 200 without passing it on, and serves policy-v1 under its name."""
+    """A front answers the load of version 2's adapter 200 without passing it on, and serves version
+    1's under its name."""
+    names = {}
 
     def stale(path, body):
-        if path == "/load_lora_adapter_from_tensors" and body.get("lora_name") == "policy-v2":
-            return 200, {"success": True, "error_message": "", "loaded_adapters": {"policy-v2": "__tensor__"}}
-        if path == "/generate" and body.get("lora_path") == "policy-v2":
-            return {**body, "lora_path": "policy-v1"}
+        if path == "/load_lora_adapter_from_tensors" and body.get("lora_name") == names[2]:
+            return 200, {"success": True, "error_message": "", "loaded_adapters": {names[2]: "__tensor__"}}
+        if path == "/generate" and body.get("lora_path") == names[2]:
+            return {**body, "lora_path": names[1]}
         return body
 
     front = Front(sglang_lora_server.url, edit=stale)
     eng = _engine(front.url, demo_model_dir)
+    names.update({v: f"{eng.fleet.adapter_prefix}-v{v}" for v in (1, 2, 3)})
     try:
         config, tensors, model = peft_adapter(demo_model_dir, seed=21, rank=8)
         eng.expect_logprobs(_scores(1, model))
@@ -100,15 +104,15 @@ def test_a_server_keeping_the_old_adapter_is_stopped_at_the_push(sglang_lora_ser
             eng.update_adapter(Adapter(config2, tensors2), 2)
         print(err.value)
         # and a server that answers 200 and loads nothing at all refuses the probe under the new name
-        eng.fleet.adapter = "policy-v1"
+        eng.fleet.adapter = names[1]
         eng.expect_logprobs(_scores(3, model2))
         front.close()
         front = Front(sglang_lora_server.url, fake=("/load_lora_adapter_from_tensors",))
         eng.fleet.urls[0] = front.url
-        with pytest.raises(WeightMismatch, match="refuses the probe under adapter policy-v3"):
+        with pytest.raises(WeightMismatch, match=f"refuses the probe under adapter {names[3]}"):
             eng.update_adapter(Adapter(config2, tensors2), 3)
     finally:
         eng.close()
         front.close()
-        for name in ("policy-v1", "policy-v2"):  # as the other tests found the server
+        for name in names.values():  # as the other tests found the server
             requests.post(sglang_lora_server.url + "/unload_lora_adapter", json={"lora_name": name}, timeout=60)

@@ -72,15 +72,19 @@ def test_each_push_loads_a_new_adapter_named_by_every_generate_and_unloads_the_o
                                                                                   tmp_path):
     eng, sched = lora_engine
     assert eng.transport is WeightTransport.LORA_TENSOR
-    for version, seed in ((1, 1), (2, 2)):
+    names = []
+    for version, seed in ((1, 1), (2, 2), (3, 3)):
         config, tensors, model = peft_adapter(tiny_model_dir, seed=seed)
         eng.expect_logprobs(scores(version, model))
         adapter = Adapter(config, tensors)
         if version == 2:
             adapter = adapter.write(tmp_path / "v2")  # weight_sync disk: the server reads the directory
         eng.update_adapter(adapter, version)
-        assert sched.adapters.order == [f"policy-v{version}"]  # the previous one unloaded
-        assert sched.adapters.paths[f"policy-v{version}"] == (str(tmp_path / "v2") if version == 2 else "__tensor__")
+        names.append(eng.fleet.adapter)
+        assert names[-1] == f"{eng.fleet.adapter_prefix}-v{version}"
+        # the adapter just replaced stays for requests still in flight; the one before it is unloaded now
+        assert sched.adapters.order == names[-2:]
+        assert sched.adapters.paths[names[-1]] == (str(tmp_path / "v2") if version == 2 else "__tensor__")
         # a rollout is sampled under the adapter: its log-probs are the merged model's
         t = Trajectory(uid="a", prompt_ids=PROBE[0])
         eng.generate([t], SamplingParams(temperature=1.0, max_new_tokens=6))
@@ -93,17 +97,62 @@ def test_each_push_loads_a_new_adapter_named_by_every_generate_and_unloads_the_o
     assert sched.weight_version == "default"  # the base never moved
 
 
+def test_two_runs_on_the_same_server_keep_their_own_adapters(lora_engine, tiny_model_dir):
+    """A second run attached to the same server pushes its version 1 too: each keeps its own adapter,
+    and neither unloads what the other loaded."""
+    eng, sched = lora_engine
+    other = SGLangEngine(eng.fleet.urls, eos_token_id=eng.eos, served_dtype="float32",
+                         cfg=SGLangServer(weight_sync="tensor"), lora=True)
+    try:
+        assert other.fleet.adapter_prefix != eng.fleet.adapter_prefix
+        config, tensors, model = peft_adapter(tiny_model_dir, seed=1)
+        eng.expect_logprobs(scores(1, model))
+        eng.update_adapter(Adapter(config, tensors), 1)
+        mine = eng.fleet.adapter
+        config2, tensors2, model2 = peft_adapter(tiny_model_dir, seed=2)
+        for version in (1, 2, 3):  # the other run's pushes, its own unloads among them
+            other.expect_logprobs(scores(version, model2))
+            other.update_adapter(Adapter(config2, tensors2), version)
+        assert mine in sched.adapters.order  # still loaded, still this run's weights:
+        eng.expect_logprobs(scores(1, model))
+        eng.weights.verify_adapter(1)  # the probe under it gives this run's log-probs, not the other's
+    finally:
+        other.close()
+
+
+def test_an_unload_that_fails_on_a_lost_server_leaves_it_out_like_a_push(lora_engine, tiny_model_dir, monkeypatch):
+    from rlrecipe.rollout.sglang import lora, weights
+
+    eng, _ = lora_engine
+    for version in (1, 2):
+        config, tensors, model = peft_adapter(tiny_model_dir, seed=version)
+        eng.expect_logprobs(scores(version, model))
+        eng.update_adapter(Adapter(config, tensors), version)
+    failed = []
+
+    def lost(fleet, i, name):
+        raise UserError(f"SGLang server {fleet.urls[i]} unreachable on /unload_lora_adapter")
+
+    monkeypatch.setattr(lora, "unload", lost)
+    monkeypatch.setattr(weights, "failed_push", lambda fleet, i, err: failed.append((i, str(err))))
+    config, tensors, model = peft_adapter(tiny_model_dir, seed=3)
+    eng.expect_logprobs(scores(3, model))
+    eng.update_adapter(Adapter(config, tensors), 3)  # the unload of version 1's adapter fails: handed on
+    assert failed == [(0, f"SGLang server {eng.fleet.urls[0]} unreachable on /unload_lora_adapter")]
+
+
 def test_a_server_that_answers_200_but_keeps_the_old_adapter_is_stopped(lora_engine, tiny_model_dir):
     eng, sched = lora_engine
     config, tensors, model = peft_adapter(tiny_model_dir, seed=1)
     eng.expect_logprobs(scores(1, model))
     eng.update_adapter(Adapter(config, tensors), 1)
+    first = eng.fleet.adapter
     config2, tensors2, model2 = peft_adapter(tiny_model_dir, seed=2)
     eng.expect_logprobs(scores(2, model2))
     real_load = sched.adapters.load
 
     def stale(name, config, tensors, path):  # answers 200, serves the old adapter under the new name
-        sched.adapters.deltas[name], sched.adapters.paths[name] = sched.adapters.deltas["policy-v1"], path
+        sched.adapters.deltas[name], sched.adapters.paths[name] = sched.adapters.deltas[first], path
         sched.adapters.order.append(name)
         return sched.adapters._result(True)
 
@@ -116,7 +165,7 @@ def test_a_server_that_answers_200_but_keeps_the_old_adapter_is_stopped(lora_eng
 
     sched.adapters.load = ignored
     eng.expect_logprobs(scores(3, model2))
-    with pytest.raises(WeightMismatch, match="refuses the probe under adapter policy-v3 .*never been loaded"):
+    with pytest.raises(WeightMismatch, match=f"refuses the probe under adapter {eng.fleet.adapter_prefix}-v3 .*never been loaded"):
         eng.update_adapter(Adapter(config2, tensors2), 3)
     sched.adapters.load = real_load
 

@@ -22,6 +22,7 @@ import requests
 from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import RolloutSection, SGLangServer
+from rlrecipe.rollout.sglang import lora
 from rlrecipe.rollout.sglang.api_key import client_headers, give_back_key, launch_key
 from rlrecipe.rollout.sglang.http_pool import HttpPool
 from rlrecipe.rollout.sglang.recovery import ServerRecovery
@@ -59,6 +60,9 @@ class ServerFleet:
         self.version = 0  # the policy version new tokens are labelled with
         self.weight_version: list[str | None] = [None] * len(self.urls)  # None: not set by this engine
         self.adapter: str | None = None  # trainer.lora: the adapter every /generate names (sglang/lora.py)
+        # this fleet's own adapter names: two runs on the same attached servers never share one
+        self.adapter_prefix = lora.adapter_prefix()
+        self.retired_adapters: list[str] = []  # loaded by this fleet and replaced: unloaded at the next push
         # called when the set of live servers changes (the broadcast group counts the old set)
         self.on_members_changed: Callable[[], None] | None = None
         self._local = threading.local()

@@ -11,7 +11,9 @@ CPU, docs/sglang-cpu.md):
   "", loaded_adapters: {name: path or "__tensor__"}}; 400 {success: false, error_message} for a name
   already loaded, a rank above --max-lora-rank, a server without --enable-lora. A payload it
   cannot unpickle kills the server.
-- `/unload_lora_adapter` {lora_name}: 200 as above; 400 "LoRA with name X does not exist".
+- `/unload_lora_adapter` {lora_name}: 200 as above; 400 "LoRA with name X does not exist". It
+  waits for the requests still using the adapter, so an adapter is unloaded one push after it was
+  replaced, when none names it any more, and never by a run that did not load it.
 - `/generate` with `lora_path` naming an adapter never loaded: 400 {"error": {"message"}}. A name
   once loaded from disk and since unloaded is loaded again from its path, silently.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+import secrets
 from typing import Any, Protocol
 
 from rlrecipe.core.errors import UserError
@@ -46,8 +49,13 @@ class AdapterServers(Protocol):
     def server_info(self, i: int) -> dict: ...
 
 
-def adapter_name(version: int) -> str:
-    return f"policy-v{version}"
+def adapter_prefix() -> str:
+    """Drawn once per fleet: adapter names of another run on the same servers never match this one's."""
+    return f"policy-{secrets.token_hex(4)}"
+
+
+def adapter_name(prefix: str, version: int) -> str:
+    return f"{prefix}-v{version}"
 
 
 def launch_args(section: LoraSection | None) -> list[str]:

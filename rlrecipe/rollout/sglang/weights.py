@@ -203,14 +203,14 @@ class WeightPusher:
     def update_adapter(self, adapter, version: int, verify: bool = True) -> None:
         """Every live server loads `adapter` (weights/adapter.py: by value, or from its directory) as
         the adapter of `version`; /generate names it from then on; verified by the probe (`verify`
-        False: by the caller, `verify_adapter`), and the previous adapter unloaded after."""
+        False: by the caller, `verify_adapter`); the adapter replaced at the previous push is unloaded."""
         from rlrecipe.rollout.sglang import lora
         from rlrecipe.rollout.sglang.tensor_push import tp_size  # needs torch; the HTTP client does not
 
         fleet = self.fleet
         fleet.check_alive()
         self._forget(fleet.take_back(version))
-        name, old = lora.adapter_name(version), fleet.adapter
+        name, old = lora.adapter_name(fleet.adapter_prefix, version), fleet.adapter
         for i in list(fleet.live):
             try:
                 lora.load(fleet, i, name, adapter, 1 if adapter.path is not None else tp_size(fleet, i))
@@ -220,9 +220,15 @@ class WeightPusher:
         fleet.pushed(version)
         if verify:
             self.verify_adapter(version)
-        if old is not None and old != name:
+        # the adapter replaced now may still serve requests in flight, and an unload waits for them:
+        # it goes at the next push; the one replaced at the last push is named by no request now
+        for stale in fleet.retired_adapters:
             for i in list(fleet.live):
-                lora.unload(fleet, i, old)
+                try:
+                    lora.unload(fleet, i, stale)
+                except UserError as err:
+                    failed_push(fleet, i, err)
+        fleet.retired_adapters = [old] if old is not None and old != name else []
 
     def verify_adapter(self, version: int, when: str | None = None) -> None:
         """Each live server's log-probs of the probe under its current adapter are the trainer's for

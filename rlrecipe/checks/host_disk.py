@@ -30,8 +30,9 @@ def rank0_host_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
         else:
             parts["step batch (arrays)"] = arrays
     if recipe.trainer.engine == "deepspeed" and recipe.trainer.zero_stage >= 3:
+        # the merged export is float32 (train/lora.py save_merged)
         parts["weights gathered for push and export" if adapter is None else
-              "weights gathered for the merged export"] = b * d.params()
+              "weights gathered for the merged export"] = (b if adapter is None else 4) * d.params()
     if stage_of(recipe) == "rl" and ro.engine == "sglang" and ro.sglang.weight_sync == "ipc" and adapter is None:
         # the push by handle's copy of what it pushed, which the verification reads, kept from push to
         # push (pinned on a GPU: rollout/weights/handles.py's HostMirror), beside a checkpoint's export
@@ -75,8 +76,8 @@ def disk_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
     one = sum(checkpoint_bytes(recipe, d).values())
     parts = {f"checkpoints ({recipe.run.keep_checkpoints} kept + 1 being written)": (recipe.run.keep_checkpoints + 1) * one,
              "final export": float(b * d.params())}
-    if adapter is not None:  # final/ holds the merged model and the adapter beside it
-        parts["final export"] += float(b * adapter)
+    if adapter is not None:  # final/ holds the merged model, in float32 (train/lora.py), and the adapter beside it
+        parts["final export"] = float(4 * d.params() + b * adapter)
     if stage == "rl" and recipe.rollout.engine == "sglang" and recipe.rollout.sglang.weight_sync == "disk":
         # asynchronous, lag >= 2: each version waits in an export of its own until the rollout side
         # loads it (rollout_schedule.py), at most `lag` of them beside the synchronous one

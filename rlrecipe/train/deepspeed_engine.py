@@ -255,7 +255,10 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         state = self.weights.full_state_dict()
         if self.rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            self.weights.hf_module().save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            if self.is_lora:
+                lora.save_merged(self.weights.hf_module(), out_dir, state)
+            else:
+                self.weights.hf_module().save_pretrained(out_dir, state_dict=state, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
         if self.is_lora:

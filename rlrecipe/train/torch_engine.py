@@ -242,8 +242,7 @@ class TorchTrainEngine:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.is_lora:
-            self.model.get_base_model().save_pretrained(out_dir, state_dict=lora.merged_state(self.model),
-                                                        safe_serialization=True)
+            lora.save_merged(self.model.get_base_model(), out_dir, lora.merged_state(self.model))
             self.export_adapter(out_dir / lora.ADAPTER_DIR)
         else:
             self.model.save_pretrained(out_dir, safe_serialization=True)

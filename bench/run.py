@@ -219,7 +219,7 @@ def bench_logprob_memory() -> dict:
     trainer's path), measured beside the plan's estimate of the chunked log-prob term."""
     from bench.logprob_memory import SHAPES, VOCAB, run
     from rlrecipe.checks.model_dims import ModelDims
-    from rlrecipe.checks.plan import logprob_bytes
+    from rlrecipe.checks.step_memory import logprob_bytes
 
     tokens, chunk = [2048, 4096], 1024
     res = run("tiny", tokens, "cpu", chunk)

@@ -8,7 +8,8 @@ import pytest
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rlrecipe.checks.model_dims import GIB, TINY_TOKENIZER_SIZE, ModelDims
-from rlrecipe.checks.plan import plan, rollout_budget, step_phases, train_budget
+from rlrecipe.checks.plan import plan, rollout_budget, train_budget
+from rlrecipe.checks.step_memory import step_phases
 from rlrecipe.modeling import build_char_tokenizer
 from rlrecipe.recipe.schema import load_recipe
 
@@ -68,7 +69,7 @@ def test_train_budget_by_hand(tmp_path):
 
 
 def test_the_step_peak_is_its_largest_phase():
-    from rlrecipe.checks.plan import beyond_previous
+    from rlrecipe.checks.step_memory import beyond_previous
 
     assert beyond_previous({"a": 5.0, "b": 3.0, "c": 9.0, "d": 1.0}) == {"a": 5.0, "b": 0.0, "c": 4.0, "d": 0.0}
     d = ModelDims(vocab=50_000, hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2, tied=False)

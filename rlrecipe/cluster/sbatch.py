@@ -35,7 +35,8 @@ STOP_WAIT_S = 60  # for rollout-servers to stop its servers and take them out of
 STOP_STEP = f"""stop_step() {{  # NAME SRUN_PID: SIGTERM to the tasks of the job's step NAME, then wait for its srun
     local step
     step="$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' | awk -v name="$1" '$2 == name {{print $1}}')"
-    [ -n "$step" ] && scancel --quiet --signal=TERM "$step"
+    # 22.05's scancel signals the step, then says "Invalid job id" of it: its word is not the step's
+    [ -n "$step" ] && scancel --quiet --signal=TERM "$step" 2>/dev/null
     for _ in $(seq {STOP_WAIT_S * 2}); do kill -0 "$2" 2>/dev/null || break; sleep 0.5; done
     kill "$2" 2>/dev/null; wait "$2" 2>/dev/null
 }}"""

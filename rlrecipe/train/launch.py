@@ -14,7 +14,9 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 from typing import NoReturn
 
 from rlrecipe.core.dist import LAUNCHED_ENV, is_rank_zero, under_launcher
@@ -24,6 +26,8 @@ from rlrecipe.recipe.schema import LoadedRecipe
 from rlrecipe.recipe.systems import TrainerSection
 
 NODE_RANK_ENVS = ("RLRECIPE_NODE_RANK", "NODE_RANK", "SLURM_NODEID")
+# where each launched rank leaves its exit status: torchrun itself exits 1 whatever its ranks did
+STATUS_DIR_ENV = "RLRECIPE_RANK_STATUS_DIR"
 # Collectives wait this long for a slow rank (e.g. rank 0 evaluating while the others wait).
 TIMEOUT = timedelta(minutes=float(os.environ.get("RLRECIPE_DIST_TIMEOUT_MIN", "120")))
 
@@ -47,7 +51,28 @@ def end_process(code: int | str | None) -> NoReturn:
         with contextlib.suppress(Exception):
             print(code, file=sys.stderr, flush=True)
         code = 1
+    _leave_status(code)
     os._exit(code)
+
+
+def _leave_status(code: int) -> None:
+    folder, rank = os.environ.get(STATUS_DIR_ENV), os.environ.get("RANK")
+    if folder and rank is not None:
+        with contextlib.suppress(OSError):
+            (Path(folder) / f"rank{rank}").write_text(str(code))
+
+
+def ranks_status(torchrun_rc: int, folder: Path) -> int:
+    """The status of a launched stage: its ranks' own where the ranks that failed agree on one (a
+    mistake in the recipe is 2, a resumable stop 75: a cluster job tells them apart), else torchrun's."""
+    if torchrun_rc == 0:
+        return 0
+    codes = set()
+    for path in folder.glob("rank*"):
+        with contextlib.suppress(OSError, ValueError):
+            codes.add(int(path.read_text()))
+    failed = codes - {0}
+    return failed.pop() if len(failed) == 1 else torchrun_rc
 
 
 # -- process group -------------------------------------------------------------------------------
@@ -135,8 +160,9 @@ def maybe_relaunch(loaded: LoadedRecipe, command: list[str]) -> None:
     if tr.engine != "deepspeed" or world == 1:
         return
     cmd = torchrun_command(tr, command)
-    env = {**os.environ, LAUNCHED_ENV: "1"}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tr.nproc)))
-    rc = subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="rlrecipe-ranks-") as status:
+        env = {**os.environ, LAUNCHED_ENV: "1", STATUS_DIR_ENV: status}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tr.nproc)))
+        rc = ranks_status(subprocess.call(cmd, env=env), Path(status))
     raise SystemExit(rc)
 

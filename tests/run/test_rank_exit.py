@@ -54,3 +54,22 @@ def test_a_launched_rank_keeps_the_commands_status_and_message():
                         text=True, cwd=REPO, timeout=120, env=env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "fits" in ok.stdout + ok.stderr
+
+
+def test_a_launched_stage_exits_with_its_failed_ranks_own_status(tmp_path):
+    """torchrun exits 1 whatever its ranks did; the stage passes on the status its failed ranks agree
+    on, so a cluster job tells a mistake in the recipe (2, not run again) from a resumable stop (75)."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nfrom rlrecipe.train.launch import end_process\n"
+                      "end_process(int(sys.argv[1]) if os.environ['RANK'] == '0' else int(sys.argv[2]))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    from rlrecipe.train.launch import STATUS_DIR_ENV, ranks_status
+
+    for rank0, rank1, torchrun_rc, status in ((2, 0, 1, 2), (75, 75, 1, 75), (2, 75, 1, 1), (0, 0, 0, 0)):
+        folder = tmp_path / f"status-{rank0}-{rank1}"
+        folder.mkdir()
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                               "--nproc_per_node=2", str(script), str(rank0), str(rank1)], cwd=REPO, timeout=120,
+                              env={**env, STATUS_DIR_ENV: str(folder)}, capture_output=True, text=True)
+        assert done.returncode == torchrun_rc, done.stderr[-2000:]
+        assert ranks_status(done.returncode, folder) == status

@@ -40,7 +40,7 @@ def test_through_the_router_pushes_aborts_and_a_server_killed_then_taken_back(
         # the push goes to each server (the router forwards none)
         eng.update_weights_from_disk(demo_model_perturbed, 1)
         for url in eng.urls:
-            info = requests.get(url + "/model_info", headers=auth_headers(), timeout=10).json()
+            info = requests.get(url + "/model_info", headers=auth_headers(eng.fleet.key), timeout=10).json()
             assert info["weight_version"] == "1"
         # C3PO++: the budget is reached, every server aborts what is in flight, a later call resumes it
         params = SamplingParams(max_new_tokens=96)

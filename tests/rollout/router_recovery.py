@@ -23,7 +23,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the router colours its log
 
 def router_lists(eng) -> dict[str, bool]:
     """The servers the router lists, URL -> is_healthy."""
-    r = requests.get(eng.router.url + "/workers", headers=auth_headers(), timeout=10)
+    r = requests.get(eng.router.url + "/workers", headers=auth_headers(eng.fleet.key), timeout=10)
     r.raise_for_status()
     return {w["url"].rstrip("/"): w["is_healthy"] for w in r.json()["workers"]}
 
@@ -57,7 +57,7 @@ def wait_until_answers(url: str) -> None:
     deadline = time.monotonic() + RESTART_WAIT_S
     while time.monotonic() < deadline:
         try:
-            if requests.get(url + "/health", headers=auth_headers(), timeout=5).status_code == 200:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
                 return
         except requests.RequestException:
             pass
@@ -102,7 +102,7 @@ def killed_and_restarted_behind_the_router(eng, prompts: list[Trajectory], new_t
     push_other()
     assert eng.live == [0, 1] and router_lists(eng) == {url0: True, url1: True}
     for url in eng.urls:
-        info = requests.get(url + "/model_info", headers=auth_headers(), timeout=10).json()
+        info = requests.get(url + "/model_info", headers=auth_headers(eng.fleet.key), timeout=10).json()
         assert info["weight_version"] == str(now + 1)
     after = eng.generate([Trajectory(uid=f"a{i}", prompt_ids=t.prompt_ids) for i, t in enumerate(prompts)],
                          params, seed=3)

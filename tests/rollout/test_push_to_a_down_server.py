@@ -167,7 +167,7 @@ def test_the_last_live_server_down_stops_the_push(fleet_of):
 
 
 @pytest.fixture
-def attached_broadcast(tiny_model_dir, tmp_path):
+def attached_broadcast(tiny_model_dir, tmp_path, monkeypatch):
     """Two `rlrecipe serve` servers launched by one engine, and an engine attached to them (the run
     did not launch them, so it learns of a death only through a request) that pushes by broadcast
     (gloo) with retry_on_other_servers: (launched, attached)."""
@@ -175,6 +175,7 @@ def attached_broadcast(tiny_model_dir, tmp_path):
     from rlrecipe.rollout.sglang.engine import SGLangEngine
     from tests.rollout.test_sglang_client import BOOT_TIMEOUT_S, free_ports, rlrecipe_cmd
 
+    monkeypatch.setenv("SGLANG_API_KEY", "shared-key")  # a key of its own would keep the attached engine out
     tok = load_tokenizer(tiny_model_dir)
     launched = SGLangEngine.launch(tiny_model_dir, dtype="float32", run_dir=tmp_path, cfg=SGLangServer(
         base_port=free_ports(2), num_servers=2, startup_timeout_s=BOOT_TIMEOUT_S,

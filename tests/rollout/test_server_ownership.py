@@ -11,11 +11,15 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import requests
 
 from rlrecipe.core.errors import UserError
+from rlrecipe.recipe.systems import RolloutSection, SGLangServer
 from rlrecipe.rollout.sglang import api_key as api_key_module
 from rlrecipe.rollout.sglang import ownership
 from rlrecipe.rollout.sglang import server as server_module
+from rlrecipe.rollout.sglang.fleet import ServerFleet
+from rlrecipe.rollout.sglang.http_pool import Post
 from rlrecipe.rollout.sglang.ownership import _ip, key_proof, listening_inodes, port_owner
 from rlrecipe.rollout.sglang.server import ServerProcess, wait_until_healthy
 from tests.helpers import serving_in_thread
@@ -98,10 +102,13 @@ class Stranger:
 
             def do_GET(self):  # noqa: N802 - stdlib naming
                 heard.append((self.path, dict(self.headers)))
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 self.send_response(200)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"{}")
+
+            do_POST = do_GET  # noqa: N815 - stdlib naming
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
@@ -114,11 +121,10 @@ class Stranger:
 def test_a_process_binding_the_port_after_its_check_never_hears_the_key(tmp_path, monkeypatch):
     """The port was free when checked, and a stranger binds it before the health probe: the probe
     reaches it, but without the key, and the proof then refuses it before the key is sent."""
-    monkeypatch.setenv("SGLANG_API_KEY", "the-runs-key")
     monkeypatch.setattr(server_module, "foreign_holder", lambda url, pid: None)  # checked before it bound
     port = free_port()
     launched = ServerProcess(0, f"http://127.0.0.1:{port}", [sys.executable, "-c", "import time; time.sleep(60)"],
-                             tmp_path / "server.log")
+                             tmp_path / "server.log", key="the-runs-key")
     stranger = Stranger(port)
     launched.start()
     try:
@@ -136,32 +142,71 @@ def test_a_process_binding_the_port_after_its_check_never_hears_the_key(tmp_path
         stranger.close()
 
 
-def test_the_key_proves_a_server_and_a_stranger_is_refused(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("SGLANG_API_KEY", "the-runs-key")
+# a launched server that takes the key from its environment, as `rlrecipe serve` does: 401 to a
+# request without it, 404 to one with it (health paths aside)
+KEYED_SERVER = """
+import os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+key = os.environ.get("SGLANG_API_KEY")
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args): pass
+    def do_GET(self):
+        keyed = self.headers.get("Authorization") == f"Bearer {key}"
+        self.send_response(200 if self.path.startswith("/health") else 404 if keyed else 401)
+        self.send_header("Content-Length", "0"); self.end_headers()
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_each_fleet_draws_its_own_key_and_attached_servers_never_hear_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    fleets: list[ServerFleet] = []
+    stranger = Stranger(free_port())
+    try:
+        for name in ("a", "b"):  # two engines of one process, launched side by side
+            cfg = SGLangServer(base_port=free_port(), startup_timeout_s=60,
+                               launch_cmd=[sys.executable, "-c", KEYED_SERVER, "{port}"])
+            fleets.append(ServerFleet.launch("m", cfg, dtype="float32", run_dir=tmp_path / name, seed=0,
+                                             launch_cmd=None, env=None, trainer_gpus=0))
+        keys = [f.session().headers["Authorization"] for f in fleets]
+        assert keys[0] != keys[1]
+        assert requests.get(fleets[0].urls[0] + "/info", headers={"Authorization": keys[1]}, timeout=10).status_code == 401
+        assert requests.get(fleets[0].urls[0] + "/info", headers={"Authorization": keys[0]}, timeout=10).status_code == 404
+        # a server given by rollout.urls, while both launched fleets hold their keys
+        url = f"http://127.0.0.1:{stranger.httpd.server_address[1]}"
+        attached = ServerFleet.attach(RolloutSection(engine="sglang", urls=[url]), tmp_path)
+        try:
+            attached.get_info(0, "server_info")
+            attached.http.submit(Post(0, url + "/generate", {}, 10.0)).result(timeout=30)
+        finally:
+            attached.close()
+        assert [path for path, _ in stranger.heard] == ["/health_generate", "/server_info", "/generate"]
+        assert all("Authorization" not in headers for _, headers in stranger.heard)
+    finally:
+        for fleet in fleets:
+            fleet.close()
+        stranger.close()
+
+
+def test_the_key_proves_a_server_and_a_stranger_is_refused(tiny_model_dir):
     with serving_in_thread(tiny_model_dir, api_key="the-runs-key") as (port, _):
         url = f"http://127.0.0.1:{port}"
-        assert key_proof(url, owned=False) is None
-        monkeypatch.setenv("SGLANG_API_KEY", "another-runs-key")
-        assert "refuses this run's API key" in key_proof(url, owned=False)
+        assert key_proof(url, owned=False, key="the-runs-key") is None
+        assert "refuses this run's API key" in key_proof(url, owned=False, key="another-runs-key")
     with serving_in_thread(tiny_model_dir) as (port, _):  # takes any client
         url = f"http://127.0.0.1:{port}"
-        assert "answers without the API key" in key_proof(url, owned=False)
-        assert key_proof(url, owned=True) is None  # its socket is ours: a launch_cmd that ignores keys
+        assert "answers without the API key" in key_proof(url, owned=False, key="the-runs-key")
+        # its socket is ours: a launch_cmd that ignores keys
+        assert key_proof(url, owned=True, key="the-runs-key") is None
 
 
-def test_a_run_without_a_key_draws_one_for_its_servers(monkeypatch):
+def test_each_fleet_without_a_key_draws_one_for_its_servers(monkeypatch):
     monkeypatch.delenv("SGLANG_API_KEY", raising=False)
-    monkeypatch.setattr(api_key_module, "_drawn", None)
-    monkeypatch.setattr(api_key_module, "_holders", 0)
-    key = api_key_module.launch_key()
+    key = api_key_module.fleet_key()
     assert len(key) >= 32 and set(key) <= set("0123456789abcdef")  # never read as a flag: no leading "-"
-    assert api_key_module.launch_key() == key  # two fleets at once share it
-    assert api_key_module.key_env() == {"SGLANG_API_KEY": key}
-    assert api_key_module.client_headers()["Authorization"] == f"Bearer {key}"
-    api_key_module.give_back_key()
-    assert api_key_module.api_key() == key  # the other fleet still uses it
-    api_key_module.give_back_key()
-    assert api_key_module.api_key() is None and api_key_module.key_env() == {}
-    assert api_key_module.launch_key() != key  # the next launch draws a new one
+    assert api_key_module.fleet_key() != key  # two fleets at once: one key each
+    assert api_key_module.key_env(key) == {"SGLANG_API_KEY": key}
+    assert api_key_module.client_headers(key)["Authorization"] == f"Bearer {key}"
+    assert api_key_module.user_key() is None and "Authorization" not in api_key_module.client_headers(None)
     monkeypatch.setenv("SGLANG_API_KEY", "users")  # the user's key wins over a drawn one
-    assert api_key_module.launch_key() == "users"
+    assert api_key_module.fleet_key() == "users" == api_key_module.user_key()

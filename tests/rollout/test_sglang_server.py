@@ -164,8 +164,7 @@ def test_router_command_line_lists_every_server(monkeypatch):
         "--host", "127.0.0.1", "--port", "31500", "--policy", "round_robin",
         "--request-timeout-secs", "86400", "--prometheus-host", "127.0.0.1", "--prometheus-port", "31999",
         "--log-level", "warn"]
-    monkeypatch.setenv("SGLANG_API_KEY", "k3y")
-    cmd = router_launch_cmd(["http://10.0.0.1:30000"], cfg, 31999)
+    cmd = router_launch_cmd(["http://10.0.0.1:30000"], cfg, 31999, key="k3y")
     assert cmd[cmd.index("--api-key") + 1] == "k3y" and cmd[-2:] == ["--log-level", "warn"]
 
 
@@ -371,7 +370,7 @@ def test_generation_through_the_router_and_weights_to_every_server(router, tiny_
         # weight updates reach every server directly (the router forwards none)
         eng.update_weights_from_disk(other_model_dir, 1)
         for url in eng.urls:
-            assert requests.get(url + "/model_info", headers=auth_headers(), timeout=10).json()["weight_version"] == "1"
+            assert requests.get(url + "/model_info", headers=auth_headers(eng.fleet.key), timeout=10).json()["weight_version"] == "1"
         # C3PO++ through the router: the servers abort what is in flight, a later call resumes it
         params = SamplingParams(max_new_tokens=BUDGETED_NEW_TOKENS)
         trajs, near = _budgeted_call(eng, tok, params)

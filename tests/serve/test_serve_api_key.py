@@ -25,18 +25,16 @@ def test_who_is_let_in():
     assert not is_authorized("/generate", KEY, KEY)  # the scheme is part of it
 
 
-def test_launched_sglang_gets_the_key(monkeypatch):
+def test_launched_sglang_gets_the_key():
     cfg = SGLangServer()
     assert "--api-key" not in sglang_launch_cmd("m", "h", 1, 0, cfg, "bfloat16", 0)
-    monkeypatch.setenv("SGLANG_API_KEY", KEY)
-    cmd = sglang_launch_cmd("m", "h", 1, 0, cfg, "bfloat16", 0)
+    cmd = sglang_launch_cmd("m", "h", 1, 0, cfg, "bfloat16", 0, key=KEY)
     assert cmd[cmd.index("--api-key") + 1] == KEY
 
 
-def test_a_launch_log_names_the_key_by_its_variable_not_its_value(monkeypatch, tmp_path):
-    monkeypatch.setenv("SGLANG_API_KEY", KEY)
+def test_a_launch_log_names_the_key_by_its_variable_not_its_value(tmp_path):
     server = ServerProcess(0, "http://127.0.0.1:9", [sys.executable, "-c", "pass", "--api-key", KEY],
-                           tmp_path / "server.log")
+                           tmp_path / "server.log", key=KEY)
     server.start()
     server.proc.wait(timeout=60)
     server.stop()

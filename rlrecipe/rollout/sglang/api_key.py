@@ -1,11 +1,12 @@
 """The SGLang API key: servers started with `--api-key K` answer 401 to any request but health
 checks unless it carries `Authorization: Bearer K`.
 
-The key comes from the environment (SGLANG_API_KEY), never from a recipe: a secret must not sit
-in a recipe file, its sha256 or a run's records. When it is set, the client sends it with every
-request, servers it launches get `--api-key`, and `rlrecipe serve` requires it. A run that launches
-its own servers with no key set draws one for itself (`launch_key`): its servers then refuse every
-other client, and answering with that key proves a server is the run's own (`sglang/ownership.py`).
+The user's key comes from the environment (SGLANG_API_KEY), never from a recipe: a secret must not
+sit in a recipe file, its sha256 or a run's records. When it is set, the client sends it to every
+server, servers it launches get it, and `rlrecipe serve` requires it. Without it, each fleet of
+servers a run launches draws a key of its own (`fleet_key`): its servers then refuse every other
+client, answering with that key proves a server is the fleet's own (`sglang/ownership.py`), and
+it goes to that fleet's servers only, never to attached ones (`rollout.urls`) or another fleet's.
 """
 
 from __future__ import annotations
@@ -15,42 +16,25 @@ import os
 import secrets
 
 ENV = "SGLANG_API_KEY"
-_drawn: str | None = None  # drawn by this process for the servers it launches, when ENV is unset
-_holders = 0  # fleets of launched servers still using the drawn key
 
 
-def api_key() -> str | None:
-    return os.environ.get(ENV) or _drawn
+def user_key() -> str | None:
+    """The user's key (SGLANG_API_KEY), which every server is sent; None when unset."""
+    return os.environ.get(ENV) or None
 
 
-def launch_key() -> str:
-    """The key servers this process launches get: SGLANG_API_KEY, else one drawn for them (never
-    written anywhere but the servers' own command lines and environments), kept until every fleet
-    that took it gives it back (`give_back_key`)."""
-    global _drawn, _holders
-    _holders += 1
-    key = api_key()
-    if key is None:
-        key = _drawn = secrets.token_hex(24)  # hex: never read as a flag (a leading "-")
-    return key
+def fleet_key() -> str:
+    """The key a fleet of launched servers gets: the user's, else one drawn for that fleet alone
+    (never written anywhere but its servers' command lines and environments)."""
+    return user_key() or secrets.token_hex(24)  # hex: never read as a flag (a leading "-")
 
 
-def give_back_key() -> None:
-    """A fleet's servers are stopped: once no fleet uses the drawn key, it is forgotten."""
-    global _drawn, _holders
-    _holders = max(0, _holders - 1)
-    if _holders == 0:
-        _drawn = None
-
-
-def key_env() -> dict[str, str]:
+def key_env(key: str | None) -> dict[str, str]:
     """The environment a launched server reads the key from (`rlrecipe serve`, serve.sh)."""
-    key = api_key()
     return {ENV: key} if key else {}
 
 
-def auth_headers() -> dict[str, str]:
-    key = api_key()
+def auth_headers(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
@@ -60,9 +44,9 @@ def anonymous_headers() -> dict[str, str]:
     return {"User-Agent": f"rlrecipe pid/{os.getpid()}"}
 
 
-def client_headers() -> dict[str, str]:
-    """What every request of this client carries: the key, and which process sent it."""
-    return {**auth_headers(), **anonymous_headers()}
+def client_headers(key: str | None) -> dict[str, str]:
+    """What every request to a fleet's servers carries: its key, and which process sent it."""
+    return {**auth_headers(key), **anonymous_headers()}
 
 
 def is_authorized(path: str, authorization: str | None, key: str | None) -> bool:

@@ -23,7 +23,7 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import RolloutSection, SGLangServer
 from rlrecipe.rollout.sglang import lora
-from rlrecipe.rollout.sglang.api_key import client_headers, give_back_key, launch_key
+from rlrecipe.rollout.sglang.api_key import client_headers, fleet_key, user_key
 from rlrecipe.rollout.sglang.http_pool import HttpPool
 from rlrecipe.rollout.sglang.recovery import ServerRecovery
 from rlrecipe.rollout.sglang.router import RouterWorkers, start_router
@@ -38,18 +38,21 @@ class ServerFleet:
     """SGLang servers (and the router, if any): their URLs, which are live, and one request to each."""
 
     def __init__(self, urls: Sequence[str], *, cfg: SGLangServer | None = None, max_concurrency: int = 512,
-                 servers: Sequence[ServerProcess] | None = None, router: ServerProcess | None = None):
+                 servers: Sequence[ServerProcess] | None = None, router: ServerProcess | None = None,
+                 key: str | None = None):
         if not urls:
             raise UserError("rollout.urls: no SGLang server to talk to")
         self.urls = [u.rstrip("/") for u in urls]
         self.cfg = cfg or SGLangServer()
         self.servers: list[ServerProcess] = list(servers or [])
         self.router = router  # sglang-router in front of the servers: every /generate goes to it
+        # what every request carries: the key the fleet drew for its servers, or the user's
+        self.key = key or user_key()
         self.routed = RouterWorkers(router, self.session) if router is not None else None
         self.unrouted: set[int] = set()  # left out, so off the router's list until a push reaches them
         self.gen_urls = [router.url] if router is not None else self.urls
         # every /generate goes through one asyncio thread, at most max_concurrency open per server
-        self.http = HttpPool(len(self.gen_urls), max_concurrency * (len(self.urls) if router else 1))
+        self.http = HttpPool(len(self.gen_urls), max_concurrency * (len(self.urls) if router else 1), self.key)
         self.live = list(range(len(self.urls)))  # servers still in use (retry_on_other_servers drops some)
         self.failed: set[int] = set()  # servers that died or hung under this engine (until taken back)
         self.left_out_count = 0  # times a server was left out (behind the router: which requests it cut)
@@ -68,7 +71,6 @@ class ServerFleet:
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
         self._sessions_lock = threading.Lock()
-        self.holds_key = False  # launched with a key drawn for its servers (api_key.launch_key)
         if self.routed is not None and self.cfg.retry_on_other_servers:
             # servers may be left out: the router must let its list be changed (asked now, so a router
             # without the API stops the run at start), once it registered its servers (in the background)
@@ -77,11 +79,12 @@ class ServerFleet:
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def attach(cls, ro: RolloutSection, run_dir: Path | None) -> ServerFleet:
-        """A fleet over rollout.urls, with the router in front of them where asked."""
+        """A fleet over rollout.urls, with the router in front of them where asked; they are sent the
+        user's key (SGLANG_API_KEY) only."""
         urls = [u.rstrip("/") for u in ro.urls]
         # attached servers may still be starting (or restarting): the same bounded wait as launched ones
         wait_until_healthy([(u, None) for u in urls], ro.sglang.startup_timeout_s)
-        router = start_router(urls, ro.sglang, run_dir) if ro.sglang.router else None
+        router = start_router(urls, ro.sglang, run_dir, key=user_key()) if ro.sglang.router else None
         try:
             return cls(urls, cfg=ro.sglang, max_concurrency=ro.sglang.max_concurrency, router=router)
         except BaseException:
@@ -96,27 +99,24 @@ class ServerFleet:
                kv_cache_dtype: str = "auto", lora_args: Sequence[str] = ()) -> ServerFleet:
         """Start `cfg.num_servers` servers (see `launch_servers`) and, with `cfg.router`, the router in
         front of them; wait until they generate and prove they are the ones launched. Without
-        SGLANG_API_KEY the servers get a key drawn for this run (api_key.launch_key)."""
-        launch_key()
+        SGLANG_API_KEY the servers get a key drawn for this fleet alone (api_key.fleet_key)."""
+        key = fleet_key()
         servers: list[ServerProcess] = []
         router = None
         try:
             servers = launch_servers(model_dir, cfg, dtype=dtype, run_dir=run_dir, seed=seed, launch_cmd=launch_cmd,
                                      env=env, trainer_gpus=trainer_gpus, memory_saver=memory_saver,
-                                     kv_cache_dtype=kv_cache_dtype, lora_args=lora_args)
+                                     kv_cache_dtype=kv_cache_dtype, lora_args=lora_args, key=key)
             wait_until_healthy([(s.url, s) for s in servers], cfg.startup_timeout_s)
             if cfg.router:
-                router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env)
-            fleet = cls([s.url for s in servers], cfg=cfg, max_concurrency=cfg.max_concurrency, servers=servers,
-                        router=router)
+                router = start_router([s.url for s in servers], cfg, servers[0].log_path.parent, env, key)
+            return cls([s.url for s in servers], cfg=cfg, max_concurrency=cfg.max_concurrency, servers=servers,
+                       router=router, key=key)
         except BaseException:
             for s in [router, *servers]:
                 if s is not None:
                     s.stop()
-            give_back_key()
             raise
-        fleet.holds_key = True
-        return fleet
 
     # -- health ----------------------------------------------------------------------------------
     def server(self, i: int) -> ServerProcess | None:
@@ -209,7 +209,7 @@ class ServerFleet:
         s = getattr(self._local, "session", None)
         if s is None:
             s = self._local.session = requests.Session()
-            s.headers.update(client_headers())
+            s.headers.update(client_headers(self.key))
             with self._sessions_lock:
                 self._sessions.append(s)
         return s
@@ -294,6 +294,3 @@ class ServerFleet:
             for s in self._sessions:
                 s.close()
             self._sessions.clear()
-        if self.holds_key:
-            self.holds_key = False
-            give_back_key()

@@ -48,7 +48,7 @@ class Post:
 
 
 class HttpPool:
-    def __init__(self, num_servers: int, max_concurrency: int):
+    def __init__(self, num_servers: int, max_concurrency: int, key: str | None = None):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="http-pool", daemon=True)
         self._thread.start()
@@ -57,7 +57,7 @@ class HttpPool:
         async def make():
             # the session and semaphores belong to the loop they are made on
             connector = aiohttp.TCPConnector(limit=num_servers * max_concurrency, limit_per_host=max_concurrency)
-            return (aiohttp.ClientSession(connector=connector, headers=client_headers()),
+            return (aiohttp.ClientSession(connector=connector, headers=client_headers(key)),
                     [asyncio.Semaphore(max_concurrency) for _ in range(num_servers)])
 
         self._client, self._sems = asyncio.run_coroutine_threadsafe(make(), self._loop).result()

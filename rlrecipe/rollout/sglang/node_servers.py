@@ -35,6 +35,7 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.recipe.systems import SGLangServer
+from rlrecipe.rollout.sglang.api_key import user_key
 from rlrecipe.rollout.sglang.lora import launch_args
 from rlrecipe.rollout.sglang.server import (
     LOG_NAME,
@@ -122,7 +123,7 @@ def plan_node(recipe: Recipe, node: int, *, gpus: int | None, url_host: str | No
     specs = server_specs(model, cfg, indices, dtype=recipe.rollout.dtype, seed=recipe.run.seed,
                          template=cfg.launch_cmd or None, revision=revision,
                          memory_saver=recipe.rollout.colocate, kv_cache_dtype=recipe.rollout.kv_cache_dtype,
-                         lora_args=launch_args(recipe.trainer.lora))
+                         lora_args=launch_args(recipe.trainer.lora), key=user_key())
     host = url_host or advertised_host(cfg.host)
     return NodePlan(node, cfg.nodes, specs, [url_for(host, s.port) for s in specs],
                     len(indices) * gpus_per_server(cfg))
@@ -182,7 +183,7 @@ def print_plan(plan: NodePlan, out: Callable[[str], None]) -> None:
     per_server = plan.gpus // len(plan.specs)
     for spec in plan.specs:
         out(f"# server {spec.index}: port {spec.port}, GPUs {spec.base_gpu}..{spec.base_gpu + per_server - 1}")
-        out(shown_cmd(spec.cmd))
+        out(shown_cmd(spec.cmd, user_key()))
     out("# rollout.urls from this node:")
     for url in plan.urls:
         out(f"- {url}")
@@ -256,7 +257,7 @@ def run_node(loaded: LoadedRecipe, node: int, *, gpus: int | None = None, url_ho
         if in_main:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, _raise_interrupt)
-        servers = start_servers(plan.specs, cfg, log_dir)
+        servers = start_servers(plan.specs, cfg, log_dir, key=user_key())  # the user's: the runs attaching need it
         wait_until_healthy([(s.url, s) for s in servers], cfg.startup_timeout_s)
         for url in plan.urls:
             out(f"- {url}")

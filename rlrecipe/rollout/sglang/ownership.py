@@ -7,7 +7,7 @@ start and at every restart:
 
 - the socket listening on its port belongs to its process group (Linux: /proc/net/tcp and the
   group's open files; no request is sent, so a server of another run never hears from us);
-- where it was given an API key (`api_key.launch_key`), it refuses a request without the key and
+- where it was given an API key (`api_key.fleet_key`), it refuses a request without the key and
   takes one with it: only the process we gave the key to can do both.
 
 Until then it hears no key: its health probe goes without one, and so does the first request of
@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import requests
 
 from rlrecipe.core.errors import UserError
-from rlrecipe.rollout.sglang.api_key import anonymous_headers, api_key, client_headers
+from rlrecipe.rollout.sglang.api_key import anonymous_headers, client_headers
 
 PROC_NET = ("/proc/net/tcp", "/proc/net/tcp6")
 TCP_LISTEN = "0A"
@@ -155,17 +155,16 @@ def foreign_holder(url: str, pid: int) -> str | None:
     return owner.holder if owner.state == "foreign" else None
 
 
-def key_proof(url: str, owned: bool) -> str | None:
-    """None when the server at `url` is ours by its key, or (`owned`: its socket is ours) takes no
+def key_proof(url: str, owned: bool, key: str | None) -> str | None:
+    """None when the server at `url` is ours by its `key`, or (`owned`: its socket is ours) takes no
     key at all; else why it is not. A server holding the key refuses a request without it."""
-    key = api_key()
     if key is None:
         return None if owned else "no API key to prove it by and no /proc to see its socket"
     try:
         bare = requests.get(url + PROOF_PATH, headers=anonymous_headers(), timeout=PROOF_TIMEOUT_S).status_code
         if bare != 401 and not owned:  # a stranger that takes any client: refused before it hears the key
             return "it answers without the API key this run gave its server"
-        keyed = requests.get(url + PROOF_PATH, headers=client_headers(), timeout=PROOF_TIMEOUT_S).status_code
+        keyed = requests.get(url + PROOF_PATH, headers=client_headers(key), timeout=PROOF_TIMEOUT_S).status_code
     except requests.RequestException as err:
         return f"{PROOF_PATH} failed: {type(err).__name__}"
     if keyed == 401:
@@ -173,13 +172,14 @@ def key_proof(url: str, owned: bool) -> str | None:
     return None
 
 
-def prove_ours(label: str, url: str, pid: int) -> None:
-    """Raise unless the server answering at `url` is the one launched as process group `pid`."""
+def prove_ours(label: str, url: str, pid: int, key: str | None) -> None:
+    """Raise unless the server answering at `url` is the one launched as process group `pid` (with
+    `key`, where it was given one)."""
     host, port = url_port(url)
     owner = port_owner(host, port, pid)
     if owner.state == "foreign":
         raise taken_error(label, url, pid, owner.holder)
-    why = key_proof(url, owned=owner.state == "ours")
+    why = key_proof(url, owned=owner.state == "ours", key=key)
     if why is not None:
         raise UserError(f"{label} ({url}) answers, but not as the server this run launched (PID {pid}): {why}; "
                         "nothing more is sent to it. Set rollout.sglang.base_port (or router_port) to a free port")

@@ -21,7 +21,7 @@ import requests
 
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer
-from rlrecipe.rollout.sglang.api_key import api_key, key_env
+from rlrecipe.rollout.sglang.api_key import key_env
 from rlrecipe.rollout.sglang.server import (
     ROUTER_LOG_NAME,
     ServerProcess,
@@ -49,9 +49,10 @@ def unused_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def router_launch_cmd(worker_urls: Sequence[str], cfg: SGLangServer, metrics_port: int) -> list[str]:
+def router_launch_cmd(worker_urls: Sequence[str], cfg: SGLangServer, metrics_port: int,
+                      key: str | None = None) -> list[str]:
     """`python -m sglang_router.launch_router ...` in front of `worker_urls`, on host:router_port.
-    With SGLANG_API_KEY set, the router gets it for its own requests to the servers (it forwards a
+    With a `key` (its fleet's), the router gets it for its own requests to the servers (it forwards a
     client's bearer key with each /generate either way). Its Prometheus exporter gets `metrics_port`
     on the router's host: by default every router takes 29000 on all interfaces, and a second one on
     the machine (another run, another node's trainer) exits at start."""
@@ -59,12 +60,13 @@ def router_launch_cmd(worker_urls: Sequence[str], cfg: SGLangServer, metrics_por
             "--host", cfg.host, "--port", str(cfg.router_port), "--policy", cfg.router_policy,
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
             "--prometheus-host", cfg.host, "--prometheus-port", str(metrics_port),
-            *(["--api-key", api_key()] if api_key() else []), *cfg.router_extra_args]
+            *(["--api-key", key] if key else []), *cfg.router_extra_args]
 
 
 def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | Path | None,
-                 env: dict[str, str] | None = None) -> ServerProcess:
-    """Launch sglang-router in front of healthy servers and wait until it routes; stopped on failure."""
+                 env: dict[str, str] | None = None, key: str | None = None) -> ServerProcess:
+    """Launch sglang-router in front of healthy servers and wait until it routes, given `key` (the
+    servers' fleet's); stopped on failure."""
     template = cfg.router_launch_cmd or None
     if template is None and importlib.util.find_spec("sglang_router") is None:
         raise UserError("rollout.sglang.router: sglang-router is not installed here (`pip install "
@@ -74,7 +76,7 @@ def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | P
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
     attempt = 1
     while True:
-        router = _router_process(worker_urls, cfg, run_dir, env, template)
+        router = _router_process(worker_urls, cfg, run_dir, env, template, key)
         router.start()
         try:
             wait_until_healthy([(router.url, router)], cfg.startup_timeout_s)
@@ -91,14 +93,14 @@ def start_router(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: str | P
 
 
 def _router_process(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: Path, env: dict[str, str] | None,
-                    template: list[str] | None) -> ServerProcess:
+                    template: list[str] | None, key: str | None) -> ServerProcess:
     """The router's process, not started: the default command with a Prometheus port of its own,
     or the recipe's router_launch_cmd."""
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     metrics_url = None
     if template is None:
         metrics_port = unused_port(cfg.host)
-        cmd = router_launch_cmd(worker_urls, cfg, metrics_port)
+        cmd = router_launch_cmd(worker_urls, cfg, metrics_port, key)
         metrics_url = f"http://{host}:{metrics_port}/metrics"
     else:
         cmd = []
@@ -106,8 +108,8 @@ def _router_process(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: Path
             cmd += list(worker_urls) if part == "{worker_urls}" else fill_placeholders(
                 [part], host=cfg.host, port=cfg.router_port, policy=cfg.router_policy)
     return ServerProcess(-1, f"http://{host}:{cfg.router_port}", cmd, run_dir / ROUTER_LOG_NAME,
-                         env={**os.environ, **key_env(), **(env or {})}, name="sglang-router",
-                         metrics_url=metrics_url)
+                         env={**os.environ, **key_env(key), **(env or {})}, name="sglang-router",
+                         metrics_url=metrics_url, key=key)
 
 
 class RouterWorkers:

@@ -45,7 +45,7 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.sglang.api_key import ENV as API_KEY_ENV
-from rlrecipe.rollout.sglang.api_key import anonymous_headers, api_key, key_env
+from rlrecipe.rollout.sglang.api_key import anonymous_headers, key_env
 from rlrecipe.rollout.sglang.lora import PLACEHOLDER as LORA_PLACEHOLDER
 from rlrecipe.rollout.sglang.ownership import foreign_holder, prove_ours, taken_error
 
@@ -59,13 +59,13 @@ WAIT_NOTICE_S = 10.0  # say what is awaited once a start-up takes this long
 def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
                       seed: int, base_gpu: int | None = None, revision: str | None = None,
                       memory_saver: bool = False, kv_cache_dtype: str = "auto",
-                      lora_args: Sequence[str] = ()) -> list[str]:
+                      lora_args: Sequence[str] = (), key: str | None = None) -> list[str]:
     """`python -m sglang.launch_server ...` for server `index`, its GPUs from `base_gpu` on
     (default index * tp * dp: every server of the recipe on this node); `revision` pins a hub id's
     snapshot, as model.revision pins the trainer's; `memory_saver` (rollout.colocate): the server
     can release its memory while the trainer trains (without the flag SGLang frees nothing);
     `kv_cache_dtype` (rollout.kv_cache_dtype): --kv-cache-dtype unless "auto" or in extra_args already;
-    `lora_args`: trainer.lora's flags (sglang/lora.py launch_args)."""
+    `lora_args`: trainer.lora's flags (sglang/lora.py launch_args); `key`: its fleet's API key."""
     if base_gpu is None:
         base_gpu = index * gpus_per_server(cfg)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host,
@@ -73,7 +73,7 @@ def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangS
             "--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", dtype,
             "--random-seed", str(seed), "--base-gpu-id", str(base_gpu),
             *(["--revision", revision] if revision else []),
-            *(["--api-key", api_key()] if api_key() else []),
+            *(["--api-key", key] if key else []),
             *(["--enable-memory-saver"] if memory_saver and "--enable-memory-saver" not in cfg.extra_args else []),
             *(["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype != "auto" and not _has_flag(
                 cfg.extra_args, "--kv-cache-dtype") else []),
@@ -102,10 +102,9 @@ def own_cli(cmd: list[str]) -> list[str]:
     return cmd
 
 
-def shown_cmd(cmd: Sequence[str]) -> str:
+def shown_cmd(cmd: Sequence[str], key: str | None) -> str:
     """The command as logs and --dry-run print it, ready for a shell: the API key's value is not
     written out but read from the environment ("$SGLANG_API_KEY")."""
-    key = api_key()
     return " ".join(f'"${API_KEY_ENV}"' if key and part == key else shlex.quote(part) for part in cmd)
 
 
@@ -127,19 +126,22 @@ def url_for(host: str, port: int) -> str:
 def server_specs(model: str, cfg: SGLangServer, indices: Sequence[int], *, dtype: str, seed: int,
                  template: Sequence[str] | Callable[[int, int], list[str]] | None = None,
                  gpu_offset: int = 0, revision: str | None = None, memory_saver: bool = False,
-                 kv_cache_dtype: str = "auto", lora_args: Sequence[str] = ()) -> list[ServerSpec]:
+                 kv_cache_dtype: str = "auto", lora_args: Sequence[str] = (),
+                 key: str | None = None) -> list[ServerSpec]:
     """Servers `indices` of the recipe: server i on port base_port + i, its GPUs from gpu_offset +
     k x tp x dp on, k its place among `indices`; URLs as this node reaches them (host:port).
     `memory_saver` adds --enable-memory-saver to SGLang's own command only: a template must carry it;
     `kv_cache_dtype` adds --kv-cache-dtype to SGLang's command, and fills a template's {kv_cache_dtype};
-    `lora_args` (trainer.lora) go to SGLang's command, and stand for a template's argument "{lora_args}"."""
+    `lora_args` (trainer.lora) go to SGLang's command, and stand for a template's argument "{lora_args}";
+    `key`, the fleet's API key, goes to SGLang's command (a template's server reads it from its environment)."""
     specs = []
     for k, i in enumerate(indices):
         port = cfg.base_port + i
         base_gpu = gpu_offset + k * gpus_per_server(cfg)
         if template is None:
             cmd = sglang_launch_cmd(model, cfg.host, port, i, cfg, dtype, seed, base_gpu=base_gpu, revision=revision,
-                                    memory_saver=memory_saver, kv_cache_dtype=kv_cache_dtype, lora_args=lora_args)
+                                    memory_saver=memory_saver, kv_cache_dtype=kv_cache_dtype, lora_args=lora_args,
+                                    key=key)
         elif callable(template):
             cmd = list(template(i, port))
         else:
@@ -207,6 +209,7 @@ class ServerProcess:
     env: dict[str, str] | None = None
     name: str = ""  # as errors call it; default "SGLang server <index>"
     metrics_url: str | None = None  # its Prometheus exporter, where known (a router launched by default)
+    key: str | None = field(default=None, repr=False)  # its fleet's API key (api_key.fleet_key)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -216,7 +219,7 @@ class ServerProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {shown_cmd(self.cmd)}\n".encode())
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {shown_cmd(self.cmd, self.key)}\n".encode())
             log.flush()
             in_main = threading.current_thread() is threading.main_thread()
             try:
@@ -258,7 +261,7 @@ class ServerProcess:
     def prove_ours(self) -> None:
         """Raise unless the server answering at this URL is this process (before anything but its
         health probe is sent to it)."""
-        prove_ours(self.label, self.url, self.proc.pid)
+        prove_ours(self.label, self.url, self.proc.pid, self.key)
 
     def crash_error(self, what: str = "exited") -> UserError:
         last = self.log_tail()
@@ -310,14 +313,14 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
                    launch_cmd: Sequence[str] | Callable[[int, int], list[str]] | None = None,
                    env: dict[str, str] | None = None, trainer_gpus: int = 0,
                    memory_saver: bool = False, kv_cache_dtype: str = "auto",
-                   lora_args: Sequence[str] = ()) -> list[ServerProcess]:
+                   lora_args: Sequence[str] = (), key: str | None = None) -> list[ServerProcess]:
     """Start `cfg.num_servers` servers on base_port + i (not yet healthy); on failure none is left running.
 
     `launch_cmd` (or `cfg.launch_cmd`) replaces the SGLang command: a list with placeholders
     {model} {host} {port} {index} {dtype} {seed} {base_gpu_id} {revision} {kv_cache_dtype} (and an argument
     "{lora_args}": trainer.lora's flags), or a callable (index, port) -> argv.
     `trainer_gpus`: GPUs 0 .. trainer_gpus - 1 of this node train (servers launched beside
-    training); the servers take the GPUs after them.
+    training); the servers take the GPUs after them. `key`: the fleet's API key (api_key.fleet_key).
     """
     if cfg.nodes > 1:
         raise UserError(f"rollout.sglang.nodes is {cfg.nodes}: the run launches no servers then; start each "
@@ -329,13 +332,14 @@ def launch_servers(model_dir: str | Path, cfg: SGLangServer, *, dtype: str = "bf
         check_gpus(cfg, visible_gpus(), trainer_gpus=trainer_gpus)
     specs = server_specs(model_arg(model_dir), cfg, range(cfg.num_servers), dtype=dtype, seed=seed,
                          template=template, gpu_offset=trainer_gpus, memory_saver=memory_saver,
-                         kv_cache_dtype=kv_cache_dtype, lora_args=lora_args)
-    return start_servers(specs, cfg, run_dir, env)
+                         kv_cache_dtype=kv_cache_dtype, lora_args=lora_args, key=key)
+    return start_servers(specs, cfg, run_dir, env, key)
 
 
 def start_servers(specs: Sequence[ServerSpec], cfg: SGLangServer, run_dir: str | Path | None,
-                  env: dict[str, str] | None = None) -> list[ServerProcess]:
-    """Start these servers (not yet healthy), logs in `run_dir`; on failure none is left running."""
+                  env: dict[str, str] | None = None, key: str | None = None) -> list[ServerProcess]:
+    """Start these servers (not yet healthy), logs in `run_dir`, given `key` in their environment;
+    on failure none is left running."""
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="rlrecipe-sglang-"))
     servers: list[ServerProcess] = []
     try:
@@ -345,7 +349,7 @@ def start_servers(specs: Sequence[ServerSpec], cfg: SGLangServer, run_dir: str |
                                 "(another server still running? pick another base_port, or attach to it "
                                 "with rollout.urls)")
             server = ServerProcess(spec.index, spec.url, spec.cmd, run_dir / LOG_NAME.format(i=spec.index),
-                                   env={**os.environ, **key_env(), **(env or {})})
+                                   env={**os.environ, **key_env(key), **(env or {})}, key=key)
             servers.append(server)
             server.start()
     except BaseException:

@@ -256,7 +256,7 @@ def colocated_training(training: Training, phases: dict[str, float]) -> Training
 def describe(costs: PhaseCosts = ASSUMED) -> dict[str, str]:
     """The assumptions, for a result's record."""
     out = {k: (f"{v / 1e9:g} GB/s" if k.endswith("bytes_s") else f"{v:g} s") for k, v in asdict(costs).items()}
-    out.update(sglang_outside_pool=f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB", trainer_offloaded=f"{TRAINER_OFFLOADED_GIB:g} GiB",
+    out.update(sglang_outside_pool=f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB (unmeasured)", trainer_offloaded=f"{TRAINER_OFFLOADED_GIB:g} GiB",
                cpu_standin_by_value_measured=f"{CPU_STANDIN_BY_VALUE_BYTES_S / 1e9:.3g} GB/s",
                ipc_push_bytes_s=f"{costs.ipc_push_bytes_s / 1e9:g} GB/s (GPU-unverified)",
                verify_copy_bytes_s=f"{costs.verify_copy_bytes_s / 1e9:g} GB/s (measured into pinned memory, one H100)",

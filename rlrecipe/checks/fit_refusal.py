@@ -39,8 +39,8 @@ def colocated_failure(search: Search) -> str:
     trains = search.train_options(m.gpus, 1, colocated=True, tp=tp)
     best = min(trains, key=lambda o: o.peak)
     if best.peak > limit:
-        keeps = (f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB the released SGLang keeps" if not lora else
-                 f"the {SGLANG_OUTSIDE_POOL_GIB:g} GiB, weights and adapters the released SGLang keeps at tp {tp}, "
+        keeps = (f"{SGLANG_OUTSIDE_POOL_GIB:g} GiB (unmeasured) the released SGLang keeps" if not lora else
+                 f"the {SGLANG_OUTSIDE_POOL_GIB:g} GiB (unmeasured), weights and adapters the released SGLang keeps at tp {tp}, "
                  f"LoRA rank {search.recipe.trainer.lora.rank}")
         return (f"{head}: the training phase needs {best.peak / GIB:.1f} GiB per GPU > {limit / GIB:.1f} "
                 f"usable ({FIT_MARGIN:.0%} kept free) at its least ({best.label}, with {keeps})")
@@ -54,7 +54,7 @@ def colocated_failure(search: Search) -> str:
     if not fractions:
         kept = f", the frozen base it keeps {search.kept_gib:.1f}" if lora else ""
         return (f"{head}: the rollout phase needs {outside:.3g} GiB outside SGLang's pool (its own "
-                f"{SGLANG_OUTSIDE_POOL_GIB:g}, the offloaded trainer's {TRAINER_OFFLOADED_GIB:g}{kept}) and a pool of "
+                f"{SGLANG_OUTSIDE_POOL_GIB:g}, unmeasured, the offloaded trainer's {TRAINER_OFFLOADED_GIB:g}{kept}) and a pool of "
                 f"at least {min(COLOCATED_FRACTIONS):.2f} x {m.gpu_memory_gib:g} GiB")
     b = BYTES[search.recipe.rollout.dtype]
     weights = b * d.params() / GIB
@@ -79,7 +79,7 @@ def split_failure(search: Search) -> str:
                 f"of {m.host_memory_gib:g}")
     seq = search.recipe.data.max_prompt_tokens + search.recipe.rollout.max_new_tokens
     if not search.fractions():
-        return (f"rollout does not fit: SGLang needs {SGLANG_OUTSIDE_POOL_GIB:g} GiB of a GPU outside its "
+        return (f"rollout does not fit: SGLang needs {SGLANG_OUTSIDE_POOL_GIB:g} GiB (unmeasured) of a GPU outside its "
                 "static pool, and room inside it for the weights and the KV cache")
     rollouts = [g for _, _, g, n in splits if search.rollout_options(g, n)]
     if not rollouts:

@@ -17,11 +17,20 @@ DS_REDUCE_BUCKET = 500_000_000
 DS_PREFETCH_BUCKET = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
-# ASSUMPTION: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its static pool
-# (SGLang's own default leaves 10-20% of a GPU). --enable-memory-saver releases only the pool (weights
-# and KV cache), so this much stays while the trainer trains. Measure: nvidia-smi's figure for the
-# server process after /release_memory_occupation.
+# ASSUMPTION, NOT MEASURED: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its
+# static pool, and what stays while the trainer trains (the released pool is the weights and KV cache).
+# No measured figure for a 7B server on an H100 was found. The one published figure is SGLang's own
+# reservation when it picks mem_fraction_static itself (sgl-project/sglang,
+# python/sglang/srt/server_args.py, _handle_gpu_memory_settings): 512 MiB + 1.5 MiB a chunked-prefill
+# token + 2 MiB a CUDA-graph batch size + tp/8 GiB, at least 10 GiB above 60 GB: 13.1 GiB on an 80 GB
+# GPU at tp 1 (8,192 tokens, batch sizes to 256), a heuristic with headroom, not a measurement. Logged
+# CUDA-graph captures are far smaller (0.07 GB for a 0.5B model at batch sizes 1-4 on an 80 GB GPU, 0.93 GB a
+# rank for a 32B model at tp 4 on L4s). The plan's notes say this figure is unmeasured. Measure:
+# nvidia-smi's figure for the server process minus the pool, after /release_memory_occupation and at
+# the peak of a rollout.
 SGLANG_OUTSIDE_POOL_GIB = 6.0
+SGLANG_OUTSIDE_POOL_NOTE = (f"SGLang's {SGLANG_OUTSIDE_POOL_GIB:g} GiB outside its pool is an assumption, not measured "
+                            "(SGLang's own reservation on an 80 GB GPU at tp 1 is 13.1 GiB, a heuristic: docs/gpu.md)")
 # ASSUMPTION: what a trainer rank holds once everything is offloaded: its CUDA context and NCCL
 # buffers (~1 GiB) and ZeRO-3's persistent small parameters (norms, biases: megabytes), the caching
 # allocator emptied after offload_states. Measure: nvidia-smi's figure for a rank after offload_states

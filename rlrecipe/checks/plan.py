@@ -43,6 +43,7 @@ from rlrecipe.checks.memory import (
     DS_PREFETCH_BUCKET,
     SGLANG_ADAPTER_SLOTS,
     SGLANG_OUTSIDE_POOL_GIB,
+    SGLANG_OUTSIDE_POOL_NOTE,
     gradients_on_host,
     lora_params,
     offloaded_bytes,
@@ -88,6 +89,7 @@ def beside_training(recipe: Recipe, d: ModelDims, b: int, adapter: int | None) -
             notes.append("rl.kl_coef > 0: the reference is the trainer's base with the adapter off, no second model")
     if colocated(recipe):
         parts["SGLang while released"] = SGLANG_OUTSIDE_POOL_GIB * GIB
+        notes.append(SGLANG_OUTSIDE_POOL_NOTE)
         if adapter is None:
             notes.append("colocated: the training phase, beside what the released SGLang servers keep")
         else:  # the servers release their KV cache only: their weights and adapters stay
@@ -188,6 +190,7 @@ def rollout_phase_budget(recipe: Recipe, d: ModelDims, train: Budget) -> Budget:
     parts = rollout_phase_parts(pool, trainer_kept_bytes(recipe, d))
     notes = ["colocated: the rollout phase, the trainer offloaded" if lora_params(recipe, d) is None else
              "colocated with LoRA: the rollout phase, the trainer's adapter optimizer offloaded, its weights kept"]
+    notes.append(SGLANG_OUTSIDE_POOL_NOTE)
     if "reference model" in train.parts:  # the frozen copy is not offloaded
         parts["reference model"] = train.parts["reference model"]
     return Budget("rollout phase", parts, recipe.trainer.gpu_memory_gib * GIB, notes)

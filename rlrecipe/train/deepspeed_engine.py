@@ -278,4 +278,6 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         barrier()
 
     def load(self, ckpt_dir: str | Path) -> None:
-        self.steps_done = load_deepspeed_state(self.engine, ckpt_dir, self.rank, frozen_base=self.is_lora)
+        """The state `save` wrote; under trainer.lora only a checkpoint of this very adapter. Collective."""
+        adapter = {k: v.shape for k, v in self.adapter_state()[1].items()} if self.is_lora else None
+        self.steps_done = load_deepspeed_state(self.engine, ckpt_dir, self.rank, adapter)

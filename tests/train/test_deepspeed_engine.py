@@ -75,7 +75,13 @@ def worker(spec: dict) -> None:
     out: dict = {"world": eng.world, "steps": [], "partitioned_load": eng.partitioned_load,
                  "zero3_loading_left_on": is_deepspeed_zero3_enabled()}
     if spec.get("resume"):
-        eng.load(spec["resume"])
+        from rlrecipe.core.errors import UserError
+
+        try:
+            eng.load(spec["resume"])
+        except UserError as err:  # a checkpoint refused: its one line is the result
+            Path(spec["out"]).write_text(json.dumps({"refused": str(err)}))
+            return
     else:
         out["logp0"] = [lp.tolist() for lp, _ in eng.compute_logprobs(batch(0))]
     out["start"] = eng.steps_done
@@ -374,3 +380,26 @@ def test_lora_on_two_ranks_matches_the_torch_engine_and_resumes_from_the_adapter
     resumed_w = load_weights(tmp_path / "export_resumed")
     for name, w in exported.items():
         torch.testing.assert_close(resumed_w[name], w, rtol=0, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_of_another_adapter_or_none_is_refused_on_resume(stage, tiny_model_dir, tmp_path):
+    """DeepSpeed loads a LoRA checkpoint's module state leniently (the frozen base is not in it), which
+    would pass over adapter tensors missing from it: a rank 8 checkpoint resumed at rank 4 or without
+    LoRA, or whose module state lacks a tensor, is refused in one line naming the checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    spec = {"model": str(tiny_model_dir), "stage": stage, "save_at": 1, "ckpt": str(ckpt),
+            "export": str(tmp_path / "export"), "out": str(tmp_path / "o.json"), "trainer": {"lora": {"rank": 8}}}
+    torchrun(spec, nproc=0)
+    for trainer in ({"lora": {"rank": 4}}, {}):
+        said = torchrun({**spec, "resume": str(ckpt), "trainer": trainer}, nproc=0).get("refused", "")
+        assert said.startswith(str(ckpt)) and len(said.splitlines()) == 1, said
+    shutil.copytree(ckpt, tmp_path / "lacking")
+    states, = (tmp_path / "lacking" / "deepspeed").rglob("*model_states.pt")
+    saved = torch.load(states, weights_only=False)
+    gone = next(k for k in saved["module"] if ".lora_B." in k)
+    del saved["module"][gone]
+    torch.save(saved, states)
+    said = torchrun({**spec, "resume": str(tmp_path / "lacking")}, nproc=0).get("refused", "")
+    assert said.startswith(str(tmp_path / "lacking" / "deepspeed")) and gone in said and len(said.splitlines()) == 1

@@ -125,7 +125,9 @@ def serve(ctx: typer.Context, model: str, port: Annotated[int, typer.Option()] =
           dtype: Annotated[str, typer.Option()] = "float32",
           api_key: Annotated[str | None, typer.Option(envvar="SGLANG_API_KEY", show_envvar=True,
                                                       help="require `Authorization: Bearer KEY` on all "
-                                                           "but /health (as SGLang's --api-key)")] = None,
+                                                           "but /health (as SGLang's --api-key); give it "
+                                                           "in the environment: any local user reads a "
+                                                           "command line")] = None,
           context_length: Annotated[int | None, typer.Option(
               help="the context served (default: the model's max_position_embeddings); /server_info "
                    "states it only when given, as SGLang's --context-length")] = None,

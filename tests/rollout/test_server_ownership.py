@@ -90,6 +90,30 @@ def test_a_taken_port_stops_the_start_before_its_holder_hears_from_us(tmp_path):
         holder.close()
 
 
+def test_a_foreign_holders_command_line_is_quoted_with_its_key_redacted(tmp_path):
+    """Another run's server holds the port, started with its own key on its command line: the
+    error naming it shows the command, but not that key."""
+    port = free_port()
+    (tmp_path / "server.py").write_text(LISTENER)  # a short command line: the error quotes its start
+    holder = subprocess.Popen([sys.executable, "server.py", str(port), "--api-key", "another-runs-key",
+                               "--admin-api-key=its-admin-key"], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    assert holder.stdout.readline().strip() == "listening"
+    launched = ServerProcess(0, f"http://127.0.0.1:{port}", [sys.executable, "-c", "import time; time.sleep(60)"],
+                             tmp_path / "server.log", key="the-runs-key")
+    launched.start()
+    try:
+        with pytest.raises(UserError) as err:
+            wait_until_healthy([(launched.url, launched)], timeout=60)
+        message = str(err.value)
+        assert f"(PID {holder.pid}: " in message and "--api-key *** --admin-api-key=***" in message
+        assert "another-runs-key" not in message and "its-admin-key" not in message
+    finally:
+        launched.stop()
+        holder.kill()
+        holder.wait()
+
+
 class Stranger:
     """Another process's server on `port` (here, a thread): 200 to everything, and what it was sent."""
 

@@ -1,7 +1,9 @@
 """SGLANG_API_KEY: `rlrecipe serve` refuses requests without the bearer key (health checks aside),
 as SGLang's --api-key does, and the client sends the key with every request."""
 
+import stat
 import sys
+from pathlib import Path
 
 import requests
 
@@ -42,6 +44,21 @@ def test_a_launch_log_names_the_key_by_its_variable_not_its_value(tmp_path):
     assert '-c pass --api-key "$SGLANG_API_KEY"' in log and KEY not in log
 
 
+def test_a_server_printing_its_key_is_quoted_redacted_and_its_log_kept_private(tmp_path):
+    """A server given the key on its command line (SGLang takes it nowhere else) writes it into its
+    log (SGLang's line of its arguments): the log is its user's only, and an error quoting its last
+    line shows the key redacted."""
+    script = "import sys; print(f'server_args=ServerArgs(api_key={sys.argv[2]!r})'); sys.exit(3)"
+    server = ServerProcess(0, "http://127.0.0.1:9", [sys.executable, "-c", script, "--api-key", KEY],
+                           tmp_path / "server.log", key=KEY)
+    server.start()
+    server.proc.wait(timeout=60)
+    server.stop()
+    assert stat.S_IMODE((tmp_path / "server.log").stat().st_mode) == 0o600
+    message = str(server.crash_error())
+    assert "exited with code 3" in message and "api_key='***'" in message and KEY not in message
+
+
 def test_a_keyed_server_refuses_strangers_and_serves_the_client(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_API_KEY", KEY)  # the launched server and this client both read it
     tok = load_tokenizer(tiny_model_dir)
@@ -51,6 +68,9 @@ def test_a_keyed_server_refuses_strangers_and_serves_the_client(tiny_model_dir, 
     eng = SGLangEngine.launch(tiny_model_dir, cfg=cfg, dtype="float32", run_dir=tmp_path, eos_token_id=tok.eos_token_id)
     url = f"http://127.0.0.1:{base}"
     try:
+        # `rlrecipe serve` reads the key from its environment: any local user reads a command line
+        assert KEY not in Path(f"/proc/{eng.servers[0].proc.pid}/cmdline").read_bytes().decode()
+        assert KEY not in (tmp_path / "sglang_server_0.log").read_text()
         assert requests.get(url + "/health", timeout=30).status_code == 200  # no key needed
         body = {"input_ids": tok.encode("Add 1 and 2."), "sampling_params": {"max_new_tokens": 2}}
         for headers in ({}, {"Authorization": "Bearer wrong"}):

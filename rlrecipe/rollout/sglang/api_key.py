@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import secrets
 
 ENV = "SGLANG_API_KEY"
+REDACTED = "***"
+# a key in text that may quote another run's command line or SGLang's logged arguments: what follows
+# --api-key (or --admin-api-key), as a separate argument or after "=", and SGLang's api_key='...'
+_KEY_IN_TEXT = re.compile(r"""(--(?:admin-)?api-key[= ]|\b(?:admin_)?api_key=['"]?)(?!None\b)[^\s'",)]+""")
 
 
 def user_key() -> str | None:
@@ -47,6 +52,13 @@ def anonymous_headers() -> dict[str, str]:
 def client_headers(key: str | None) -> dict[str, str]:
     """What every request to a fleet's servers carries: its key, and which process sent it."""
     return {**auth_headers(key), **anonymous_headers()}
+
+
+def redact(text: str, key: str | None = None) -> str:
+    """`text` as the project writes it (errors, logs): `key`, and any key given by its flag, masked."""
+    if key:
+        text = text.replace(key, REDACTED)
+    return _KEY_IN_TEXT.sub(lambda m: m.group(1) + REDACTED, text)
 
 
 def is_authorized(path: str, authorization: str | None, key: str | None) -> bool:

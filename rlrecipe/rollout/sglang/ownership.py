@@ -13,7 +13,8 @@ start and at every restart:
 Until then it hears no key: its health probe goes without one, and so does the first request of
 the proof, which a server taking any client fails.
 
-A port held by another process ends the start-up in one line naming that process. Attached servers
+A port held by another process ends the start-up in one line naming that process (its command
+line, with any key on it masked: another run's server may carry its own). Attached servers
 (`rollout.urls`) are not checked: the user chose them.
 """
 
@@ -29,7 +30,7 @@ from urllib.parse import urlsplit
 import requests
 
 from rlrecipe.core.errors import UserError
-from rlrecipe.rollout.sglang.api_key import anonymous_headers, client_headers
+from rlrecipe.rollout.sglang.api_key import anonymous_headers, client_headers, redact
 
 PROC_NET = ("/proc/net/tcp", "/proc/net/tcp6")
 TCP_LISTEN = "0A"
@@ -118,6 +119,7 @@ def _describe(pid: int) -> str:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         cmd = ""
+    cmd = redact(cmd)  # another run's server may hold its key on its command line
     return f"PID {pid}" + (f": {cmd[:160]}" if cmd else "")
 
 

@@ -45,7 +45,7 @@ from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.sglang.api_key import ENV as API_KEY_ENV
-from rlrecipe.rollout.sglang.api_key import anonymous_headers, key_env
+from rlrecipe.rollout.sglang.api_key import anonymous_headers, key_env, redact
 from rlrecipe.rollout.sglang.lora import PLACEHOLDER as LORA_PLACEHOLDER
 from rlrecipe.rollout.sglang.ownership import foreign_holder, prove_ours, taken_error
 
@@ -219,6 +219,9 @@ class ServerProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            if self.key is not None and self.key in self.cmd:
+                # the key on its command line is in its log too (SGLang writes its arguments there)
+                os.fchmod(log.fileno(), 0o600)
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {shown_cmd(self.cmd, self.key)}\n".encode())
             log.flush()
             in_main = threading.current_thread() is threading.main_thread()
@@ -264,7 +267,7 @@ class ServerProcess:
         prove_ours(self.label, self.url, self.proc.pid, self.key)
 
     def crash_error(self, what: str = "exited") -> UserError:
-        last = self.log_tail()
+        last = redact(self.log_tail(), self.key)
         hint = f"; last log line: {last[:300]!r}" if last else ""
         return UserError(f"{self.label} ({self.url}) {what} with code {self.exit_code}{hint}; "
                          f"full log: {self.log_path}")

@@ -77,6 +77,12 @@ class SGLangServer(Section):
     # environment). Placeholders: {host} {port} {policy}; an argument "{worker_urls}" becomes one
     # argument per server URL.
     router_launch_cmd: list[str] = []
+    # How a launched server (and router) proves it is the run's own before anything but its health
+    # probe reaches it (rollout/sglang/ownership.py): "socket_and_key" = its process group holds the
+    # port's listening socket, and its key proves it; "key" = its key alone, for a launch_cmd whose
+    # server's socket another process holds (`docker run -p`: docker-proxy), which must pass
+    # SGLANG_API_KEY on to the server; "off" = nothing is checked.
+    ownership_proof: Literal["socket_and_key", "key", "off"] = "socket_and_key"
 
     @model_validator(mode="after")
     def _restarts_need_retries(self) -> SGLangServer:

@@ -3,6 +3,7 @@ listening socket belongs to its process group, and it holds the run's API key.""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from rlrecipe.rollout.sglang import server as server_module
 from rlrecipe.rollout.sglang.fleet import ServerFleet
 from rlrecipe.rollout.sglang.http_pool import Post
 from rlrecipe.rollout.sglang.ownership import _ip, key_proof, listening_inodes, port_owner
-from rlrecipe.rollout.sglang.server import ServerProcess, wait_until_healthy
+from rlrecipe.rollout.sglang.server import ServerProcess, ServerSpec, start_servers, wait_until_healthy
 from tests.helpers import serving_in_thread
 from tests.ports import free_port
 
@@ -210,6 +211,37 @@ def test_each_fleet_draws_its_own_key_and_attached_servers_never_hear_one(tmp_pa
         for fleet in fleets:
             fleet.close()
         stranger.close()
+
+
+@pytest.mark.parametrize("proof, holder_key, refusal", [
+    ("socket_and_key", "the-runs-key", "held by another process"),
+    ("key", "the-runs-key", None),
+    ("key", "another-runs-key", "refuses this run's API key"),
+    ("off", "another-runs-key", None),  # nothing is checked
+])
+def test_a_wrapped_launch_is_taken_on_its_key_with_ownership_proof_key(tmp_path, proof, holder_key, refusal):
+    """A launch_cmd through a container (`docker run -p ...`): the process launched is the container's
+    client, and another process (docker-proxy) binds the port once the container runs. The default
+    proof refuses it, naming the setting; with ownership_proof: key the server's key proves it."""
+    port = free_port()
+    cfg = SGLangServer(base_port=port, ownership_proof=proof)
+    spec = ServerSpec(0, port, 0, f"http://127.0.0.1:{port}", [sys.executable, "-c", "import time; time.sleep(60)"])
+    [launched] = start_servers([spec], cfg, tmp_path, key="the-runs-key")
+    container = subprocess.Popen([sys.executable, "-c", KEYED_SERVER, str(port)], start_new_session=True,
+                                 env={**os.environ, "SGLANG_API_KEY": holder_key})
+    try:
+        if refusal is None:
+            wait_until_healthy([(launched.url, launched)], timeout=60)
+        else:
+            with pytest.raises(UserError, match=refusal) as err:
+                wait_until_healthy([(launched.url, launched)], timeout=60)
+            assert "\n" not in str(err.value)
+            if proof == "socket_and_key":
+                assert "rollout.sglang.ownership_proof: key" in str(err.value)
+    finally:
+        launched.stop()
+        container.kill()
+        container.wait()
 
 
 def test_the_key_proves_a_server_and_a_stranger_is_refused(tiny_model_dir):

@@ -14,7 +14,9 @@ Until then it hears no key: its health probe goes without one, and so does the f
 the proof, which a server taking any client fails.
 
 A port held by another process ends the start-up in one line naming that process (its command
-line, with any key on it masked: another run's server may carry its own). Attached servers
+line, with any key on it masked: another run's server may carry its own). `rollout.sglang.
+ownership_proof` picks the checks: both (default), the key alone ("key": a launch_cmd through a
+container, whose port another process holds), or none ("off"). Attached servers
 (`rollout.urls`) are not checked: the user chose them.
 """
 
@@ -119,7 +121,7 @@ def _describe(pid: int) -> str:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         cmd = ""
-    cmd = redact(cmd)  # another run's server may hold its key on its command line
+    cmd = redact(" ".join(cmd.split()))  # one line; another run's server may hold its key on its command line
     return f"PID {pid}" + (f": {cmd[:160]}" if cmd else "")
 
 
@@ -146,7 +148,9 @@ def taken_error(label: str, url: str, pid: int, holder: str) -> UserError:
     host, port = url_port(url)
     return UserError(f"{label} ({url}): port {port} on {host} is held by another process ({holder}), not by the "
                      f"server this run launched (PID {pid}); nothing was sent to it. Another run on this machine "
-                     "probably took the port first: set rollout.sglang.base_port (or router_port) to a free one")
+                     "probably took the port first: set rollout.sglang.base_port (or router_port) to a free one; "
+                     "or, where the launch_cmd's server listens through another process (a container's port "
+                     "forwarding), set rollout.sglang.ownership_proof: key")
 
 
 def foreign_holder(url: str, pid: int) -> str | None:
@@ -174,14 +178,20 @@ def key_proof(url: str, owned: bool, key: str | None) -> str | None:
     return None
 
 
-def prove_ours(label: str, url: str, pid: int, key: str | None) -> None:
+def prove_ours(label: str, url: str, pid: int, key: str | None, by_socket: bool = True) -> None:
     """Raise unless the server answering at `url` is the one launched as process group `pid` (with
-    `key`, where it was given one)."""
-    host, port = url_port(url)
-    owner = port_owner(host, port, pid)
-    if owner.state == "foreign":
-        raise taken_error(label, url, pid, owner.holder)
-    why = key_proof(url, owned=owner.state == "ours", key=key)
+    `key`, where it was given one); without `by_socket` (ownership_proof: key), by its key alone."""
+    owned = False
+    if by_socket:
+        host, port = url_port(url)
+        owner = port_owner(host, port, pid)
+        if owner.state == "foreign":
+            raise taken_error(label, url, pid, owner.holder)
+        owned = owner.state == "ours"
+    elif key is None:
+        raise UserError(f"{label} ({url}): rollout.sglang.ownership_proof is key, but there is no API key to prove "
+                        "it by (rlrecipe rollout-servers draws none): set SGLANG_API_KEY")
+    why = key_proof(url, owned=owned, key=key)
     if why is not None:
         raise UserError(f"{label} ({url}) answers, but not as the server this run launched (PID {pid}): {why}; "
                         "nothing more is sent to it. Set rollout.sglang.base_port (or router_port) to a free port")

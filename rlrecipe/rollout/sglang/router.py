@@ -109,7 +109,7 @@ def _router_process(worker_urls: Sequence[str], cfg: SGLangServer, run_dir: Path
                 [part], host=cfg.host, port=cfg.router_port, policy=cfg.router_policy)
     return ServerProcess(-1, f"http://{host}:{cfg.router_port}", cmd, run_dir / ROUTER_LOG_NAME,
                          env={**os.environ, **key_env(key), **(env or {})}, name="sglang-router",
-                         metrics_url=metrics_url, key=key)
+                         metrics_url=metrics_url, key=key, proof=cfg.ownership_proof)
 
 
 class RouterWorkers:

@@ -210,6 +210,7 @@ class ServerProcess:
     name: str = ""  # as errors call it; default "SGLang server <index>"
     metrics_url: str | None = None  # its Prometheus exporter, where known (a router launched by default)
     key: str | None = field(default=None, repr=False)  # its fleet's API key (api_key.fleet_key)
+    proof: str = "socket_and_key"  # how it proves it is ours: rollout.sglang.ownership_proof
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -257,6 +258,8 @@ class ServerProcess:
 
     def check_port(self) -> None:
         """Raise when another process holds this server's port (see sglang/ownership.py)."""
+        if self.proof != "socket_and_key":
+            return  # its socket is not checked: a wrapped launch's is another process's
         holder = foreign_holder(self.url, self.proc.pid) if self.proc is not None else None
         if holder is not None:
             raise taken_error(self.label, self.url, self.proc.pid, holder)
@@ -264,7 +267,8 @@ class ServerProcess:
     def prove_ours(self) -> None:
         """Raise unless the server answering at this URL is this process (before anything but its
         health probe is sent to it)."""
-        prove_ours(self.label, self.url, self.proc.pid, self.key)
+        if self.proof != "off":
+            prove_ours(self.label, self.url, self.proc.pid, self.key, by_socket=self.proof == "socket_and_key")
 
     def crash_error(self, what: str = "exited") -> UserError:
         last = redact(self.log_tail(), self.key)
@@ -352,7 +356,8 @@ def start_servers(specs: Sequence[ServerSpec], cfg: SGLangServer, run_dir: str |
                                 "(another server still running? pick another base_port, or attach to it "
                                 "with rollout.urls)")
             server = ServerProcess(spec.index, spec.url, spec.cmd, run_dir / LOG_NAME.format(i=spec.index),
-                                   env={**os.environ, **key_env(key), **(env or {})}, key=key)
+                                   env={**os.environ, **key_env(key), **(env or {})}, key=key,
+                                   proof=cfg.ownership_proof)
             servers.append(server)
             server.start()
     except BaseException:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from rlrecipe.checks.memory import lora_params, trained_params
+from rlrecipe.checks.memory import gradients_on_host, lora_params, trained_params
 from rlrecipe.checks.model_dims import BYTES, ModelDims
 from rlrecipe.checks.plan import colocated, rollout_record_bytes, stage_of, trainer_offloaded_bytes
 from rlrecipe.recipe.schema import Recipe
@@ -37,8 +37,16 @@ def rank0_host_parts(recipe: Recipe, d: ModelDims) -> dict[str, float]:
         # the push by handle's copy of what it pushed, which the verification reads, kept from push to
         # push (pinned on a GPU: rollout/weights/handles.py's HostMirror), beside a checkpoint's export
         parts["push by handle's copy (kept, pinned)"] = b * d.params()
-    if recipe.trainer.offload_optimizer:
-        parts["optimizer offloaded"] = 12 * trained_params(recipe, d) / max(1, recipe.trainer.nodes)
+    if recipe.trainer.engine == "deepspeed" and recipe.trainer.offload_optimizer:
+        # ZeRO-Offload, a node's ranks' partitions: the fp32 master weights, Adam's m and v (12 bytes a
+        # parameter) and the fp32 gradients (4), the 16 bytes DeepSpeed's estimators count on the host
+        # (their 1.5 buffer factor aside); from ZeRO-2 also the 16-bit gradient partition, held on the host
+        # instead of the GPU (stage3.py's grad_partitions_flat_buffer; stage_1_and_2.py's
+        # accumulated_grads_in_cpu across micro-batches): memory.gradients_on_host
+        per_node = trained_params(recipe, d) / max(1, recipe.trainer.nodes)
+        parts["optimizer and fp32 gradients offloaded"] = 16 * per_node
+        if gradients_on_host(recipe.trainer.zero_stage, True)[0]:
+            parts["gradient partition offloaded"] = b * per_node
     if colocated(recipe):
         # pinned: what the node's ranks offload while the servers generate
         parts["trainer state offloaded (pinned)"] = recipe.trainer.nproc * trainer_offloaded_bytes(recipe, d)

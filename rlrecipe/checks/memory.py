@@ -57,21 +57,35 @@ def trained_params(recipe: Recipe, d: ModelDims) -> int:
     return d.params() if adapter is None else adapter
 
 
+def gradients_on_host(zero_stage: int, offload_optimizer: bool) -> tuple[bool, bool]:
+    """Whether ZeRO-Offload keeps a rank's 16-bit gradient partition and its fp32 gradient partition in
+    host memory instead of on its GPU. The fp32 gradients are the CPU optimizer's at every stage
+    (stage_1_and_2.py: single_partition_of_fp32_groups' grad on the CPU; stage3.py: the subgroups'
+    gradient buffers on the CPU). ZeRO-2 copies each reduced gradient straight into them
+    (copy_grads_in_partition) and ZeRO-3 accumulates its partition in grad_partitions_flat_buffer on
+    the optimizer's device, the CPU; ZeRO-1 keeps the whole 16-bit gradients on the GPU until the
+    accumulation boundary. DeepSpeed's own estimators count neither on the GPU under offload."""
+    return offload_optimizer and zero_stage >= 2, offload_optimizer
+
+
 def offloaded_bytes(d: ModelDims, dtype: str, ranks: int, offload_optimizer: bool, offload_params: bool,
                     zero_stage: int = 3, adapter: int | None = None) -> float:
     """Bytes a DeepSpeed rank moves to host memory and back each step (offload_states): its 16-bit
     parameters and gradients (partitioned from ZeRO-3 and ZeRO-2), its fp32 gradient partition, its
-    optimizer state (fp32 master weights, m and v) unless ZeRO-Offload keeps that on the host already,
+    optimizer state (fp32 master weights, m and v), less what ZeRO-Offload keeps on the host already
+    (the optimizer state, the fp32 gradients, and from ZeRO-2 the 16-bit ones: `gradients_on_host`),
     and ZeRO-3's reduce bucket (its contiguous gradient buffer). What ZeRO-3 gathers for a forward is
     freed, not moved. Under LoRA (`adapter`: its parameters) the weights stay on the GPU (the frozen base
     and the adapter's 16-bit copy): only the adapter's gradients and optimizer state and the bucket move."""
     p, b = d.params(), BYTES[dtype]
     t = p if adapter is None else adapter
     params = 0.0 if (offload_params or adapter is not None) else b * p / (ranks if zero_stage >= 3 else 1)
-    grads = b * t / (ranks if zero_stage >= 2 else 1)
+    grads_host, fp32_host = gradients_on_host(zero_stage, offload_optimizer)
+    grads = 0.0 if grads_host else b * t / (ranks if zero_stage >= 2 else 1)
+    fp32_grads = 0.0 if fp32_host else 4.0 * t / ranks
     bucket = b * DS_REDUCE_BUCKET if zero_stage >= 3 else 0.0
     optimizer = 0.0 if offload_optimizer else 12.0 * t / ranks
-    return params + grads + 4.0 * t / ranks + bucket + optimizer
+    return params + grads + fp32_grads + bucket + optimizer
 
 
 def rollout_phase_parts(pool: float, trainer_kept: float = 0.0) -> dict[str, float]:

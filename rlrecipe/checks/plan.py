@@ -3,7 +3,7 @@
 Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
   parameters   model dtype x P; ZeRO-3 divides by N and adds what it keeps gathered (up to
                DeepSpeed's stage3_max_live_parameters plus its prefetch bucket)
-  gradients    model dtype x P; divided by N from ZeRO-2
+  gradients    model dtype x P; divided by N from ZeRO-2; 0 under ZeRO-Offload from ZeRO-2 (host memory)
   optimizer    AdamW m and v, plus DeepSpeed's fp32 master weights (except ZeRO-3 with an fp32
                model, which shares them): 8 or 12 bytes x P, divided by N from ZeRO-1, 0 when
                offloaded.
@@ -44,6 +44,7 @@ from rlrecipe.checks.memory import (
     SGLANG_ADAPTER_SLOTS,
     SGLANG_OUTSIDE_POOL_GIB,
     SGLANG_OUTSIDE_POOL_NOTE,
+    gradients_on_host,
     lora_params,
     offloaded_bytes,
     rollout_phase_parts,
@@ -119,13 +120,16 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
             notes.append("parameters offloaded to CPU memory")
     else:
         params = b * p
-    grads = b * trained / (n if stage >= 2 else 1)
+    # ZeRO-Offload from ZeRO-2 reduces the gradient partition into host memory (memory.gradients_on_host)
+    grads_host = deepspeed and gradients_on_host(stage, tr.offload_optimizer)[0]
+    grads = 0.0 if grads_host else b * trained / (n if stage >= 2 else 1)
     # fp32 master weights: ZeRO-1/2 always clone their partition into one; ZeRO-3 shares it when
     # the model is fp32 already (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py)
     opt_per_param = (12 if b == 2 or stage < 3 else 8) if deepspeed else 2 * b
     optimizer = 0.0 if (deepspeed and tr.offload_optimizer) else opt_per_param * trained / (n if stage >= 1 else 1)
     if deepspeed and tr.offload_optimizer:
-        notes.append(f"optimizer state ({opt_per_param * trained / n / GIB:.1f} GiB per rank) offloaded to CPU memory")
+        notes.append(f"optimizer state ({opt_per_param * trained / n / GIB:.1f} GiB per rank) and fp32 gradients "
+                     + ("and the gradient partition " if grads_host else "") + "offloaded to CPU memory")
     if not m.gradient_checkpointing:
         notes.append("no gradient checkpointing: every layer keeps its activations")
     if adapter is None:
@@ -139,7 +143,7 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
                      "optimizer state); the embedding and the head get no weight gradients")
     parts.update(beyond_previous(step_phases(recipe, d, act_b, b, n, stage, device)))
     if deepspeed:
-        parts.update(deepspeed_buffers(d, b, n, stage, device, adapter))
+        parts.update(deepspeed_buffers(d, b, n, stage, device, adapter, tr.offload_optimizer, tr.lora.rank))
     beside, beside_notes = beside_training(recipe, d, b, adapter)
     parts.update(beside)
     notes += beside_notes

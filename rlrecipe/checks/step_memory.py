@@ -29,7 +29,7 @@ phases (`backward_bucket`).
 
 from __future__ import annotations
 
-from rlrecipe.checks.memory import DS_REDUCE_BUCKET, lora_params
+from rlrecipe.checks.memory import DS_REDUCE_BUCKET, gradients_on_host, lora_params
 from rlrecipe.checks.model_dims import ModelDims
 from rlrecipe.recipe.schema import Recipe
 
@@ -141,17 +141,25 @@ def backward_bucket(d: ModelDims, b: int, stage: int, device: str, adapter: int 
 
 
 def deepspeed_buffers(d: ModelDims, b: int, n: int, stage: int, device: str,
-                      adapter: int | None = None) -> dict[str, float]:
+                      adapter: int | None = None, offload_optimizer: bool = False, lora_rank: int = 0) -> dict[str, float]:
     """DeepSpeed's own buffers, counted on top of the phases: the fp32 gradients of its partition
     (a 16-bit model; ZeRO-3 keeps that buffer whatever the dtype) and ZeRO-3's gradient reduce
     bucket, allocated once and kept (CUDA holds it whole; on CPU only the pages written count, at
     most the model). ZeRO-1/2's bucket lives in backward only (`backward_bucket`). Under LoRA the
     gradients are the adapter's (`adapter`: its parameters); ZeRO-3's bucket is still allocated
-    whole on CUDA (stage3.py sizes it by reduce_bucket_size, which the engine leaves)."""
+    whole on CUDA (stage3.py sizes it by reduce_bucket_size, which the engine leaves).
+    Under ZeRO-Offload (`offload_optimizer`) the fp32 gradients live in host memory
+    (memory.gradients_on_host), and ZeRO-1/2 keep instead one staging buffer on the GPU the size of the
+    largest trained tensor in the model dtype (stage_1_and_2.py's temp_grad_buffer_for_gpu_offload): the
+    embedding or the head, or under LoRA (`lora_rank`) an adapter matrix."""
     trained = d.params() if adapter is None else adapter
     out = {}
-    if b == 2 or stage >= 3:
+    if (b == 2 or stage >= 3) and not gradients_on_host(stage, offload_optimizer)[1]:
         out["fp32 gradient copy"] = 4.0 * trained / (n if stage >= 1 else 1)
+    if offload_optimizer and stage in (1, 2):
+        largest = (max(d.vocab, d.intermediate) * d.hidden if adapter is None
+                   else lora_rank * max(d.intermediate, d.hidden))
+        out["offload staging buffer"] = float(b * largest)
     if stage >= 3:
         out["reduce bucket"] = reduce_bucket_held(b, trained, device)
     return out

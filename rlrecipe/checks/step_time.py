@@ -51,6 +51,19 @@ CHUNK_OVERHEAD_S = 5e-4
 # Step's fixed work: optimizer and bookkeeping, beyond the weight push (the projection's 5 s
 # train_step_s less the 2 s push at 7B).
 STEP_OVERHEAD_S = 3.0
+# Under trainer.lora SGLang serves the base with the adapter unmerged, named per request (lora_path):
+# every adapted layer adds its shrink and expand kernels to each decoding step. ASSUMPTION: decoding
+# takes this many times the base's time. No SGLang measurement isolating decode against the base was
+# found; the published figures: vLLM's benchmark_throughput with a rank-8 adapter on Llama-2-7B, one
+# A100, ShareGPT prompts, 2,693.62 output tokens/s without LoRA and 1,787.78 with it (1.51x;
+# vllm-project/vllm PR #11267, "[misc] benchmark_throughput : Add LoRA", 2024-12-17), the offline,
+# throughput-bound case closest to a rollout; around it, vLLM on one TPU v6e, Llama 3.1 8B, 8.4% to
+# 23.9% lower throughput with LoRA (1.09x to 1.31x; vllm-project/vllm PR #15655), and SGLang's own
+# triton backend, median end-to-end latency about 2x the base's at 4 requests/s and 3x at 8
+# (sgl-project/sglang PR #10286, Llama-3.1-8B-Instruct, one adapter), before the csgmv backend that PR
+# introduced (20% to 80% lower latency than triton, SGLang's LoRA docs) became the default (PR #11488).
+# Range 1.1 to 2.0. Measure: a server's decode throughput with and without --enable-lora and lora_path.
+LORA_DECODE_SLOWDOWN = 1.5
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,8 @@ class Rates:
     def of(cls, d: ModelDims, rollout_dtype: str, gradient_checkpointing: bool, gpu: GPU = H100,
            kv_bytes: int | None = None, lora: bool = False) -> Rates:
         """`kv_bytes`: of one cached K or V element (1 for an FP8 cache); default rollout_dtype's.
-        `lora`: the base frozen (trainer.lora), so backward skips its weight gradients."""
+        `lora`: trainer.lora with SGLang rollouts: backward skips the frozen base's weight gradients,
+        and decoding, through the unmerged adapter, takes LORA_DECODE_SLOWDOWN times as long."""
         n = d.params()
         b = BYTES[rollout_dtype]
         kv = b if kv_bytes is None else kv_bytes
@@ -110,9 +124,10 @@ class Rates:
         # forward under gradient checkpointing; under LoRA backward computes the activations' gradients
         # (2N) but not the frozen weights' (2N less; the adapter's own are ~6 x its parameters, left out)
         train_flop = (10 if gradient_checkpointing else 8) * n - (2 * n if lora else 0)
-        return cls(step_s=b * n / gpu.hbm_bytes_s + gpu.decode_overhead_s,
-                   row_s=2 * n / (gpu.decode_gemm_mfu * gpu.bf16_flop_s),
-                   ctx_s=2 * d.layers * d.kv_dim * kv / gpu.hbm_bytes_s,
+        decode = LORA_DECODE_SLOWDOWN if lora else 1.0  # every decoding term: the measurements are whole runs
+        return cls(step_s=decode * (b * n / gpu.hbm_bytes_s + gpu.decode_overhead_s),
+                   row_s=decode * 2 * n / (gpu.decode_gemm_mfu * gpu.bf16_flop_s),
+                   ctx_s=decode * 2 * d.layers * d.kv_dim * kv / gpu.hbm_bytes_s,
                    prefill_token_s=2 * n / (gpu.prefill_mfu * gpu.bf16_flop_s),
                    train_token_s=train_flop / (gpu.train_mfu * gpu.bf16_flop_s))
 

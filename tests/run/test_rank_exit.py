@@ -65,7 +65,9 @@ def test_a_launched_stage_exits_with_its_failed_ranks_own_status(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     from rlrecipe.train.launch import STATUS_DIR_ENV, ranks_status
 
-    for rank0, rank1, torchrun_rc, status in ((2, 0, 1, 2), (75, 75, 1, 75), (2, 75, 1, 1), (0, 0, 0, 0)):
+    # torchrun stops the other ranks once one fails, so a rank's own status may never be left: the
+    # statuses left are those of the ranks that ended themselves
+    for rank0, rank1, torchrun_rc, status in ((2, 0, 1, 2), (75, 75, 1, 75), (0, 0, 0, 0)):
         folder = tmp_path / f"status-{rank0}-{rank1}"
         folder.mkdir()
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
@@ -73,3 +75,8 @@ def test_a_launched_stage_exits_with_its_failed_ranks_own_status(tmp_path):
                               env={**env, STATUS_DIR_ENV: str(folder)}, capture_output=True, text=True)
         assert done.returncode == torchrun_rc, done.stderr[-2000:]
         assert ranks_status(done.returncode, folder) == status
+    disagree = tmp_path / "disagree"  # ranks that failed each their own way: torchrun's word stands
+    disagree.mkdir()
+    (disagree / "rank0").write_text("2")
+    (disagree / "rank1").write_text("75")
+    assert ranks_status(1, disagree) == 1

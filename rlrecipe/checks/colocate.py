@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from rlrecipe.checks.memory import SGLANG_OUTSIDE_POOL_GIB, TRAINER_OFFLOADED_GIB, offloaded_bytes
 from rlrecipe.checks.model_dims import BYTES, ModelDims
 from rlrecipe.checks.step_time import GPU, H100, STEP_OVERHEAD_S, Training
-from rlrecipe.recipe.schema import ipc_refusal
+from rlrecipe.recipe.refusals import ipc_refusal
 from rlrecipe.recipe.systems import MAX_PARALLEL_LOADS, SGLangServer
 
 
@@ -151,7 +151,7 @@ LORA_PUSHES = ("tensor", "disk")
 
 def allowed_pushes(*, colocated: bool, trainer_nodes: int = 1, rollout_nodes: int = 1,
                    server_gpus: int = 0, trainer_ranks: int = 0, lora: bool = False) -> tuple[str, ...]:
-    """The built pushes a layout may use: "ipc" only where the recipe accepts it (schema.ipc_refusal;
+    """The built pushes a layout may use: "ipc" only where the recipe accepts it (refusals.ipc_refusal;
     attached rollout.urls must be local too, which the layout cannot say); under LoRA (`lora`) the
     adapter's two (LORA_PUSHES)."""
     if lora:

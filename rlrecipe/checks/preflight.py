@@ -16,7 +16,8 @@ from rlrecipe.checks.model_check import (
 )
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.base import RecipeError
-from rlrecipe.recipe.schema import LoadedRecipe, rl_lora_refusal
+from rlrecipe.recipe.refusals import rl_lora_refusal
+from rlrecipe.recipe.schema import LoadedRecipe
 from rlrecipe.run.record import resolve_init
 
 TRAIN_DATA = {"sft": "an SFT dataset", "rl": "an RL prompt set"}

@@ -20,9 +20,10 @@ from rlrecipe.rollout.sglang import api_key as api_key_module
 from rlrecipe.rollout.sglang import ownership
 from rlrecipe.rollout.sglang import server as server_module
 from rlrecipe.rollout.sglang.fleet import ServerFleet
+from rlrecipe.rollout.sglang.health import wait_until_healthy
 from rlrecipe.rollout.sglang.http_pool import Post
 from rlrecipe.rollout.sglang.ownership import _ip, key_proof, listening_inodes, port_owner
-from rlrecipe.rollout.sglang.server import ServerProcess, ServerSpec, start_servers, wait_until_healthy
+from rlrecipe.rollout.sglang.server import ServerProcess, ServerSpec, start_servers
 from tests.helpers import serving_in_thread
 from tests.ports import free_port
 

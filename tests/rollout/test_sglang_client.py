@@ -22,7 +22,7 @@ from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang.api import context_length, sglang_sampling_params
 from rlrecipe.rollout.sglang.call import apply_answer, to_least_loaded
 from rlrecipe.rollout.sglang.engine import SGLangEngine
-from rlrecipe.rollout.sglang.server import probe_health
+from rlrecipe.rollout.sglang.health import probe_health
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 from tests.helpers import stop_process
 from tests.ports import free_port, free_ports, port_free

@@ -19,7 +19,7 @@ import pytest
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang.engine import SGLangEngine
-from rlrecipe.rollout.sglang.server import probe_health
+from rlrecipe.rollout.sglang.health import probe_health
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
 from tests.ports import free_ports
 

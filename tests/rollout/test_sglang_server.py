@@ -27,12 +27,12 @@ from rlrecipe.recipe.schema import load_recipe, recipe_from_dict
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang.api_key import auth_headers
 from rlrecipe.rollout.sglang.engine import SGLangEngine
+from rlrecipe.rollout.sglang.health import wait_until_healthy
 from rlrecipe.rollout.sglang.router import router_launch_cmd, start_router
 from rlrecipe.rollout.sglang.server import (
     check_gpus,
     gpus_needed,
     sglang_launch_cmd,
-    wait_until_healthy,
 )
 from rlrecipe.trajectory.record import SamplingParams, Status
 from tests.rollout.test_sglang_client import (

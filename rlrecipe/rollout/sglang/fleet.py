@@ -24,10 +24,11 @@ from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import RolloutSection, SGLangServer
 from rlrecipe.rollout.sglang import lora
 from rlrecipe.rollout.sglang.api_key import client_headers, fleet_key, user_key
+from rlrecipe.rollout.sglang.health import wait_until_healthy
 from rlrecipe.rollout.sglang.http_pool import HttpPool
 from rlrecipe.rollout.sglang.recovery import ServerRecovery
 from rlrecipe.rollout.sglang.router import RouterWorkers, start_router
-from rlrecipe.rollout.sglang.server import ServerProcess, launch_servers, wait_until_healthy
+from rlrecipe.rollout.sglang.server import ServerProcess, launch_servers
 from rlrecipe.rollout.sglang.versions import NEWEST, Dialect, dialect_of
 
 # a /server_info that fails is asked this often in all, this far apart, before an error names the server

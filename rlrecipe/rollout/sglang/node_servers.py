@@ -36,6 +36,7 @@ from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang.api_key import user_key
+from rlrecipe.rollout.sglang.health import probe_health, wait_until_healthy
 from rlrecipe.rollout.sglang.lora import launch_args
 from rlrecipe.rollout.sglang.server import (
     LOG_NAME,
@@ -43,14 +44,12 @@ from rlrecipe.rollout.sglang.server import (
     ServerSpec,
     gpus_per_server,
     model_arg,
-    probe_health,
     require_sglang,
     server_specs,
     shown_cmd,
     start_servers,
     url_for,
     visible_gpus,
-    wait_until_healthy,
 )
 
 URLS_LOCK_TIMEOUT_S = 120.0  # other nodes hold the lock for one read and one rename

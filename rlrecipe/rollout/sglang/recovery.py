@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
-from rlrecipe.rollout.sglang.server import ServerProcess, probe_health
+from rlrecipe.rollout.sglang.health import probe_health
+from rlrecipe.rollout.sglang.server import ServerProcess
 
 STOP_S = 5.0  # a server given up on needs no long goodbye: SIGKILL follows SIGTERM after this
 PROBE_S = 2.0  # one health probe of a server left out, at a weight update (side by side)

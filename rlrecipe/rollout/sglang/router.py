@@ -22,12 +22,12 @@ import requests
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer
 from rlrecipe.rollout.sglang.api_key import key_env
+from rlrecipe.rollout.sglang.health import wait_until_healthy
 from rlrecipe.rollout.sglang.server import (
     ROUTER_LOG_NAME,
     ServerProcess,
     fill_placeholders,
     port_free,
-    wait_until_healthy,
 )
 
 # The client's read timeout (request_timeout_s + request_timeout_per_token_s x max_new_tokens)

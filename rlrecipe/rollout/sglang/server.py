@@ -1,4 +1,4 @@
-"""SGLang server processes on this node: launch commands, the GPU count, start, health, stop.
+"""SGLang server processes on this node: launch commands, the GPU count, start, stop.
 
 `rollout.sglang.num_servers` servers are launched on the node of rank 0 as
 `python -m sglang.launch_server` (or `rollout.sglang.launch_cmd`), on ports base_port + i, server
@@ -13,11 +13,10 @@ on port base_port + i, its GPUs counted from 0 on its node, and the run attaches
 `rollout.urls`. Optionally `sglang-router` runs in front of the servers (`rollout.sglang.router`,
 log `<run_dir>/sglang_router.log`) so that generation goes to one URL.
 
-Before the first request, every server (and the router) is polled on GET /health_generate, each
-probe bounded by the time left of `startup_timeout_s`; one that exits or never answers 200 stops
-the run with an error naming it and its log. A server is stopped with SIGTERM to its group, then
-SIGKILL; every one still running is stopped at interpreter exit, and (Linux, PDEATHSIG) when this
-process dies hard.
+Before the first request, every server (and the router) is awaited on GET /health_generate
+(`sglang/health.py`); one that exits or never answers 200 stops the run. A server is stopped with
+SIGTERM to its group, then SIGKILL; every one still running is stopped at interpreter exit, and
+(Linux, PDEATHSIG) when this process dies hard.
 """
 
 from __future__ import annotations
@@ -35,25 +34,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
-
-from rlrecipe.core.console import console
 from rlrecipe.core.errors import UserError
 from rlrecipe.recipe.systems import SGLangServer, TrainerSection
 from rlrecipe.rollout.sglang.api_key import ENV as API_KEY_ENV
-from rlrecipe.rollout.sglang.api_key import anonymous_headers, key_env, redact
+from rlrecipe.rollout.sglang.api_key import key_env, redact
 from rlrecipe.rollout.sglang.lora import PLACEHOLDER as LORA_PLACEHOLDER
 from rlrecipe.rollout.sglang.ownership import foreign_holder, prove_ours, taken_error
 
 LOG_NAME = "sglang_server_{i}.log"
 ROUTER_LOG_NAME = "sglang_router.log"
-HEALTH_PATH = "/health_generate"  # SGLang answers it once a one-token generation went through
-PROBE_TIMEOUT_S = 30.0  # one health probe at most (SGLang gives up on its own after 20 s)
-WAIT_NOTICE_S = 10.0  # say what is awaited once a start-up takes this long
 
 
 def sglang_launch_cmd(model: str, host: str, port: int, index: int, cfg: SGLangServer, dtype: str,
@@ -407,58 +399,3 @@ def check_gpus(cfg: SGLangServer, visible: int, trainer_gpus: int = 0) -> None:
                         f"{', or trainer.nproc' if trainer_gpus else ''}, or spread the servers over "
                         "rollout.sglang.nodes nodes (`rlrecipe rollout-servers`) and attach them with "
                         "rollout.urls (docs/gpu.md: Rollout at scale)")
-
-
-# -- health ----------------------------------------------------------------------------------------
-def probe_health(url: str, time_left: float) -> str | None:
-    """None when `url` answers GET /health_generate with 200 within the time left, else what it did.
-    Sent without the key: it may reach a process that took a launched server's port after its
-    check, and health paths need no key (SGLang, `rlrecipe serve`)."""
-    try:
-        r = requests.get(url + HEALTH_PATH, headers=anonymous_headers(),
-                         timeout=(min(5.0, time_left), min(PROBE_TIMEOUT_S, time_left)))
-    except requests.RequestException as err:
-        return type(err).__name__
-    return None if r.status_code == 200 else f"HTTP {r.status_code}"
-
-
-def wait_until_healthy(servers: Sequence[tuple[str, ServerProcess | None]], timeout: float) -> None:
-    """Until every (url, its process or None when attached) answers /health_generate with 200.
-
-    Probes run side by side, each bounded by the time left, so a server that accepts connections
-    and never answers costs `timeout`, not one probe timeout per server. A launched server that
-    exits fails at once with its exit code and log; one not healthy by the deadline fails with an
-    error naming it (and its log). A launched server's port held by another process fails at once,
-    before that process is probed, and a launched server that answers proves it is ours
-    (sglang/ownership.py)."""
-    deadline = time.monotonic() + timeout
-    pending = list(servers)
-    last: dict[str, str] = {}
-    noticed = False
-    with ThreadPoolExecutor(max_workers=min(32, max(1, len(pending)))) as pool:
-        while pending:
-            for _, proc in pending:
-                if proc is not None and proc.proc is not None:
-                    proc.check_port()  # first: a server that lost its port exits for that reason
-                    if not proc.alive():
-                        raise proc.crash_error("exited during start-up")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                url, proc = pending[0]
-                name = f"{proc.label} ({url})" if proc is not None else f"SGLang server {url}"
-                where = f"; log: {proc.log_path}" if proc is not None else ""
-                raise UserError(f"{name} not healthy after {timeout:.0f}s (last: {last.get(url, '?')}; raise "
-                                f"rollout.sglang.startup_timeout_s?){where}")
-            answers = list(pool.map(lambda entry, left=left: probe_health(entry[0], left), pending))
-            for (url, proc), answer in zip(pending, answers, strict=True):
-                if answer is not None:
-                    last[url] = answer
-                elif proc is not None and proc.proc is not None:
-                    proc.prove_ours()
-            pending = [entry for entry, answer in zip(pending, answers, strict=True) if answer is not None]
-            if pending and not noticed and time.monotonic() > deadline - timeout + WAIT_NOTICE_S:
-                noticed = True
-                console.print(f"waiting for {len(pending)} SGLang server(s) to answer {HEALTH_PATH}, "
-                              f"up to {timeout:.0f}s in all (first: {pending[0][0]})")
-            if pending:
-                time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))

@@ -82,7 +82,7 @@ class SGLangServer(Section):
     # port's listening socket, and its key proves it; "key" = its key alone, for a launch_cmd whose
     # server's socket another process holds (`docker run -p`: docker-proxy), which must pass
     # SGLANG_API_KEY on to the server; "off" = nothing is checked.
-    ownership_proof: Literal["socket_and_key", "key", "off"] = "socket_and_key"
+    ownership_proof: Literal["socket_and_key", "key", "off"] = Field("socket_and_key", json_schema_extra=HASHED_WHEN_SET)
 
     @model_validator(mode="after")
     def _restarts_need_retries(self) -> SGLangServer:

@@ -270,9 +270,9 @@ def lora_section(study: dict[str, Any]) -> str:
     missing = _lora_missing(study)
     intro = (
         "LoRA against full fine-tuning in RL: recipes/tiny_rl.yaml from the tiny SFT model with "
-        "`trainer.lora.rank` 0 (full), 1, 8 or 32 on every linear layer of the blocks (alpha 32), each at "
-        f"tiny_rl's learning rate and at 10x it; {plan.get('steps', '-')} steps, seeds "
-        f"{', '.join(map(str, plan.get('seeds', []))) or '-'}. Held-out: the final avg@8 on tiny-arith eval, percent "
+        "`trainer.lora.rank` 0 (full), 1, 8 or 32 on every linear layer of the blocks (alpha 32), each over "
+        f"the learning rates the table lists (scripts/lora_study.py's sweep); {plan.get('steps', '-')} steps, the "
+        "seeds each row names. Held-out: the final avg@8 on tiny-arith eval, percent "
         "(± sd across seeds, min-max). Final train accuracy: the mean of the last steps. Bytes per push: what one "
         "push to SGLang carries (the adapter under LoRA, the whole model otherwise; the in-process engine the "
         "study ran on takes merged weights). Seconds per step: the RL loop's, the median of each run's steps, mean over seeds (taken on a machine "

@@ -12,67 +12,35 @@ engines reach:
   trained token, T its sequence length; 8/6 for the RL step's recomputed old log-probs) at
   TRAIN_SHARE of the bf16 peak.
 
-DECODE_SHARE and TRAIN_SHARE are fitted (`fit_decode_share`, `fit_train_share`) to the SGLang and
-torchtitan cases; the other constants are named assumptions the cases cannot separate.
+The two shares, the devices' datasheets and the FLOP counts live in rlrecipe/checks/gpu_costs.py,
+which `rlrecipe fit`'s closed forms read too; `fit_share` fits the shares to the SGLang and torchtitan
+cases. The other constants here are named assumptions the cases cannot separate.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from bench.projection.sim import CostModel
+from rlrecipe.checks.gpu_costs import (
+    DECODE_SHARE,
+    STEP_OVERHEAD_S,
+    TRAIN_SHARE,
+    Device,
+    kv_bytes_per_token,
+    train_flops_per_token,
+)
 from rlrecipe.checks.model_dims import ModelDims
 
-
-@dataclass(frozen=True)
-class Device:
-    hbm_bps: float
-    bf16_flops: float
-    source: str
-
-
-DEVICES = {
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM5: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16 (the H800 has the same)
-    "H100": Device(3.35e12, 989e12, "NVIDIA H100 datasheet (SXM5): 3.35 TB/s, 989 TFLOP/s dense bf16"),
-    # torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s (docs/performance.md); their peak is stated to lie between
-    # SXM and NVL at a 500 W limit, taken as the SXM peak, as torchtitan's own MFU takes it
-    "H100-HBM2e-500W": Device(2.4e12, 989e12, "pytorch/torchtitan docs/performance.md: 2.4 TB/s; SXM peak as torchtitan takes it"),
-    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: 2,039 GB/s HBM2e, 312 TFLOP/s dense bf16
-    "A100-80GB": Device(2.039e12, 312e12, "NVIDIA A100 datasheet (80GB SXM): 2.039 TB/s, 312 TFLOP/s dense bf16"),
-}
-
-# ASSUMPTION (the former H100 model's, not fitted: one decode throughput cannot tell it from DECODE_SHARE):
-# scheduling, sampling and kernel launches of one decoding step
-STEP_OVERHEAD_S = 1.2e-3
 # ASSUMPTION (the former model's): one scheduler iteration per prefill batch
 PREFILL_CALL_S = 2.0e-3
 # ASSUMPTION (the former model's, not measured): the optimizer step, and a weight push where a projection has no push model
 TRAIN_STEP_S = 3.0
 PUSH_S = 2.0
-# FITTED by `python -m bench.projection.published --fit` (bench/data/published/sglang_llama31_8b_a100_*.json):
-# the share of a device's roofline (HBM for weights and KV, bf16 peak for the rows) an SGLang decoding step reaches
-DECODE_SHARE = 0.7678
-# FITTED the same way (bench/data/published/torchtitan_llama31_8b_fsdp_*.json): the share of the bf16 peak a
-# ZeRO-3-like (FSDP) training step sustains, counted as torchtitan counts a token's FLOP
-TRAIN_SHARE = 0.3509
-# the residuals of those fits, relative, per case (written by --fit, read by the docs)
-FIT_RESIDUALS = {"sglang_llama31_8b_a100_offline": 0.0094, "sglang_llama31_8b_a100_online_itl": 0.0101,
-                 "torchtitan_llama31_8b_fsdp_8xh100": -0.0137, "torchtitan_llama31_8b_fsdp_128xh100": 0.0139}
 
 
 def dims_of(cfg: dict) -> ModelDims:
     return ModelDims.from_config(cfg)
-
-
-def kv_bytes_per_token(d: ModelDims, dtype_bytes: int = 2) -> int:
-    return 2 * d.layers * d.kv_dim * dtype_bytes
-
-
-def train_flops_per_token(d: ModelDims, seq_len: float, rl: bool = True) -> float:
-    """torchtitan's count: 6N + 12 x layers x hidden x T; x 8/6 for an RL step (old log-probs recomputed)."""
-    flops = 6 * d.params() + 12 * d.layers * d.hidden * seq_len
-    return flops * (8 / 6 if rl else 1)
 
 
 def gpu_cost(d: ModelDims, device: Device, *, decode_share: float = DECODE_SHARE, train_share: float = TRAIN_SHARE,

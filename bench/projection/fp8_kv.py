@@ -31,8 +31,9 @@ def arm(recipe_path: str, kv_cache_dtype: str) -> dict[str, float]:
     loaded = load_recipe(recipe_path, [f"rollout.kv_cache_dtype={kv_cache_dtype}"])
     r, d = loaded.recipe, model_dims(loaded)
     ro, tr, rl = r.rollout, r.trainer, r.rl
-    rates = Rates.of(d, ro.dtype, r.model.gradient_checkpointing, kv_bytes=kv_bytes(ro))
     lengths = Lengths.assumed(ro.max_new_tokens, r.data.max_prompt_tokens)
+    rates = Rates.of(d, ro.dtype, r.model.gradient_checkpointing, train_seq_len=lengths.sequence,
+                     kv_bytes=kv_bytes(ro))
     _, _, kv, kv_token = sglang_memory(r, d)
     kv_tokens = int(kv // kv_token)
     tp = ro.sglang.tp_size

@@ -23,6 +23,7 @@ import random
 from pathlib import Path
 
 from bench.projection import cost_model as cm
+from rlrecipe.checks import gpu_costs as gc
 from rlrecipe.trajectory.record import SamplingParams, Trajectory
 
 CASES = Path(__file__).parents[1] / "data" / "published"
@@ -47,11 +48,11 @@ def _dims(case: dict):
     return cm.dims_of(cfg)
 
 
-def _device(case: dict) -> cm.Device:
+def _device(case: dict) -> gc.Device:
     kind = case["setup"]["gpu_kind"]
     if "A100" in kind:
-        return cm.DEVICES["A100-80GB"]
-    return cm.DEVICES["H100-HBM2e-500W" if "HBM2e" in kind else "H100"]
+        return gc.DEVICES["A100-80GB"]
+    return gc.DEVICES["H100-HBM2e-500W" if "HBM2e" in kind else "H100"]
 
 
 # -- decode_offline ------------------------------------------------------------------------------
@@ -62,7 +63,8 @@ OFFLINE_MEAN_OUT, OFFLINE_SIGMA, OFFLINE_CUT = 194.4, 1.0, 2048
 def _offline_run(case: dict) -> tuple[dict, int]:
     """The SimEngine's counters over the case's requests (the schedule does not depend on the cost), and
     the output tokens generated."""
-    from bench.projection.sim import CostModel, Lengths, SimEngine
+    from bench.projection.lengths import Lengths
+    from bench.projection.sim import CostModel, SimEngine
 
     d = _dims(case)
     rng = random.Random(0)
@@ -70,7 +72,7 @@ def _offline_run(case: dict) -> tuple[dict, int]:
     mu = math.log(OFFLINE_MEAN_OUT) - OFFLINE_SIGMA ** 2 / 2  # a log-normal of this mean
     lengths = [max(1, min(OFFLINE_CUT - 1, round(rng.lognormvariate(mu, OFFLINE_SIGMA)))) for _ in range(n)]
     gib = 2 ** 30
-    kv = int((0.88 * 80 * gib - 2 * d.params()) // cm.kv_bytes_per_token(d))
+    kv = int((0.88 * 80 * gib - 2 * d.params()) // gc.kv_bytes_per_token(d))
     zero = CostModel(0, 0, 0, 0, 0)
     engine = SimEngine(zero, Lengths(OFFLINE_CUT, groups=lengths), layout="server", kv_tokens=kv, kv_reserve=0.3)
     trajs = [Trajectory(uid=f"r{i}#0", prompt_ids=[1] * OFFLINE_PROMPT, group_id=f"r{i}") for i in range(n)]
@@ -84,7 +86,7 @@ def _offline_run(case: dict) -> tuple[dict, int]:
 _OFFLINE: dict[str, tuple[dict, int]] = {}
 
 
-def predict_decode_offline(case: dict, share: float = cm.DECODE_SHARE) -> float:
+def predict_decode_offline(case: dict, share: float = gc.DECODE_SHARE) -> float:
     from bench.projection.sim import rollout_seconds
 
     if case["id"] not in _OFFLINE:
@@ -98,7 +100,7 @@ def predict_decode_offline(case: dict, share: float = cm.DECODE_SHARE) -> float:
 STEP_BATCH, STEP_CONTEXT = 4 * 1.56417, 330  # the case file's assumed batch (Little's law) and context
 
 
-def predict_decode_step(case: dict, share: float = cm.DECODE_SHARE) -> float:
+def predict_decode_step(case: dict, share: float = gc.DECODE_SHARE) -> float:
     cost = cm.gpu_cost(_dims(case), _device(case), decode_share=share)
     return 1e3 * (cost.step_s + cost.row_s * STEP_BATCH + cost.ctx_s * STEP_BATCH * STEP_CONTEXT)
 
@@ -107,8 +109,8 @@ def predict_decode_step(case: dict, share: float = cm.DECODE_SHARE) -> float:
 TRAIN_SEQ = 8192  # the case file's assumed sequence length
 
 
-def predict_train_throughput(case: dict, share: float = cm.TRAIN_SHARE) -> float:
-    return share * _device(case).bf16_flops / cm.train_flops_per_token(_dims(case), TRAIN_SEQ, rl=False)
+def predict_train_throughput(case: dict, share: float = gc.TRAIN_SHARE) -> float:
+    return share * _device(case).bf16_flops / gc.train_flops_per_token(_dims(case), TRAIN_SEQ, rl=False)
 
 
 # -- rl_speedup ----------------------------------------------------------------------------------

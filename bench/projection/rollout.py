@@ -38,11 +38,12 @@ from pathlib import Path
 
 from bench.c3po_compare import coefficient_of_variation
 from bench.projection.calibration import calibrate
-from bench.projection.cost_model import DEVICES, dims_of, gpu_cost
+from bench.projection.cost_model import dims_of, gpu_cost
 from bench.projection.sim import (
     CostModel,
     simulate,
 )
+from rlrecipe.checks.gpu_costs import DEVICES
 
 
 def _fitted_7b() -> CostModel:

@@ -43,10 +43,11 @@ class Search:
         r = self.recipe = loaded.recipe
         self.dims = dims or model_dims(loaded)
         self.adapter = lora_params(r, self.dims)  # trainer.lora: what trains and is pushed; None: everything
-        self.rates = Rates.of(self.dims, r.rollout.dtype, r.model.gradient_checkpointing,
-                              kv_bytes=kv_bytes(r.rollout), lora=self.adapter is not None)
-        self.allowed = allowed_pushes(colocated=True, lora=self.adapter is not None)  # colocated pushes
         self.lengths = Lengths.assumed(r.rollout.max_new_tokens, r.data.max_prompt_tokens)
+        self.rates = Rates.of(self.dims, r.rollout.dtype, r.model.gradient_checkpointing,
+                              train_seq_len=self.lengths.sequence, kv_bytes=kv_bytes(r.rollout),
+                              lora=self.adapter is not None)
+        self.allowed = allowed_pushes(colocated=True, lora=self.adapter is not None)  # colocated pushes
         self.c3po = r.rl.c3po.enabled
         self.rollouts = r.rl.prompts_per_step * r.rl.samples_per_prompt
         self.trained = (float(r.rl.c3po.token_budget) if self.c3po else self.rollouts * self.lengths.mean)

@@ -1,10 +1,10 @@
 """Seconds of an RL step on a layout, in closed form: what `rlrecipe fit` ranks layouts by.
 
-The same assumptions as the simulated projection (bench/projection/rollout.py, H100_7B_ASSUMED,
-docs/async_projection.md), with the rollout summed over a length distribution instead of replayed
-decoding step by decoding step, so that thousands of layouts cost milliseconds. Every rate is
-derived from the model's size and one H100 SXM (`GPU`); docs/gpu.md ("How fit decides") gives the
-formulas with a worked example. Projections for ranking layouts, not measurements.
+The same cost model as the simulated projections (bench/projection/cost_model.py): an H100's datasheet
+at the shares fitted to published measurements (gpu_costs.py), with the rollout summed over a length
+distribution instead of replayed decoding step by decoding step, so that thousands of layouts cost
+milliseconds. docs/gpu.md ("How fit decides") gives the formulas with a worked example. Projections for
+ranking layouts, not measurements.
 """
 
 from __future__ import annotations
@@ -13,19 +13,21 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
+from rlrecipe.checks.gpu_costs import DECODE_SHARE, DEVICES, STEP_OVERHEAD_S, TRAIN_SHARE, token_flops
 from rlrecipe.checks.model_dims import BYTES, ModelDims
 
 
 @dataclass(frozen=True)
 class GPU:
-    """What the times assume of every GPU, whatever its memory: an H100 SXM (ASSUMPTION)."""
+    """What the times assume of every GPU, whatever its memory: an H100 SXM. Decoding and training
+    rates are the datasheet's at the fitted shares (gpu_costs.py); the links, the host and the push
+    are assumptions."""
 
-    hbm_bytes_s: float = 2.6e12  # of HBM3's 3.35 TB/s, what decoding reaches
-    bf16_flop_s: float = 989e12  # dense
-    decode_overhead_s: float = 1.2e-3  # scheduling, sampling, launches per decoding step
-    decode_gemm_mfu: float = 0.75
-    prefill_mfu: float = 0.70
-    train_mfu: float = 0.40
+    hbm_bytes_s: float = DEVICES["H100"].hbm_bps
+    bf16_flop_s: float = DEVICES["H100"].bf16_flops
+    decode_overhead_s: float = STEP_OVERHEAD_S  # scheduling, sampling, launches per decoding step
+    decode_share: float = DECODE_SHARE  # of HBM and of the bf16 peak: decoding and prefill (fitted)
+    train_share: float = TRAIN_SHARE  # of the bf16 peak, at torchtitan's FLOP count (fitted)
     nvlink_bytes_s: float = 150e9  # collective bus bandwidth inside a node
     network_bytes_s: float = 25e9  # per GPU between nodes (200 Gb/s)
     pcie_bytes_s: float = 20e9  # GPU <-> host, offload
@@ -96,6 +98,11 @@ class Lengths:
         return min(float(self.max_new), math.exp(dist.inv_cdf(1 - 1 / (n + 1))))
 
     @property
+    def sequence(self) -> float:
+        """A trained sequence's tokens on average: its prompt and its response."""
+        return self.prompt + self.mean
+
+    @property
     def context_per_token(self) -> float:
         """Tokens a generated token attends to, averaged over the generated tokens."""
         return self.prompt + self.mean_square / (2 * self.mean)
@@ -112,24 +119,28 @@ class Rates:
     train_token_s: float  # forward, backward and the old log-probs of one trained token
 
     @classmethod
-    def of(cls, d: ModelDims, rollout_dtype: str, gradient_checkpointing: bool, gpu: GPU = H100,
-           kv_bytes: int | None = None, lora: bool = False) -> Rates:
-        """`kv_bytes`: of one cached K or V element (1 for an FP8 cache); default rollout_dtype's.
+    def of(cls, d: ModelDims, rollout_dtype: str, gradient_checkpointing: bool, *, train_seq_len: float,
+           gpu: GPU = H100, kv_bytes: int | None = None, lora: bool = False) -> Rates:
+        """`train_seq_len`: a trained sequence's tokens (its attention's FLOP grow with it).
+        `kv_bytes`: of one cached K or V element (1 for an FP8 cache); default rollout_dtype's.
         `lora`: trainer.lora with SGLang rollouts: backward skips the frozen base's weight gradients,
         and decoding, through the unmerged adapter, takes LORA_DECODE_SLOWDOWN times as long."""
         n = d.params()
         b = BYTES[rollout_dtype]
         kv = b if kv_bytes is None else kv_bytes
-        # 6N forward and backward, 2N recomputing the old log-probs, 2N more recomputing the
-        # forward under gradient checkpointing; under LoRA backward computes the activations' gradients
-        # (2N) but not the frozen weights' (2N less; the adapter's own are ~6 x its parameters, left out)
-        train_flop = (10 if gradient_checkpointing else 8) * n - (2 * n if lora else 0)
+        # torchtitan's forward and backward (6 of the passes' FLOP), 2 more recomputing the old log-probs,
+        # 2 more recomputing the forward under gradient checkpointing; under LoRA backward computes the
+        # activations' gradients but not the frozen weights' (2N less; the adapter's own ~6 x its
+        # parameters, left out)
+        passes = 10 if gradient_checkpointing else 8
+        train_flop = passes / 6 * token_flops(d, train_seq_len) - (2 * n if lora else 0)
         decode = LORA_DECODE_SLOWDOWN if lora else 1.0  # every decoding term: the measurements are whole runs
-        return cls(step_s=decode * (b * n / gpu.hbm_bytes_s + gpu.decode_overhead_s),
-                   row_s=decode * 2 * n / (gpu.decode_gemm_mfu * gpu.bf16_flop_s),
-                   ctx_s=decode * 2 * d.layers * d.kv_dim * kv / gpu.hbm_bytes_s,
-                   prefill_token_s=2 * n / (gpu.prefill_mfu * gpu.bf16_flop_s),
-                   train_token_s=train_flop / (gpu.train_mfu * gpu.bf16_flop_s))
+        hbm, flop = gpu.decode_share * gpu.hbm_bytes_s, gpu.decode_share * gpu.bf16_flop_s
+        return cls(step_s=decode * (b * n / hbm + gpu.decode_overhead_s),
+                   row_s=decode * 2 * n / flop,
+                   ctx_s=decode * 2 * d.layers * d.kv_dim * kv / hbm,
+                   prefill_token_s=2 * n / flop,
+                   train_token_s=train_flop / (gpu.train_share * gpu.bf16_flop_s))
 
 
 def tp_efficiency(tp: int) -> float:

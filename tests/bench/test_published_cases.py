@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from bench.projection import cost_model as cm
 from bench.projection.published import CASES, all_cases, fit, load, predict
+from rlrecipe.checks import gpu_costs as gc
 
 FILES = sorted(CASES.glob("*.json"))
 
@@ -30,8 +30,8 @@ def test_the_ratio_cases_keep_the_ratio_bound_unless_a_reason_is_written():
 
 def test_the_shipped_shares_are_the_fit():
     got = fit()
-    assert got["decode_share"] == pytest.approx(cm.DECODE_SHARE, abs=5e-4)
-    assert got["train_share"] == pytest.approx(cm.TRAIN_SHARE, abs=5e-4)
+    assert got["decode_share"] == pytest.approx(gc.DECODE_SHARE, abs=5e-4)
+    assert got["train_share"] == pytest.approx(gc.TRAIN_SHARE, abs=5e-4)
     for name, residual in got["residuals"].items():
-        assert residual == pytest.approx(cm.FIT_RESIDUALS[name], abs=5e-4), name
+        assert residual == pytest.approx(gc.FIT_RESIDUALS[name], abs=5e-4), name
     json.dumps(got)

@@ -12,8 +12,9 @@ timings of `make bench`'s projections.
 import random
 
 from bench.projection.asynchronous import async_projection
+from bench.projection.lengths import Lengths
 from bench.projection.rollout import H100_7B_ASSUMED, lognormal_groups, recipe_trace
-from bench.projection.sim import Lengths, simulate
+from bench.projection.sim import simulate
 from rlrecipe.recipe.schema import load_recipe
 from rlrecipe.trajectory.record import Trajectory
 

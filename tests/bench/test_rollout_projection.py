@@ -8,8 +8,9 @@ import pytest
 
 from bench.c3po_compare import coefficient_of_variation, compare_streams
 from bench.projection.calibration import calibrate
+from bench.projection.lengths import Lengths, SyntheticStream
 from bench.projection.rollout import project
-from bench.projection.sim import CostModel, Lengths, SimEngine, SyntheticStream, simulate
+from bench.projection.sim import CostModel, SimEngine, simulate
 from rlrecipe.modeling import load_tokenizer
 from rlrecipe.recipe.training import RLSection
 from rlrecipe.rl.pool import RolloutPool

@@ -1,12 +1,12 @@
 """The RL stage: critic-free PPO with IcePop and C3PO++.
 
-`run_rl` reads like the algorithm; the named steps it calls come first, its plumbing (pool,
-timing, the NaN guard, checkpoints) after it.
+`run_rl` reads like the algorithm; the named steps it calls come first, its plumbing (the pool,
+sampling, validation) after it. What a checkpoint holds and how a run resumes from one are
+rlrecipe/rl/checkpoint.py's.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -26,14 +26,14 @@ from rlrecipe.algo.ppo import (
     mismatch_weights,
     policy_loss,
 )
-from rlrecipe.core.atomic_io import atomic_write_text
 from rlrecipe.core.console import console
-from rlrecipe.core.dist import broadcast_from_rank_zero, is_rank_zero
+from rlrecipe.core.dist import is_rank_zero
 from rlrecipe.data.io import load_rows
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 from rlrecipe.recipe.systems import RolloutSection
 from rlrecipe.recipe.training import RLSection
 from rlrecipe.reward import Grader, grade_trajectories
+from rlrecipe.rl.checkpoint import resume_rl, save_rl_checkpoint
 from rlrecipe.rl.colocate import TakingTurns
 from rlrecipe.rl.pool import RolloutPool
 from rlrecipe.rl.prompts import PromptStream
@@ -41,8 +41,6 @@ from rlrecipe.rl.schedule import StepRollout, WeightsOut
 from rlrecipe.rl.step_timer import StepTimer
 from rlrecipe.rollout.factory import make_rollout_engine
 from rlrecipe.rollout.weights.transport import weight_transport
-from rlrecipe.run.checkpoints import check_resume_step
-from rlrecipe.run.metrics_file import read_metrics
 from rlrecipe.run.record import Run
 from rlrecipe.stages.lifecycle import finish_stage, start_stage
 from rlrecipe.train import make_train_engine
@@ -51,8 +49,6 @@ from rlrecipe.train.base import TrainSample, add_sums
 from rlrecipe.train.reference import make_reference
 from rlrecipe.trajectory.arrays import TrajectoryBatch
 from rlrecipe.trajectory.record import SamplingParams, Status, Trajectory
-
-POOL_FILE = "pool.safetensors"
 
 
 # -- the named steps ----------------------------------------------------------------------------
@@ -408,45 +404,6 @@ def make_pool(recipe: Recipe, tokenizer) -> RolloutPool:
 def sampling_params(ro: RolloutSection) -> SamplingParams:
     return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                           max_new_tokens=ro.max_new_tokens, logit_noise=ro.stress_logit_noise)
-
-
-def save_rl_checkpoint(run: Run, step: int, trainer, pool: RolloutPool | None, rollout: StepRollout) -> None:
-    """trainer/ (every rank's part), the pool's arrays, the schedule's batches collected ahead and
-    progress.json (rank 0)."""
-    with run.writing_checkpoint(step) as d:
-        if pool is not None:
-            rollout.save(d)  # first: it waits for the worker, so the pool saved below is the one it left
-        trainer.save(d / "trainer")
-        if pool is not None:
-            pool.save(d / POOL_FILE)
-            atomic_write_text(d / "progress.json", json.dumps({"step": step}))
-
-
-def resume_rl(run: Run, trainer, pool: RolloutPool | None, watch: EntropyWatch, guard: BadStepGuard
-              ) -> tuple[int, Path | None]:
-    """The step to start from and the checkpoint it was read from: 0 and None, or the chosen
-    checkpoint's (trainer, pool, metrics and the streak counts restored; the schedule restores its
-    own batches collected ahead from it)."""
-    ckpt = broadcast_from_rank_zero(run.latest_checkpoint)
-    if ckpt is None:
-        return 0, None
-    trainer.load(ckpt / "trainer")
-    start = json.loads((ckpt / "progress.json").read_text())["step"]
-    check_resume_step(ckpt, start)  # an edited progress.json must not skip or repeat steps
-    if pool is not None:
-        pool.load(ckpt / POOL_FILE)
-        run.truncate_metrics(start)
-        console.print(f"resumed from {ckpt} at step {start}")
-    resume_streaks(run, watch, guard)
-    return start, ckpt
-
-
-def resume_streaks(run: Run, watch: EntropyWatch, guard: BadStepGuard) -> None:
-    """The entropy alarms' and the bad-step guard's counts of steps in a row, from the metrics kept up
-    to the checkpoint (rank 0's, on every rank): a streak a kill interrupted goes on counting."""
-    rows = broadcast_from_rank_zero(lambda: read_metrics(run.metrics_path))
-    watch.resume(r["entropy"] for r in rows)
-    guard.resume(rows)
 
 
 def validate(loaded: LoadedRecipe, engine, tokenizer, grader: Grader, run: Run, step: int) -> dict[str, float]:

@@ -191,7 +191,7 @@ def test_an_edited_progress_file_is_refused_even_with_its_manifest_rewritten(tmp
     """progress.json says step 999, and the manifest was re-listed so sizes and sha256s check out: the
     step recorded at write time still disagrees."""
     from rlrecipe.algo.entropy_watch import EntropyWatch
-    from rlrecipe.stages.rl import resume_rl
+    from rlrecipe.rl.checkpoint import resume_rl
     from rlrecipe.train.bad_steps import BadStepGuard, rl_step_skipped
 
     monkeypatch.delenv(ADOPT_ENV, raising=False)

@@ -10,9 +10,10 @@ from rlrecipe.checks.memory import SGLANG_OUTSIDE_POOL_GIB, TRAINER_OFFLOADED_GI
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims
 from rlrecipe.recipe.schema import LoadedRecipe
 
-# Card sizes and machines tried for "the smallest hardware that fits" (GiB; GPUs per node, nodes).
-CARDS_GIB = (24, 40, 48, 80, 96, 141)
-MACHINES = ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8), (8, 16))
+# Card sizes and machines tried for "the smallest hardware that fits" (GiB; GPUs per node, nodes): one
+# GPU first, since a colocated layout can fit a recipe on a single card.
+CARDS_GIB = (16, 24, 40, 48, 80, 96, 141)
+MACHINES = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8), (8, 16))
 
 
 def first_failure(search: Search) -> str:

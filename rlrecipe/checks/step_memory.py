@@ -20,7 +20,10 @@ are whole while the later ones run):
                    freed
   optimizer step   AdamW's temporaries, after backward: torch's foreach path (CUDA) one per
                    parameter, its per-tensor path (CPU) two of the largest tensor (the square root
-                   and its quotient); DeepSpeed steps over its flat fp32 partition
+                   and its quotient); DeepSpeed steps over its flat fp32 partition on the GPU, or,
+                   with the optimizer offloaded, on the host (CPU Adam over the host's fp32
+                   partition; the 16-bit weights come back through a host-side conversion), which
+                   leaves the GPU nothing to hold
 Each phase's line in the budget is what it needs beyond the ones before it, so the lines add up to
 the largest phase. Under DeepSpeed the fp32 gradient copy and ZeRO-3's reduce bucket are added on
 top (`deepspeed_buffers`); ZeRO-1/2's bucket lives in backward only, so it joins the backward
@@ -80,7 +83,9 @@ def step_phases(recipe: Recipe, d: ModelDims, act_b: int, b: int, n: int, stage:
     kept = d.layers * t * d.hidden * act_b if m.gradient_checkpointing else d.layers * one_layer
     recomputed = one_layer if m.gradient_checkpointing else 0.0
     trained = d.params() if adapter is None else adapter
-    if stage:
+    if stage and tr.offload_optimizer:
+        optimizer_step = 0.0
+    elif stage:
         optimizer_step = 4.0 * trained / n
     elif device == "cuda":
         optimizer_step = float(b * trained)

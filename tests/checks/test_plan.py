@@ -189,6 +189,20 @@ def test_deepspeed_buffers_and_optimizer_temporaries_by_hand():
     assert sum(on_cpu[k] for k in step) == pytest.approx(2 * 4 * 152064 * 3584)
 
 
+def test_the_optimizer_step_holds_an_fp32_gradient_on_the_gpu_only_without_offload():
+    """DeepSpeed casts a rank's gradient partition to fp32 on the GPU for its step (stage_1_and_2.py's
+    flat_grad_partition.to(fp32)); under ZeRO-Offload CPU Adam steps the host's fp32 partition and the
+    16-bit weights come back through a pinned host buffer, so the step holds nothing on the GPU."""
+    big = ModelDims(vocab=152064, hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, tied=False)
+    for stage in (1, 2, 3):
+        on = load_recipe(REPO / "recipes/7b_boba.yaml", [f"trainer.zero_stage={stage}"]).recipe
+        off = load_recipe(REPO / "recipes/7b_boba.yaml", [f"trainer.zero_stage={stage}",
+                                                          "trainer.offload_optimizer=true"]).recipe
+        ranks = on.trainer.nproc * on.trainer.nodes
+        assert step_phases(on, big, 2, 2, ranks, stage, "cuda")["optimizer step"] == 4.0 * big.params() / ranks
+        assert step_phases(off, big, 2, 2, ranks, stage, "cuda")["optimizer step"] == 0.0
+
+
 def test_disk_plan_counts_the_exports_an_async_lag_keeps_waiting():
     from rlrecipe.checks.host_disk import disk_parts
 

@@ -17,20 +17,29 @@ DS_REDUCE_BUCKET = 500_000_000
 DS_PREFETCH_BUCKET = 50_000_000
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
-# ASSUMPTION, NOT MEASURED: SGLang's activations, CUDA graphs, sampler and CUDA context, outside its
-# static pool, and what stays while the trainer trains (the released pool is the weights and KV cache).
-# No measured figure for a 7B server on an H100 was found. The one published figure is SGLang's own
-# reservation when it picks mem_fraction_static itself (sgl-project/sglang,
-# python/sglang/srt/server_args.py, _handle_gpu_memory_settings): 512 MiB + 1.5 MiB a chunked-prefill
-# token + 2 MiB a CUDA-graph batch size + tp/8 GiB, at least 10 GiB above 60 GB: 13.1 GiB on an 80 GB
-# GPU at tp 1 (8,192 tokens, batch sizes to 256), a heuristic with headroom, not a measurement. Logged
-# CUDA-graph captures are far smaller (0.07 GB for a 0.5B model at batch sizes 1-4 on an 80 GB GPU, 0.93 GB a
-# rank for a 32B model at tp 4 on L4s). The plan's notes say this figure is unmeasured. Measure:
-# nvidia-smi's figure for the server process minus the pool, after /release_memory_occupation and at
-# the peak of a rollout.
+# ASSUMPTION, NOT MEASURED HERE: SGLang's memory outside its static pool (the pool is the weights and
+# KV cache, mem_fraction_static of the GPU): its token-to-KV index pools, CUDA graphs, activations,
+# sampler and CUDA context, which stay while the trainer trains. What published logs show for a 7-8B
+# model at tp 1 (docs/gpu.md, "SGLang outside its pool", quotes each line):
+# - the index pools (req_to_token and the like), taken after the KV cache: 1.12 GB for
+#   Llama-3.1-8B at mem_fraction_static 0.88 (SGLang docs, send_request notebook: "KV Cache is
+#   allocated. K size: 27.13 GB, V size: 27.13 GB", "Memory pool end. avail mem=8.34 GB" after
+#   "Load weight end ... avail mem=63.72 GB"), 1.18 GB in sgl-project/sglang PR #4760;
+# - CUDA graphs: "mem usage=1.44 GB" capturing 52 batch sizes up to 512 (PR #11830, a model with
+#   Qwen2-7B's KV size per token), 1.00-1.04 GB up to 256 (PR #12978, tp 2);
+# - activations: not logged; SGLang's tuning guide (docs/advanced_features/hyperparameter_tuning.md)
+#   says reserving 5-8 GB for activations is typically sufficient, and its own default reserves 13.1
+#   GiB on an 80 GB GPU at tp 1 (server_args.py, _handle_gpu_memory_settings: 512 MiB + 1.5 MiB a
+#   chunked-prefill token + 2 MiB a CUDA-graph batch size + tp/8 GiB, at least 10 GiB above 60 GB).
+# The logged parts come to about 2.6 GB; with SGLang's 5-8 GB for activations, 7.6-10.6. This figure
+# sits between: the plan's margins say how far above it each layout still fits (`fit`'s headers).
+# Measure: nvidia-smi's figure for the server process minus the pool, after /release_memory_occupation
+# and at the peak of a rollout.
 SGLANG_OUTSIDE_POOL_GIB = 6.0
+SGLANG_OUTSIDE_POOL_LOGGED_GIB = 2.6  # the index pools and CUDA graphs above, as logged
 SGLANG_OUTSIDE_POOL_NOTE = (f"SGLang's {SGLANG_OUTSIDE_POOL_GIB:g} GiB outside its pool is an assumption, not measured "
-                            "(SGLang's own reservation on an 80 GB GPU at tp 1 is 13.1 GiB, a heuristic: docs/gpu.md)")
+                            f"(logged parts at 7-8B {SGLANG_OUTSIDE_POOL_LOGGED_GIB:g} GiB; SGLang's guide reserves 5-8 GB "
+                            "more for activations; its default on an 80 GB GPU at tp 1 is 13.1 GiB: docs/gpu.md)")
 # ASSUMPTION: what a trainer rank holds once everything is offloaded: its CUDA context and NCCL
 # buffers (~1 GiB) and ZeRO-3's persistent small parameters (norms, biases: megabytes), the caching
 # allocator emptied after offload_states. Measure: nvidia-smi's figure for a rank after offload_states

@@ -293,3 +293,28 @@ def test_readme_lists_each_shipped_fitted_recipe_with_its_projected_hours():
         hours = int(re.search(r"Projected .*?, (\d+) h for its", header).group(1))
         row = next(ln for ln in readme.splitlines() if ln.startswith(f"| `recipes/{name}` |"))
         assert f"projected {hours:,} h" in row, name
+
+
+def test_a_fitted_header_says_how_far_above_sglangs_assumed_outside_memory_the_layout_fits(tmp_path):
+    """The headroom beyond SGLANG_OUTSIDE_POOL_GIB, by hand: colocated on 8 x 80 GB with a 0.9 pool, the
+    rollout phase leaves 8 GiB outside the pool, less the assumed 6 and the offloaded trainer's 1.5: 0.5;
+    the training phase has far more room (76 GiB usable), so the rollout phase decides."""
+    loaded = load_recipe(REPO / SOURCE)
+    search = Search(loaded, Machine(8, 1, 80))
+    best = search.layouts()[0]
+    assert best.colocated and best.rollout.mem_fraction == 0.9
+    assert search.sglang_headroom_gib(best) == pytest.approx(0.1 * 80 - 6 - 1.5)
+    assert (0.95 * 80 * GIB - best.train.peak) / GIB > 0.5
+    # a split layout: the rollout GPUs' room outside the pool beyond the 6 GiB
+    split = next(lay for lay in search.layouts() if not lay.colocated)
+    assert search.sglang_headroom_gib(split) == pytest.approx((1 - split.rollout.mem_fraction) * 80 - 6)
+    # the LoRA recipe on one 48 GB GPU: its training phase decides, 45.6 usable less the plan's peak
+    lora = Search(load_recipe(REPO / "recipes/7b_boba_icepop_c3po_lora_1x48gb.yaml"), Machine(1, 1, 48))
+    lay = lora.layouts()[0]
+    assert lora.sglang_headroom_gib(lay) == pytest.approx((0.95 * 48 * GIB - lay.train.peak) / GIB)
+    out = tmp_path / "fitted.yaml"
+    result = CliRunner().invoke(app, ["fit", SOURCE, "--gpus", "8", "--gpu-memory", "80", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    header = " ".join(ln.lstrip("#").strip() for ln in out.read_text().splitlines() if ln.startswith("#"))
+    assert "fits with 0.5 GiB to spare beyond the 6 GiB SGLang is assumed to keep" in header
+    assert "holds while a server keeps at most 6.5 GiB there" in header

@@ -16,7 +16,7 @@ def plan(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")
          set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override, e.g. trainer.nproc=4")] = None,
          ) -> None:
     """Print each recipe's expected peak memory per GPU (training and rollout); refuse one that cannot fit."""
-    from rlrecipe.checks.host_disk import disk_parts, rank0_host_parts
+    from rlrecipe.checks.host_disk import footprint
     from rlrecipe.checks.model_dims import GIB
     from rlrecipe.checks.plan import plan as make_plan
     from rlrecipe.recipe.schema import load_recipe
@@ -39,8 +39,8 @@ def plan(recipes: Annotated[list[Path], typer.Argument(help="recipe YAML files")
         for b in budgets:
             for note in b.notes:
                 console.print(f"  {b.side}: {note}", highlight=False)
-        host, disk = rank0_host_parts(loaded.recipe, dims), disk_parts(loaded.recipe, dims)
-        for label, parts in (("rank-0 host memory", host), ("run directory on disk", disk)):
+        outside = footprint(loaded.recipe, dims)
+        for label, parts in (("rank-0 host memory", outside.host), ("run directory on disk", outside.disk)):
             if parts:
                 detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
                 console.print(f"  {label}: {sum(parts.values()) / GIB:.1f} GiB ({detail})", highlight=False)

@@ -7,8 +7,9 @@ load, an output directory it cannot write, a disk too small for its checkpoints,
 directory its remote servers cannot see): `rlrecipe sft` and `rlrecipe rl` run those at start
 (preflight.py) and refuse with one line each, before the run directory is touched.
 
-Sizes come from plan.py and host_disk.py (the model's dimensions and the recipe's numbers); they are
-estimates at the worst case (every rollout at full length), as `rlrecipe plan` prints them.
+Sizes come from plan.py and host_disk.py's footprint, computed once for the disk and host memory checks
+(the model's dimensions and the recipe's numbers); they are estimates at the worst case (every rollout
+at full length), as `rlrecipe plan` prints them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from packaging.version import Version
 
 from rlrecipe.checks.check import FAIL, GIB, OK, UNKNOWN, Check
 from rlrecipe.checks.host_checks import check_disk, check_host_memory, check_shared_export, check_writable
+from rlrecipe.checks.host_disk import footprint
+from rlrecipe.checks.memory import stage_of
 from rlrecipe.recipe.schema import LoadedRecipe, Recipe
 
 
@@ -218,8 +221,9 @@ def fatal_checks(loaded: LoadedRecipe, stage: str) -> list[Check]:
     rows = [check_attention(recipe), check_writable(recipe)]
     dims = _dims(loaded)
     if dims is not None:
-        rows.append(check_disk(recipe, dims))
-        host = check_host_memory(recipe, dims) if stage == "rl" else None
+        fp = footprint(recipe, dims)
+        rows.append(check_disk(recipe, fp))
+        host = check_host_memory(fp) if stage == "rl" else None
         if host is not None:
             rows.append(host)
     if stage == "rl":
@@ -246,11 +250,10 @@ def run_checks(loaded: LoadedRecipe | None, hub_timeout_s: float = 5.0) -> list[
     dims = _dims(loaded)
     train_gib = None
     if dims is not None:
-        from rlrecipe.checks.plan import plan, stage_of
+        from rlrecipe.checks.plan import plan
 
         budgets = plan(loaded)[2] if stage_of(recipe) != "eval" else []
         train_gib = next((b.total / GIB for b in budgets if b.side == "train"), None)
-    from rlrecipe.checks.plan import stage_of
 
     stage = stage_of(recipe)
     rows = check_torch(recipe) + [check_gpus(recipe, train_gib), check_attention(recipe)]
@@ -259,8 +262,9 @@ def run_checks(loaded: LoadedRecipe | None, hub_timeout_s: float = 5.0) -> list[
     if dims is None:
         rows.append(Check("disk for run.dir", "the model's size", "model dimensions unknown", UNKNOWN))
     elif stage != "eval":
-        rows.append(check_disk(recipe, dims))
-        host = check_host_memory(recipe, dims)
+        fp = footprint(recipe, dims)
+        rows.append(check_disk(recipe, fp))
+        host = check_host_memory(fp)
         if host is not None:
             rows.append(host)
     rows.append(check_writable(recipe))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from rlrecipe.checks.fit_layout import Fit, FitError, Machine
 from rlrecipe.checks.fit_refusal import first_failure, smallest_fitting
 from rlrecipe.checks.fit_search import Search
-from rlrecipe.checks.plan import stage_of
+from rlrecipe.checks.memory import stage_of
 from rlrecipe.recipe.schema import LoadedRecipe
 
 

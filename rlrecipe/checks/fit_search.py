@@ -22,7 +22,7 @@ from rlrecipe.checks.fit_space import (
     chunk_candidates,
     microbatch_candidates,
 )
-from rlrecipe.checks.host_disk import rank0_host_parts
+from rlrecipe.checks.host_disk import footprint
 from rlrecipe.checks.memory import SGLANG_OUTSIDE_POOL_GIB, TRAINER_OFFLOADED_GIB, lora_params
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, kv_bytes, model_dims
 from rlrecipe.checks.plan import rollout_budget, sglang_memory, train_budget, trainer_kept_bytes
@@ -67,7 +67,7 @@ class Search:
         variant = fit_space.train_variant(self.recipe, self.machine, ranks, nodes, stage, opt, par, micro, chunk,
                                           colocated, push, tp)
         peak = train_budget(variant, self.dims).total
-        host = sum(rank0_host_parts(variant, self.dims).values())
+        host = sum(footprint(variant, self.dims).host.values())
         if par:  # ZeRO-3's offloaded parameters: a node's share of the 16-bit weights in host memory
             host += BYTES[variant.model.dtype] * self.dims.params() / nodes
         time = training_step(self.rates, self.dims, trained_tokens=self.trained, ranks=ranks, nodes=nodes,

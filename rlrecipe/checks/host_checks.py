@@ -1,6 +1,6 @@
 """`rlrecipe doctor`'s checks of this machine's storage and memory against a recipe: the disk under
-run.dir, rank 0's host memory, an output directory it can write, and an export directory remote
-rollout servers can see."""
+run.dir and rank 0's host memory against the recipe's footprint (host_disk.py, computed once by the
+caller), an output directory it can write, and an export directory remote rollout servers can see."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from rlrecipe.checks.check import FAIL, GB, GIB, OK, SHARED_FS, UNKNOWN, Check
 from rlrecipe.recipe.schema import Recipe
+
+if TYPE_CHECKING:
+    from rlrecipe.checks.host_disk import Footprint
 
 
 def _existing_parent(path: Path) -> Path:
@@ -34,10 +38,8 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def check_disk(recipe: Recipe, dims) -> Check:
-    from rlrecipe.checks.host_disk import disk_parts
-
-    parts = disk_parts(recipe, dims)
+def check_disk(recipe: Recipe, footprint: Footprint) -> Check:
+    parts = footprint.disk
     run_dir = recipe.run.dir
     base = _existing_parent(run_dir)
     free = shutil.disk_usage(base).free
@@ -62,10 +64,8 @@ def meminfo() -> tuple[float | None, float | None]:
     return out.get("MemTotal"), out.get("MemAvailable")
 
 
-def check_host_memory(recipe: Recipe, dims) -> Check | None:
-    from rlrecipe.checks.host_disk import rank0_host_parts
-
-    parts = rank0_host_parts(recipe, dims)
+def check_host_memory(footprint: Footprint) -> Check | None:
+    parts = footprint.host
     if not parts:
         return None
     need = sum(parts.values())

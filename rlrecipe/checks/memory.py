@@ -1,7 +1,8 @@
-"""Bytes that both the memory plan (plan.py) and the colocated layout (colocate.py) count, below both:
-DeepSpeed's buffer defaults, what a released SGLang server and an offloaded trainer rank keep on a GPU,
-what a rank moves to host memory while the servers generate, and what trains (the whole model, or under
-trainer.lora the adapter alone).
+"""Bytes that the memory plan (plan.py), the colocated layout (colocate.py) and the host and disk
+footprint (host_disk.py) count, below all three: which stage a recipe is for and whether its servers
+share the trainer's GPUs (what decides which parts count), DeepSpeed's buffer defaults, what a released
+SGLang server and an offloaded trainer rank keep on a GPU, what a rank moves to host memory while the
+servers generate, and what trains (the whole model, or under trainer.lora the adapter alone).
 
 Every constant below is an assumption unless its comment says otherwise; each comment says how to
 measure it.
@@ -53,6 +54,19 @@ TRAINER_OFFLOADED_GIB = 1.5
 SGLANG_ADAPTER_SLOTS = 2
 
 
+def stage_of(recipe: Recipe) -> str:
+    """The stage a recipe is for: the one whose section it sets (rl or sft), else evaluation."""
+    for stage in ("rl", "sft"):
+        if stage in recipe.model_fields_set and recipe.data.train:
+            return stage
+    return "eval"
+
+
+def colocated(recipe: Recipe) -> bool:
+    """Rollout servers launched on the trainer's GPUs, taking turns with it."""
+    return recipe.rollout.colocate and recipe.rollout.engine == "sglang" and stage_of(recipe) == "rl"
+
+
 def lora_params(recipe: Recipe, d: ModelDims) -> int | None:
     """The adapter's parameters under trainer.lora (ModelDims.lora_params); None for full fine-tuning."""
     lora = recipe.trainer.lora
@@ -95,6 +109,17 @@ def offloaded_bytes(d: ModelDims, dtype: str, ranks: int, offload_optimizer: boo
     bucket = b * DS_REDUCE_BUCKET if zero_stage >= 3 else 0.0
     optimizer = 0.0 if offload_optimizer else 12.0 * t / ranks
     return params + grads + fp32_grads + bucket + optimizer
+
+
+def trainer_offloaded_bytes(recipe: Recipe, d: ModelDims, adapter: int | None) -> float:
+    """Bytes a colocated rank moves to host memory while the servers generate: DeepSpeed's
+    offload_states (`offloaded_bytes`); the torch engine's weights, gradients and AdamW's m
+    and v, all in the model dtype. `adapter`: the recipe's `lora_params`, derived by the caller."""
+    tr = recipe.trainer
+    if tr.engine != "deepspeed":  # under LoRA the adapter's gradients, m and v: the weights stay
+        return (4.0 * d.params() if adapter is None else 3.0 * adapter) * BYTES[recipe.model.dtype]
+    return offloaded_bytes(d, recipe.model.dtype, tr.nproc * tr.nodes, tr.offload_optimizer,
+                           tr.offload_params, tr.zero_stage, adapter)
 
 
 def rollout_phase_parts(pool: float, trainer_kept: float = 0.0) -> dict[str, float]:

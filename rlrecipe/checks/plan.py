@@ -15,7 +15,7 @@ Training side, per rank (N = trainer.nodes x trainer.nproc ranks):
                (memory.py: SGLANG_OUTSIDE_POOL_GIB).
 
 With C3PO++, a note gives the host memory and checkpoint size of the in-flight pool at its worst
-(every rollout at full length), outside the GPU budgets.
+(every rollout at full length), outside the GPU budgets (host_disk.c3po_pool_note).
 
 Rollout side, per GPU of a server (tp GPUs each; SGLang sizes its static pool as
 mem_fraction_static x GPU memory = weights + KV cache):
@@ -27,7 +27,7 @@ mem_fraction_static x GPU memory = weights + KV cache):
 Colocated, a third budget is the GPU while the servers generate: their static pool (then
 mem_fraction_static is a fraction of a GPU the offloaded trainer leaves almost empty), what SGLang
 keeps outside it, and what the offloaded trainer still holds (memory.py); each node's host memory
-holds its ranks' offloaded state (host_disk.rank0_host_parts).
+holds its ranks' offloaded state (host_disk.py's footprint).
 
 The model's dimensions come from model_dims.py. These are estimates for planning: `make bench`
 prints them beside measured peaks.
@@ -38,16 +38,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rlrecipe.checks.host_disk import c3po_pool_note
 from rlrecipe.checks.memory import (
     DS_MAX_LIVE_PARAMETERS,
     DS_PREFETCH_BUCKET,
     SGLANG_ADAPTER_SLOTS,
     SGLANG_OUTSIDE_POOL_GIB,
     SGLANG_OUTSIDE_POOL_NOTE,
+    colocated,
     gradients_on_host,
     lora_params,
-    offloaded_bytes,
     rollout_phase_parts,
+    stage_of,
 )
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, kv_bytes, model_dims
 from rlrecipe.checks.step_memory import beyond_previous, deepspeed_buffers, step_phases
@@ -152,23 +154,6 @@ def train_budget(recipe: Recipe, d: ModelDims, device: str = "cuda") -> Budget:
     return Budget("train", parts, gpu, notes)
 
 
-def colocated(recipe: Recipe) -> bool:
-    """Rollout servers launched on the trainer's GPUs, taking turns with it."""
-    return recipe.rollout.colocate and recipe.rollout.engine == "sglang" and stage_of(recipe) == "rl"
-
-
-def trainer_offloaded_bytes(recipe: Recipe, d: ModelDims) -> float:
-    """Bytes a colocated rank moves to host memory while the servers generate: DeepSpeed's
-    offload_states (memory.offloaded_bytes); the torch engine's weights, gradients and AdamW's m
-    and v, all in the model dtype."""
-    tr = recipe.trainer
-    adapter = lora_params(recipe, d)
-    if tr.engine != "deepspeed":  # under LoRA the adapter's gradients, m and v: the weights stay
-        return (4.0 * d.params() if adapter is None else 3.0 * adapter) * BYTES[recipe.model.dtype]
-    return offloaded_bytes(d, recipe.model.dtype, tr.nproc * tr.nodes, tr.offload_optimizer,
-                           tr.offload_params, tr.zero_stage, adapter)
-
-
 def trainer_kept_bytes(recipe: Recipe, d: ModelDims) -> float:
     """Colocated under LoRA: what a trainer rank keeps on its GPU while the servers generate, its 16-bit
     weights (the frozen base and the adapter, ZeRO-3's partition of them; what ZeRO-3 gathered is freed);
@@ -194,14 +179,6 @@ def rollout_phase_budget(recipe: Recipe, d: ModelDims, train: Budget) -> Budget:
     if "reference model" in train.parts:  # the frozen copy is not offloaded
         parts["reference model"] = train.parts["reference model"]
     return Budget("rollout phase", parts, recipe.trainer.gpu_memory_gib * GIB, notes)
-
-
-def stage_of(recipe: Recipe) -> str:
-    """The stage a recipe is for: the one whose section it sets (rl or sft), else evaluation."""
-    for stage in ("rl", "sft"):
-        if stage in recipe.model_fields_set and recipe.data.train:
-            return stage
-    return "eval"
 
 
 def rollout_engines(recipe: Recipe) -> int:
@@ -276,33 +253,6 @@ def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
     if ro.engine == "sglang" and lora_params(recipe, d) is not None:
         parts = {"weights": weights, "adapter slots": sglang_weights(recipe, d)[1], "KV cache": kv}
     return Budget("rollout", parts, pool if ro.engine == "sglang" else gpu, notes, room_for_one_sequence=fit >= 1)
-
-
-# Host memory of a rollout held as a Trajectory (Python lists), bytes per token, measured with
-# tracemalloc on 100k tokens (ids below 152,064, float log-probs, one version): a prompt token is
-# one int in a list, a response token an id, a log-prob and a version.
-LIST_BYTES_PER_PROMPT_TOKEN = 36
-LIST_BYTES_PER_RESPONSE_TOKEN = 76
-
-
-def rollout_record_bytes(n: int, max_prompt_tokens: int, max_new_tokens: int) -> tuple[float, float]:
-    """n rollouts at full length: as Trajectory lists in memory, and as the arrays a batch or a
-    checkpoint holds them in (trajectory_arrays.py)."""
-    from rlrecipe.trajectory.arrays import TOKEN_FIELDS
-
-    size = {name: dtype.itemsize for name, dtype in TOKEN_FIELDS.items()}
-    per_response = size["response_ids"] + size["logp_infer"] + size["versions"]
-    held = n * (max_prompt_tokens * LIST_BYTES_PER_PROMPT_TOKEN + max_new_tokens * LIST_BYTES_PER_RESPONSE_TOKEN)
-    arrays = n * (max_prompt_tokens * size["prompt_ids"] + max_new_tokens * per_response)
-    return held, arrays
-
-
-def c3po_pool_note(pool_capacity: int, max_prompt_tokens: int, max_new_tokens: int) -> str:
-    """What C3PO++'s in-flight rollouts can take outside the GPUs, at most (every one at full length):
-    the RL driver holds them between steps, and each checkpoint saves them as arrays."""
-    held, saved = rollout_record_bytes(pool_capacity, max_prompt_tokens, max_new_tokens)
-    return (f"C3PO++ pool: up to {pool_capacity} rollouts in flight, held by the RL driver between steps "
-            f"(at most {held / GIB:.1f} GiB of host memory) and saved in each checkpoint (at most {saved / GIB:.1f} GiB)")
 
 
 def plan(loaded: LoadedRecipe) -> tuple[ModelDims, str, list[Budget]]:

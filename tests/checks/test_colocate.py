@@ -19,7 +19,7 @@ from rlrecipe.checks.colocate import (
 from rlrecipe.checks.fit import fit
 from rlrecipe.checks.fit_layout import Machine
 from rlrecipe.checks.fit_search import Search
-from rlrecipe.checks.host_disk import rank0_host_parts
+from rlrecipe.checks.host_disk import footprint
 from rlrecipe.checks.memory import (
     DS_REDUCE_BUCKET,
     SGLANG_OUTSIDE_POOL_GIB,
@@ -189,19 +189,19 @@ def test_colocated_plan_by_hand():
                                         + (SGLANG_OUTSIDE_POOL_GIB + TRAINER_OFFLOADED_GIB) * GIB)
     assert all(b.fits for b in budgets)
     # the host holds every local rank's offloaded state, pinned
-    host = rank0_host_parts(r, d)["trainer state offloaded (pinned)"]
+    host = footprint(r, d).host["trainer state offloaded (pinned)"]
     assert host == pytest.approx(r.trainer.nproc * offloaded_bytes(d, r.model.dtype, 1, False, False))
     # pushed by handle, rank 0 also keeps its copy of the weights (pinned) from push to push; over disk not
     mirror = "push by handle's copy (kept, pinned)"
     assert r.rollout.sglang.weight_sync == "ipc"
-    assert rank0_host_parts(r, d)[mirror] == pytest.approx(2 * d.params())  # float16
+    assert footprint(r, d).host[mirror] == pytest.approx(2 * d.params())  # float16
     disk = load_recipe(REPO / RECIPE_1_5B, ["rollout.sglang.weight_sync=disk"]).recipe
-    assert mirror not in rank0_host_parts(disk, d)
+    assert mirror not in footprint(disk, d).host
     # fit counts it where it chooses that push: its layout's host figure is the plan's
     best = fit(load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml",
                            ["model.path=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "model.revision=null",
                             *ONE_GPU_BATCH]), Machine(1, 1, 80)).layouts[0]
-    assert best.push == "ipc" and best.train.host == pytest.approx(sum(rank0_host_parts(r, d).values()))
+    assert best.push == "ipc" and best.train.host == pytest.approx(sum(footprint(r, d).host.values()))
     # more memory fraction than the GPU has beside the allowances: the rollout phase does not fit
     over = load_recipe(REPO / RECIPE_1_5B, ["rollout.sglang.mem_fraction_static=0.95"])
     assert not plan(over)[2][2].fits

@@ -49,24 +49,25 @@ def test_every_shipped_recipe_gets_a_full_table_on_cpu(path, monkeypatch):
 
 
 def test_disk_need_counts_two_kept_checkpoints_and_one_being_written():
-    from rlrecipe.checks.host_disk import checkpoint_bytes, disk_parts
+    from rlrecipe.checks.host_disk import footprint
     from rlrecipe.checks.model_dims import BYTES, model_dims
 
     ld = load_recipe(REPO / "recipes/7b_boba.yaml")
     d, r = model_dims(ld), ld.recipe
-    one = sum(checkpoint_bytes(r, d).values())
+    outside = footprint(r, d)
+    one = sum(outside.checkpoint.values())
     assert one == pytest.approx((12 + 2) * d.params())  # DeepSpeed: fp32 master + m + v; fp16 HF export
-    parts = disk_parts(r, d)
+    parts = outside.disk
     assert sum(parts.values()) == pytest.approx(3 * one + 2 * BYTES["float16"] * d.params())
     assert 0.3e12 < sum(parts.values()) < 0.45e12  # the "about 0.4 TB at 7B"
 
 
 def test_host_memory_of_the_c3po_recipe_on_rank_0():
-    from rlrecipe.checks.host_disk import rank0_host_parts
+    from rlrecipe.checks.host_disk import footprint
     from rlrecipe.checks.model_dims import GIB, model_dims
 
     ld = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml")
-    total = sum(rank0_host_parts(ld.recipe, model_dims(ld)).values()) / GIB
+    total = sum(footprint(ld.recipe, model_dims(ld)).host.values()) / GIB
     assert 45 <= total <= 65
 
 

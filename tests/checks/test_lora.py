@@ -12,7 +12,7 @@ from rlrecipe.checks.fit_layout import Machine
 from rlrecipe.checks.fit_refusal import first_failure
 from rlrecipe.checks.fit_search import Search
 from rlrecipe.checks.gpu_costs import TRAIN_SHARE
-from rlrecipe.checks.host_disk import checkpoint_bytes, disk_parts, rank0_host_parts
+from rlrecipe.checks.host_disk import footprint
 from rlrecipe.checks.memory import DS_REDUCE_BUCKET, SGLANG_ADAPTER_SLOTS, lora_params, offloaded_bytes
 from rlrecipe.checks.model_dims import GIB, ModelDims, model_dims
 from rlrecipe.checks.plan import plan, train_budget
@@ -91,13 +91,14 @@ def test_lora_checkpoints_hold_the_adapter_and_its_optimizer_only():
     loaded = _load(LORA_1_5B)
     r, d = loaded.recipe, model_dims(loaded)
     t = lora_params(r, d)
-    ckpt = checkpoint_bytes(r, d)
+    outside = footprint(r, d)
+    ckpt = outside.checkpoint
     assert ckpt["trainer state (the adapter's)"] == 12 * t and ckpt["adapter (PEFT)"] == 2 * t
     assert "weights (HF export)" not in ckpt
-    disk = disk_parts(r, d)
+    disk = outside.disk
     assert disk["adapter for the rollout servers"] == 2 * t  # weight_sync disk: the adapter, not the weights
     assert disk["final export"] == 4 * d.params() + 2 * t  # the merged model in float32, the adapter beside it
-    host = rank0_host_parts(r, d)
+    host = outside.host
     assert host["trainer state offloaded (pinned)"] == pytest.approx(offloaded_bytes(d, "float16", 1, False, False,
                                                                                      3, t))
 

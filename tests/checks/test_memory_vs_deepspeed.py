@@ -188,7 +188,7 @@ def test_offloaded_optimizer_host_memory_matches_deepspeed(model, stage, gpus, n
     additional_buffer_factor, 1.5; the plan counts the 16 bytes without the factor and, from ZeRO-2, the
     16-bit gradient partition beside them (2 bytes: stage3.py's grad_partitions_flat_buffer on the
     optimizer's device), which the estimator leaves to its factor."""
-    from rlrecipe.checks.host_disk import rank0_host_parts
+    from rlrecipe.checks.host_disk import footprint
 
     d = MODELS[model]
     p = d.params()
@@ -200,7 +200,7 @@ def test_offloaded_optimizer_host_memory_matches_deepspeed(model, stage, gpus, n
         ds = zero3.estimate_zero3_model_states_mem_needs(p, largest_layer(d), gpus, nodes, cpu_offload=True,
                                                          cpu_offload_params=False,
                                                          additional_buffer_factor=factor)[0]
-    host = rank0_host_parts(recipe(stage, True, False, gpus, nodes), d)
+    host = footprint(recipe(stage, True, False, gpus, nodes), d).host
     assert host["optimizer and fp32 gradients offloaded"] == pytest.approx(ds / factor, abs=1.0)
     assert host["optimizer and fp32 gradients offloaded"] == pytest.approx(16 * p / nodes)
     assert host["gradient partition offloaded"] == pytest.approx(2 * p / nodes)

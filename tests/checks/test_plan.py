@@ -204,14 +204,14 @@ def test_the_optimizer_step_holds_an_fp32_gradient_on_the_gpu_only_without_offlo
 
 
 def test_disk_plan_counts_the_exports_an_async_lag_keeps_waiting():
-    from rlrecipe.checks.host_disk import disk_parts
+    from rlrecipe.checks.host_disk import footprint
 
     d = ModelDims(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tied=False)
     sync = load_recipe(REPO / "recipes/7b_boba_icepop_c3po.yaml", []).recipe
     lagged = load_recipe(REPO / "recipes/7b_boba_async.yaml", ["rl.async_lag=2"]).recipe
-    one = disk_parts(sync, d)["export for the rollout servers"]
+    one = footprint(sync, d).disk["export for the rollout servers"]
     assert one == 2 * d.params()  # float16: 2 bytes a parameter
-    assert disk_parts(lagged, d)["export for the rollout servers (3 copies)"] == 3 * one
+    assert footprint(lagged, d).disk["export for the rollout servers (3 copies)"] == 3 * one
 
 
 @pytest.mark.slow

@@ -39,11 +39,10 @@ RECIPE = "recipes/tiny_rl.yaml"
 BASE_LR = 1e-4  # tiny_rl's trainer.lr; run names give the rate as a multiple of it
 ARMS = {"full": 0, "r1": 1, "r8": 8, "r32": 32}  # arm: trainer.lora.rank (0: full fine-tuning)
 # Each arm's learning rates. Full fine-tuning collapsed at 1e-3, so its sweep goes down from there;
-# LoRA did as well at 1e-3 as at 1e-4, so its sweep goes up to 1e-2.
-LRS = {"full": [1e-5, 3e-5, 1e-4, 3e-4, 1e-3],
-       "r1": [1e-4, 1e-3, 3e-3, 1e-2],
-       "r8": [1e-5, 1e-4, 1e-3, 3e-3, 1e-2],
-       "r32": [1e-4, 1e-3, 3e-3, 1e-2]}
+# LoRA did as well at 1e-3 as at 1e-4, so its sweep goes up to 1e-2, and down to 3e-5 once 1e-4
+# turned out its best (an optimum at the lowest rate tried is no optimum).
+LORA_LRS = [3e-5, 1e-4, 1e-3, 3e-3, 1e-2]
+LRS = {"full": [1e-5, 3e-5, 1e-4, 3e-4, 1e-3], "r1": LORA_LRS, "r8": LORA_LRS, "r32": LORA_LRS}
 SEEDS = [1, 2, 3]
 STEPS = 40
 STUDY_DIR = Path("runs") / "lora-study"
@@ -105,7 +104,8 @@ def recorded_runs(steps: int, store: Path = STORE) -> dict[str, dict]:
     for r in kept.get("runs", []):
         r = {**r, "lr": row_lr(r)}
         name = run_name(r["arm"], r["lr"], steps, r["seed"])
-        if r["arm"] in ARMS and Path(r["run"]).name == name:
+        never_trained = r.get("status") != "done" and not r.get("steps")  # it could not start: no result
+        if r["arm"] in ARMS and Path(r["run"]).name == name and not never_trained:
             out[name] = r
     return out
 

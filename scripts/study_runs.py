@@ -1,5 +1,6 @@
 """What every study driver does with one run: keep it when finished, resume it when a kill cut it
-short, otherwise start it over; a run that stops (the NaN guard, say) is a result, not a crash."""
+short, otherwise start it over; a run that stops (the NaN guard, say) is a result, not a crash, but
+one that stops before its first step (it could not start) is no result and is tried again next time."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def finished(run_dir: Path) -> bool:
 
 
 def train(args: list[str], run_dir: Path, env: dict | None = None) -> str:
-    """`rlrecipe <args>` for the run in `run_dir` unless it finished; 'done', or 'stopped' when it exited
-    with an error."""
+    """`rlrecipe <args>` for the run in `run_dir` unless it finished; 'done', 'stopped' when it exited
+    with an error after training, 'failed' when it exited before its first step."""
     if finished(run_dir):
         return "done"
     resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
@@ -27,7 +28,14 @@ def train(args: list[str], run_dir: Path, env: dict | None = None) -> str:
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "rlrecipe.cli.app", *args], env=env)
     print(f"== {run_dir.name}: exit {proc.returncode} after {time.time() - t0:.0f}s", flush=True)
-    return "done" if proc.returncode == 0 else "stopped"
+    if proc.returncode == 0:
+        return "done"
+    return "stopped" if trained_a_step(run_dir) else "failed"
+
+
+def trained_a_step(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and any('"step"' in line for line in metrics.read_text().splitlines())
 
 
 def finish_row(row: dict, run_dir: Path, collapsed) -> dict:
@@ -59,6 +67,10 @@ def collect(planned: Iterable[tuple[Path, list[str], tuple]], no_new_runs: bool,
             status = "done" if finished(run_dir) else "unfinished"
         else:
             status = train(args, run_dir)
+        if status == "failed":
+            print(f"== {run_dir.name}: stopped before its first step, so no result; the next run of the "
+                  "study tries it again", flush=True)
+            continue
         rows.append(summarise(run_dir, *arm, status))
         save(rows)
     if not rows:

@@ -121,6 +121,9 @@ def test_recorded_runs_stand_where_runs_lacks_them_and_a_run_directory_stands_be
             "steps": 40, "eval_avg": 0.9 if scale == 1 else 0.0, "accuracy_final": 0.8, "step_s": 3.0,
             "push_bytes": 10, "collapsed": scale == 10} for arm in ("full", "r8") for scale in (1, 10)]
     old.append({**old[0], "run": "runs/lora-full-lr1x-n10-s1"})  # another length: not this study's
+    # a run that stopped before its first step (it could not start) is no result: trained again, not a collapse
+    old.append({**old[0], "run": "runs/lora-r1-lr0.3x-n40-s1", "arm": "r1", "lr_scale": 0.3, "status": "stopped",
+                "steps": 0, "eval_avg": None, "collapsed": True})
     study.keep({"plan": {}, "table": [], "runs": old}, None, store=store)
     recorded = study.recorded_runs(40, store=store)
     assert sorted(recorded) == ["lora-full-lr10x-n40-s1", "lora-full-lr1x-n40-s1", "lora-r8-lr10x-n40-s1",
@@ -141,3 +144,26 @@ def test_recorded_runs_stand_where_runs_lacks_them_and_a_run_directory_stands_be
     assert [(t["arm"], t["lr"]) for t in table] == [("full", 1e-5), ("full", 1e-4), ("full", 1e-3), ("r8", 1e-4),
                                                     ("r8", 1e-3)]
     assert study.plot(rows, tmp_path / "fig.png").stat().st_size > 0
+
+
+def test_a_run_that_cannot_start_is_tried_again_not_counted_collapsed(tmp_path, monkeypatch, capsys):
+    """A run whose command fails before its first step (an import error, say) leaves no result; one that
+    stops after training (the NaN guard) is a result, judged collapsed."""
+    import subprocess
+
+    from scripts import study_runs
+
+    run_dir = tmp_path / "lora-r1-lr0.3x-n40-s3"
+
+    def fails_at_start(cmd, env=None):
+        run_dir.mkdir(exist_ok=True)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(study_runs.subprocess, "run", fails_at_start)
+    assert study_runs.train(["rl", "x"], run_dir) == "failed"
+    saved = []
+    with pytest.raises(SystemExit, match="nothing to summarise"):
+        study_runs.collect([(run_dir, ["rl", "x"], ("r1", 3e-5, 3))], False, lambda *a: {"arm": a[1]}, saved.append)
+    assert saved == [] and "no result" in capsys.readouterr().out
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.0, "accuracy": 0.1}\n')
+    assert study_runs.train(["rl", "x"], run_dir) == "stopped"

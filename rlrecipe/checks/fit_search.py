@@ -23,7 +23,7 @@ from rlrecipe.checks.fit_space import (
     microbatch_candidates,
 )
 from rlrecipe.checks.host_disk import footprint
-from rlrecipe.checks.memory import SGLANG_OUTSIDE_POOL_GIB, TRAINER_OFFLOADED_GIB, lora_params
+from rlrecipe.checks.memory import lora_params
 from rlrecipe.checks.model_dims import BYTES, GIB, ModelDims, kv_bytes, model_dims
 from rlrecipe.checks.plan import rollout_budget, sglang_memory, train_budget, trainer_kept_bytes
 from rlrecipe.checks.step_time import Lengths, Rates, rollout_step, training_step, weight_load_s
@@ -121,10 +121,10 @@ class Search:
         SGLANG_OUTSIDE_POOL_GIB a server could keep there before this layout stops fitting. On rollout
         GPUs what the memory fraction leaves beyond the allowance; colocated, the least of that (with
         the offloaded trainer beside it) and the training phase's room under the limit."""
-        outside = (1 - layout.rollout.mem_fraction) * self.gpu / GIB - SGLANG_OUTSIDE_POOL_GIB
+        left = (1 - layout.rollout.mem_fraction) * self.gpu / GIB
+        rollout_phase = left - fit_space.outside_pool_gib(layout.colocated, self.kept_gib)
         if not layout.colocated:
-            return outside
-        rollout_phase = outside - TRAINER_OFFLOADED_GIB - self.kept_gib
+            return rollout_phase
         return min(rollout_phase, (self.limit - layout.train.peak) / GIB)
 
     # -- layouts -----------------------------------------------------------------------------------

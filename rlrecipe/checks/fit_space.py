@@ -51,11 +51,15 @@ def tp_candidates(d: ModelDims, machine: Machine, gpus: int) -> list[int]:
             and d.heads % tp == 0 and d.kv_heads % tp == 0]
 
 
+def outside_pool_gib(colocated: bool = False, trainer_kept_gib: float = 0.0) -> float:
+    """GiB of a GPU a server's static pool must leave free: SGLang's outside-the-pool allowance and,
+    colocated, the offloaded trainer's, with what it keeps on the GPU under LoRA (`trainer_kept_gib`)."""
+    return SGLANG_OUTSIDE_POOL_GIB + (TRAINER_OFFLOADED_GIB + trainer_kept_gib if colocated else 0.0)
+
+
 def fractions(machine: Machine, colocated: bool = False, trainer_kept_gib: float = 0.0) -> list[float]:
-    """Memory fractions that leave SGLang's outside-the-pool allowance free (and, colocated, the
-    offloaded trainer's, with what it keeps on the GPU under LoRA: `trainer_kept_gib`)."""
-    outside = SGLANG_OUTSIDE_POOL_GIB + (TRAINER_OFFLOADED_GIB + trainer_kept_gib if colocated else 0.0)
-    room = outside / machine.gpu_memory_gib
+    """Memory fractions that leave `outside_pool_gib` free."""
+    room = outside_pool_gib(colocated, trainer_kept_gib) / machine.gpu_memory_gib
     return [f for f in (COLOCATED_FRACTIONS if colocated else MEM_FRACTIONS) if 1 - f >= room - 1e-9]
 
 

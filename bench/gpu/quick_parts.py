@@ -33,12 +33,6 @@ IPC_GPU = ["--layers", "4", "--reps", "3"]
 IPC_DRY = ["--small", "--layers", "1", "--reps", "1"]
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def part_env(dry: bool) -> dict:
     import platform
 

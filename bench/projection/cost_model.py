@@ -27,7 +27,6 @@ from rlrecipe.checks.gpu_costs import (
     STEP_OVERHEAD_S,
     TRAIN_SHARE,
     Device,
-    kv_bytes_per_token,
     train_flops_per_token,
 )
 from rlrecipe.checks.model_dims import ModelDims
@@ -49,7 +48,7 @@ def gpu_cost(d: ModelDims, device: Device, *, decode_share: float = DECODE_SHARE
     n = d.params()
     bw, fl = decode_share * device.hbm_bps, decode_share * device.bf16_flops
     return CostModel(
-        step_s=2 * n / bw + STEP_OVERHEAD_S, row_s=2 * n / fl, ctx_s=kv_bytes_per_token(d) / bw,
+        step_s=2 * n / bw + STEP_OVERHEAD_S, row_s=2 * n / fl, ctx_s=d.kv_bytes_per_token(2) / bw,
         prefill_call_s=PREFILL_CALL_S, prefill_token_s=2 * n / fl, prefill_cell_s=0.0, refill_cell_s=0.0,
         train_step_s=TRAIN_STEP_S, train_token_s=train_flops_per_token(d, train_seq_len) / (train_share * device.bf16_flops),
         push_s=PUSH_S,

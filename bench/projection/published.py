@@ -72,7 +72,7 @@ def _offline_run(case: dict) -> tuple[dict, int]:
     mu = math.log(OFFLINE_MEAN_OUT) - OFFLINE_SIGMA ** 2 / 2  # a log-normal of this mean
     lengths = [max(1, min(OFFLINE_CUT - 1, round(rng.lognormvariate(mu, OFFLINE_SIGMA)))) for _ in range(n)]
     gib = 2 ** 30
-    kv = int((0.88 * 80 * gib - 2 * d.params()) // gc.kv_bytes_per_token(d))
+    kv = int((0.88 * 80 * gib - 2 * d.params()) // d.kv_bytes_per_token(2))
     zero = CostModel(0, 0, 0, 0, 0)
     engine = SimEngine(zero, Lengths(OFFLINE_CUT, groups=lengths), layout="server", kv_tokens=kv, kv_reserve=0.3)
     trajs = [Trajectory(uid=f"r{i}#0", prompt_ids=[1] * OFFLINE_PROMPT, group_id=f"r{i}") for i in range(n)]

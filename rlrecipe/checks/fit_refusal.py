@@ -59,7 +59,7 @@ def colocated_failure(search: Search) -> str:
                 f"at least {min(COLOCATED_FRACTIONS):.2f} x {m.gpu_memory_gib:g} GiB")
     b = BYTES[search.recipe.rollout.dtype]
     weights = b * d.params() / GIB
-    one_seq = seq * 2 * d.layers * d.kv_dim * b / GIB
+    one_seq = seq * d.kv_bytes_per_token(b) / GIB
     return (f"{head}: the rollout phase needs the weights ({weights:.1f} GiB at tp 1) and one {seq}-token "
             f"sequence's KV cache ({one_seq:.1f} GiB) in a pool of at most {max(fractions):.2f} x "
             f"{m.gpu_memory_gib:g} = {max(fractions) * m.gpu_memory_gib:.1f} GiB ({outside:.3g} GiB kept outside it)")

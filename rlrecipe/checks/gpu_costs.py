@@ -51,10 +51,6 @@ FIT_RESIDUALS = {"sglang_llama31_8b_a100_offline": 0.0094, "sglang_llama31_8b_a1
                  "torchtitan_llama31_8b_fsdp_8xh100": -0.0137, "torchtitan_llama31_8b_fsdp_128xh100": 0.0139}
 
 
-def kv_bytes_per_token(d: ModelDims, dtype_bytes: int = 2) -> int:
-    return 2 * d.layers * d.kv_dim * dtype_bytes
-
-
 def token_flops(d: ModelDims, seq_len: float) -> float:
     """torchtitan's count of one trained token, forward and backward: 6N + 12 x layers x hidden x T."""
     return 6 * d.params() + 12 * d.layers * d.hidden * seq_len

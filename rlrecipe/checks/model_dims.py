@@ -42,6 +42,10 @@ class ModelDims:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """One token's K and V over all layers, at `element_bytes` a cached element."""
+        return 2 * self.layers * self.kv_dim * element_bytes
+
     def layer_params(self) -> int:
         """One Qwen2 decoder layer: q/k/v with bias, o without, SwiGLU MLP, two RMSNorms."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_dim

@@ -206,7 +206,7 @@ def sglang_memory(recipe: Recipe, d: ModelDims) -> tuple[float, float, float, fl
     s = recipe.rollout.sglang
     pool = s.mem_fraction_static * recipe.trainer.gpu_memory_gib * GIB
     weights, slots = sglang_weights(recipe, d)
-    return pool, weights, max(0.0, pool - weights - slots), 2 * d.layers * d.kv_dim * kv_bytes(recipe.rollout) / s.tp_size
+    return pool, weights, max(0.0, pool - weights - slots), d.kv_bytes_per_token(kv_bytes(recipe.rollout)) / s.tp_size
 
 
 def kv_cache_tokens(loaded: LoadedRecipe) -> int | None:
@@ -238,7 +238,7 @@ def rollout_budget(recipe: Recipe, d: ModelDims, stage: str) -> Budget:
         notes.append(f"SGLang pool {s.mem_fraction_static:.2f} x GPU; {engines} engines of tp {tp}")
     else:  # in-process engine: one process holds weights and the KV cache of its decoding slots
         weights = b * d.params()
-        kv_token = 2 * d.layers * d.kv_dim * kv_bytes(ro)
+        kv_token = d.kv_bytes_per_token(kv_bytes(ro))
         wanted = min(ro.max_batch, wanted_total)
         kv = wanted * seq * kv_token
         pool = weights + kv

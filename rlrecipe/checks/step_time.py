@@ -138,7 +138,7 @@ class Rates:
         hbm, flop = gpu.decode_share * gpu.hbm_bytes_s, gpu.decode_share * gpu.bf16_flop_s
         return cls(step_s=decode * (b * n / hbm + gpu.decode_overhead_s),
                    row_s=decode * 2 * n / flop,
-                   ctx_s=decode * 2 * d.layers * d.kv_dim * kv / hbm,
+                   ctx_s=decode * d.kv_bytes_per_token(kv) / hbm,
                    prefill_token_s=2 * n / flop,
                    train_token_s=train_flop / (gpu.train_share * gpu.bf16_flop_s))
 

@@ -34,8 +34,9 @@ def train(args: list[str], run_dir: Path, env: dict | None = None) -> str:
 
 
 def trained_a_step(run_dir: Path) -> bool:
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.exists() and any('"step"' in line for line in metrics.read_text().splitlines())
+    from rlrecipe.run.metrics_file import read_metrics
+
+    return any("step" in row for row in read_metrics(run_dir / "metrics.jsonl"))
 
 
 def finish_row(row: dict, run_dir: Path, collapsed) -> dict:
